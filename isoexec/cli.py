@@ -1,0 +1,225 @@
+"""``isoexec`` command line.
+
+    isoexec contract build --family dense --composition isoexec --arch cpu --out c.json [--gates DIR]
+    isoexec contract show c.json [--json]
+    isoexec contract verify c.json [--gates DIR] [--json]
+    isoexec contract diff a.json b.json [--json]
+    isoexec gates run --family dense --composition isoexec [--arch cpu] --out DIR [--seed N] [--json]
+
+Exit codes: 0 success (verify: admitted; diff: numerical_policy agrees; gates: every gate passed);
+1 a check failed (not admitted, policies differ, a gate failed, a binding or topology refusal);
+2 bad input (usage, missing file, invalid JSON/YAML, unknown family/impl/region, invalid contract).
+Errors print one line ``isoexec: error: ...`` on stderr; outputs are written atomically, so a
+refused command never leaves a partial file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import registry
+from .errors import IsoExecError
+
+EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def _read_contract(path: str):
+    from .compose import required_ops
+    from .contract import check, decode
+
+    p = Path(path)
+    if not p.is_file():
+        raise IsoExecError(f"contract file {path!r} not found")
+    c = decode(p.read_bytes())
+    try:
+        registry.family(c.model.family)
+        req = required_ops(c)
+    except IsoExecError:
+        req = None
+    return check(c, req)
+
+
+def _emit(args, obj, text: str) -> None:
+    if getattr(args, "json", False):
+        print(json.dumps(obj, indent=1, sort_keys=True))
+    else:
+        print(text)
+
+
+# ------------------------------------------------------------------------------------ contract
+def cmd_contract_build(args) -> int:
+    from .compose import build_contract
+    from .contract import encode
+    from .paths import atomic_write
+
+    c = build_contract(args.family, args.composition, args.arch, args.model, args.gates)
+    data = encode(c)
+    atomic_write(args.out, data)
+    ident = c.identities
+    _emit(args, {"out": args.out, "entries": len(c.composition),
+                 "identities": {"semantic": ident.semantic, "numerical_policy": ident.numerical_policy,
+                                "deployment": ident.deployment}},
+          f"wrote {args.out}: {c.model.family}/{args.composition} on {args.arch}, {len(c.composition)} entries, "
+          f"numerical_policy {ident.numerical_policy[:16]}…")
+    return EXIT_OK
+
+
+def _summary(c) -> dict:
+    from .contract.codec import entry_obj
+
+    return {"family": c.model.family, "config_digest": c.model.config_digest,
+            "cases": [x.id for x in c.cases],
+            "identities": {"semantic": c.identities.semantic, "numerical_policy": c.identities.numerical_policy,
+                           "deployment": c.identities.deployment},
+            "claims_zero_tolerance": c.claims.claims_zero_tolerance,
+            "entries": [entry_obj(e) for e in sorted(c.composition, key=lambda e: e.region_name)]}
+
+
+def cmd_contract_show(args) -> int:
+    c = _read_contract(args.contract)
+    s = _summary(c)
+    lines = [f"contract {args.contract}", f"  family            {c.model.family} ({', '.join(c.model.architectures)})",
+             f"  cases             {', '.join(s['cases'])}",
+             f"  semantic          {c.identities.semantic}",
+             f"  numerical_policy  {c.identities.numerical_policy}",
+             f"  deployment        {c.identities.deployment}",
+             f"  tolerance 0       {'claimed' if s['claims_zero_tolerance'] else 'not claimed'}",
+             f"  entries ({len(c.composition)}):"]
+    for e in sorted(c.composition, key=lambda e: e.region_name):
+        consts = ", ".join(f"{k}={v}" for k, v in e.constants.items())
+        dis = "-" if e.discharge is None else f"{e.discharge.kind}:{e.discharge.ref[:12]}"
+        lines.append(f"    {e.region_name:<28} {str(e.impl):<32} {e.half:<10} {consts:<22} {dis}")
+    _emit(args, s, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_contract_verify(args) -> int:
+    from .gates.artifacts import PENDING, verify_contract
+
+    c = _read_contract(args.contract)
+    needs = [e for e in c.composition if e.discharge is not None and e.discharge.kind == "gate"]
+    if args.gates is None:
+        checks = []
+        ok = not needs
+        msg = ("valid; no gate discharges to check" if ok else
+               f"valid, but {len(needs)} gate discharge(s) cannot be checked without --gates DIR "
+               f"({sum(e.discharge.ref == PENDING for e in needs)} pending)")
+    else:
+        checks = verify_contract(c, args.gates)
+        if not c.claims.claims_zero_tolerance:
+            checks = [x for x in checks if x.problem != "no discharge"]
+        ok = all(x.ok for x in checks)
+        bad = [x for x in checks if not x.ok]
+        msg = (f"admitted: {len(checks)} entr{'y' if len(checks) == 1 else 'ies'} discharged by passing gates in "
+               f"{args.gates}" if ok else
+               f"NOT admitted: {len(bad)} of {len(checks)} entries lack a passing gate: "
+               + "; ".join(f"{x.entry}: {x.problem}" for x in bad))
+    _emit(args, {"admitted": ok, "contract": args.contract,
+                 "numerical_policy": c.identities.numerical_policy,
+                 "checks": [{"entry": x.entry, "ok": x.ok, "artifacts": list(x.artifacts), "problem": x.problem}
+                            for x in checks]}, msg)
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+def cmd_contract_diff(args) -> int:
+    from .contract import diff, format_diff
+
+    a, b = _read_contract(args.a), _read_contract(args.b)
+    diffs = diff(a, b)
+    same = a.identities.numerical_policy == b.identities.numerical_policy
+    verdict = ("numerical_policy agrees" if same else "numerical_policy DIFFERS "
+               f"({a.identities.numerical_policy[:12]}… vs {b.identities.numerical_policy[:12]}…)")
+    _emit(args, {"numerical_policy_agrees": same, "differences": [d.as_dict() for d in diffs]},
+          f"{verdict}\n{format_diff(diffs, args.a, args.b)}")
+    return EXIT_OK if same else EXIT_CHECK_FAILED
+
+
+# ------------------------------------------------------------------------------------ gates
+def cmd_gates_run(args) -> int:
+    from .envinfo import runtime_arch
+    from .gates.runner import run_gates
+
+    arch = args.arch or ("sm90" if runtime_arch() == "sm90" else "cpu")
+    log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    results = run_gates(args.family, args.composition, arch, args.out, seed=args.seed, model=args.model, log=log)
+    ok = bool(results) and all(r.ok for r in results)
+    if args.json:
+        print(json.dumps({"passed": ok, "gates": [{"id": r.id, "family": r.family, "region": r.region,
+                                                   "impl": r.impl, "dtype": r.dtype, "verdict": r.verdict,
+                                                   "expect": r.expect, "differing": r.differing,
+                                                   "compared": r.compared} for r in results]}, indent=1))
+    return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+# ------------------------------------------------------------------------------------ parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="isoexec", description="Bitwise-identical trainer/engine logprobs: contracts, "
+                                "gates and benchmarks.", epilog="exit codes: 0 ok, 1 check failed, 2 bad input",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates}")
+
+    pc = sub.add_parser("contract", help="build, show, verify and diff execution contracts")
+    cs = pc.add_subparsers(dest="action", required=True, metavar="{build,show,verify,diff}")
+
+    b = cs.add_parser("build", help="build a contract from a composition, the registry and a model family")
+    b.add_argument("--family", required=True, choices=list(registry.FAMILIES))
+    b.add_argument("--composition", required=True, help="name in configs/compositions/ or a YAML path")
+    b.add_argument("--arch", required=True, choices=list(registry.ARCHES))
+    b.add_argument("--model", help="model config name in configs/models/ or a YAML path (default <family>_tiny)")
+    b.add_argument("--gates", help="resolve gate discharges from the passing artifacts in this folder")
+    b.add_argument("--out", required=True, help="where to write the canonical contract JSON")
+    b.add_argument("--json", action="store_true", help="print a JSON summary")
+    b.set_defaults(func=cmd_contract_build)
+
+    s = cs.add_parser("show", help="print a contract's digests and entries")
+    s.add_argument("contract")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_contract_show)
+
+    v = cs.add_parser("verify", help="validate a contract and check every discharge against gate artifacts")
+    v.add_argument("contract")
+    v.add_argument("--gates", help="folder of gate artifacts (results/<run>/gates)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_contract_verify)
+
+    d = cs.add_parser("diff", help="differences between two contracts (exit 0 iff numerical_policy agrees)")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_contract_diff)
+
+    pg = sub.add_parser("gates", help="run bitwise admission gates")
+    gs = pg.add_subparsers(dest="action", required=True, metavar="{run}")
+    r = gs.add_parser("run", help="run the gates of a family and composition, write JSON artifacts")
+    r.add_argument("--family", required=True, choices=list(registry.FAMILIES))
+    r.add_argument("--composition", required=True)
+    r.add_argument("--arch", choices=list(registry.ARCHES), help="default: sm90 on a Hopper GPU, else cpu")
+    r.add_argument("--model", help="model config (default <family>_tiny)")
+    r.add_argument("--out", required=True, help="folder for the artifacts")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--json", action="store_true", help="print a JSON summary (progress goes to stderr)")
+    r.set_defaults(func=cmd_gates_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except IsoExecError as exc:
+        first, *rest = str(exc).split("\n")
+        print(f"isoexec: error: {first}", file=sys.stderr)
+        for line in rest:
+            print(f"  {line}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("isoexec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Run every gate a contract needs and write one artifact per gate run.
+
+``run_gates`` builds the (draft) contract of a family and composition on an arch, runs each
+function-half entry's gate families on the model's own shapes, then the negative controls (the
+same gate on the stock implementation where the stock kernel is known to be batch-variant), and
+writes the artifacts to ``out_dir``. Progress goes to ``log`` one line per gate.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import registry
+from ..compose import build_contract, load_model_config, default_model_name
+from ..contract import Entry, ImplRef
+from ..envinfo import env_info
+from .artifacts import write_artifact
+from .compare import merge
+from .kernel_gates import GATE_FAMILIES, GATE_RUNNERS, NEGATIVE_CONTROLS, GateOutcome, entry_with_impl
+from ..enforce import bind
+
+BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
+               "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
+DTYPES = {"cpu": (torch.float32, torch.bfloat16), "sm90": (torch.bfloat16,)}
+DEVICE = {"cpu": "cpu", "sm90": "cuda"}
+
+
+@dataclass
+class GateResult:
+    id: str
+    path: Path
+    family: str
+    region: str
+    impl: str
+    dtype: str
+    verdict: str
+    expect: str
+    differing: int
+    compared: int
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "pass"
+
+    def line(self) -> str:
+        tag = "PASS" if self.ok else "FAIL"
+        return (f"{tag} {self.family:<17} {self.region:<28} {self.impl:<22} {self.dtype:<9} "
+                f"differing {self.differing}/{self.compared}  [{self.id[:12]}]")
+
+
+def _body(entry: Entry, family: str, outcome: GateOutcome, seed: int, arch: str, expect: str,
+          of: str | None = None) -> dict:
+    counts = merge(outcome.reports)
+    gate = {"family": family, "region": sorted(entry.region),
+            "impl": {"id": entry.impl.id, "version": entry.impl.version, "arch": entry.impl.arch},
+            "constants": dict(entry.constants), "shapes": outcome.shapes, "dtype": outcome.dtype, "seed": seed,
+            "hazards": list(outcome.hazards_required)}
+    if of:
+        gate["of"] = of
+    return {
+        "gate": gate,
+        "expect": expect,
+        "verdict": outcome.verdict(expect_invariant=(expect == "invariant")),
+        "counts": counts,
+        "correctness": {"rel_err": repr(outcome.rel_err), "tolerance": repr(outcome.tolerance)},
+        "hazards_exercised": {k: (v if isinstance(v, (bool, int)) else str(v))
+                              for k, v in outcome.hazards_exercised.items()},
+        "env": env_info(arch),
+    }
+
+
+def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, out_dir, expect="invariant",
+             of=None) -> GateResult:
+    kind = registry.OPS[entry.region[0]].kind
+    spec = registry.impl_by_ref(entry.impl.id, entry.impl.version, entry.impl.arch)
+    fn = bind(entry, entry.cases[0] if "trainer_score" not in entry.cases else "trainer_score")
+    gen = torch.Generator().manual_seed(seed)
+    outcome = GATE_RUNNERS[kind](fn, entry.region, cfg, of or family, dtype, DEVICE[arch], gen, BATCH_SIZES[arch],
+                                 spec.hazards, dict(entry.constants))
+    body = _body(entry, family, outcome, seed, arch, expect, of)
+    gid, path = write_artifact(out_dir, body)
+    c = body["counts"]
+    return GateResult(gid, path, family, entry.region_name, entry.impl.id, outcome.dtype.replace("torch.", ""),
+                      body["verdict"], expect, c["differing"], c["compared"])
+
+
+def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, seed: int = 0,
+              model: str | None = None, log: Callable[[str], None] = print) -> list[GateResult]:
+    contract = build_contract(family, composition, arch, model)
+    cfg = load_model_config(model or default_model_name(family))["hf_config"]
+    results: list[GateResult] = []
+    seen: set = set()
+    torch.manual_seed(seed)
+    t0 = time.time()
+    for e in sorted(contract.composition, key=lambda e: e.region_name):
+        if e.half != "function":
+            continue
+        kind = registry.OPS[e.region[0]].kind
+        spec = registry.impl_by_ref(e.impl.id, e.impl.version, e.impl.arch)
+        for fam in GATE_FAMILIES.get(kind, ()):
+            if kind not in GATE_RUNNERS or fam not in ("batch_invariance", "hazards"):
+                log(f"SKIP {fam:<17} {e.region_name:<28} {e.impl.id:<22} (no {kind} {fam} gate yet)")
+                continue
+            if fam == "hazards" and not spec.hazards:
+                continue
+            for dtype in DTYPES[arch]:
+                key = (e.region_name, e.impl.id, fam, dtype)
+                if key in seen:
+                    continue
+                seen.add(key)
+                r = _run_one(e, fam, cfg, dtype, arch, seed, out_dir)
+                results.append(r)
+                log(r.line())
+        # negative control: the stock kernel for this region must NOT be invariant here
+        if kind in NEGATIVE_CONTROLS.get(arch, ()) and not spec.native and kind in GATE_RUNNERS:
+            native = registry.native_counterpart(kind, arch)
+            if native is not None:
+                ne = entry_with_impl(e, ImplRef(native.id, native.version, arch))
+                for dtype in DTYPES[arch][:1]:
+                    key = (e.region_name, native.id, "negative_control", dtype)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    r = _run_one(ne, "negative_control", cfg, dtype, arch, seed, out_dir, expect="variant",
+                                 of="batch_invariance")
+                    results.append(r)
+                    log(r.line())
+    log(f"{sum(r.ok for r in results)}/{len(results)} gates passed in {time.time() - t0:.1f}s "
+        f"({family}/{composition} on {arch}, seed {seed}) -> {out_dir}")
+    return results

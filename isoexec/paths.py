@@ -1,0 +1,58 @@
+"""Where configuration lives, and safe (temp-then-rename) writing of outputs."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+def configs_dir() -> Path:
+    """``$ISOEXEC_CONFIGS`` if set, else ``configs/`` of the checkout this package lives in."""
+    env = os.environ.get("ISOEXEC_CONFIGS")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parents[1] / "configs"
+    if here.is_dir():
+        return here
+    return Path.cwd() / "configs"
+
+
+def resolve_config(kind: str, name_or_path: str) -> Path:
+    """A composition or model config given by name (``isoexec``) or by path (``x/y.yaml``)."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml", ".json") or os.sep in name_or_path:
+        if not p.is_file():
+            raise ConfigError(f"{kind} file {name_or_path!r} not found")
+        return p
+    cand = configs_dir() / kind / f"{name_or_path}.yaml"
+    if not cand.is_file():
+        known = sorted(x.stem for x in (configs_dir() / kind).glob("*.yaml"))
+        raise ConfigError(f"unknown {kind[:-1] if kind.endswith('s') else kind} {name_or_path!r} "
+                          f"(looked for {cand}); known: {', '.join(known) or 'none'}")
+    return cand
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a temp file in the same folder and a rename, so a
+    crash or a refused check never leaves a half-written output behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path

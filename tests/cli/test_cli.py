@@ -1,0 +1,115 @@
+"""The isoexec command line: documented shape, exit codes, one-line errors, no partial outputs."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CLI = [sys.executable, "-m", "isoexec.cli"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    d = tmp_path_factory.mktemp("contracts")
+    for comp in ("isoexec", "native"):
+        r = run("contract", "build", "--family", "dense", "--composition", comp, "--arch", "cpu",
+                "--out", str(d / f"{comp}.json"))
+        assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.returncode == 0 and "contract" in r.stdout and "gates" in r.stdout and "exit codes" in r.stdout
+    assert run("contract", "build", "--help").returncode == 0
+
+
+def test_build_writes_canonical_contract(built):
+    from isoexec.contract import decode, encode
+
+    data = (built / "isoexec.json").read_bytes()
+    assert encode(decode(data)) == data
+
+
+def test_show_json(built):
+    r = run("contract", "show", str(built / "isoexec.json"), "--json")
+    obj = json.loads(r.stdout)
+    assert r.returncode == 0 and obj["family"] == "dense" and obj["claims_zero_tolerance"] is True
+
+
+def test_diff_exit_codes(built):
+    same = run("contract", "diff", str(built / "isoexec.json"), str(built / "isoexec.json"))
+    assert same.returncode == 0 and "numerical_policy agrees" in same.stdout
+    other = run("contract", "diff", str(built / "isoexec.json"), str(built / "native.json"), "--json")
+    assert other.returncode == 1
+    diffs = json.loads(other.stdout)["differences"]
+    assert any(d["where"] == "region lm_head, case engine_decode" and d["field"] == "impl.id" for d in diffs)
+
+
+def test_verify_without_gates_is_not_admitted(built):
+    r = run("contract", "verify", str(built / "isoexec.json"))
+    assert r.returncode == 1 and "pending" in r.stdout
+
+
+def _one_error_line(r):
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert lines and lines[0].startswith("isoexec: error:"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_contract_file(tmp_path):
+    r = run("contract", "show", str(tmp_path / "nope.json"))
+    assert r.returncode == 2
+    _one_error_line(r)
+    assert "not found" in r.stderr
+
+
+def test_invalid_json_contract(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("{not json")
+    r = run("contract", "verify", str(p))
+    assert r.returncode == 2
+    _one_error_line(r)
+    assert "not valid strict JSON" in r.stderr
+
+
+def test_unknown_impl_leaves_no_output(tmp_path):
+    comp = tmp_path / "c.yaml"
+    comp.write_text(textwrap.dedent("""
+        name: bad
+        entries:
+          - {region: [embed], impl: turbo_embed}
+    """))
+    out = tmp_path / "out.json"
+    r = run("contract", "build", "--family", "dense", "--composition", str(comp), "--arch", "cpu", "--out", str(out))
+    assert r.returncode == 2
+    _one_error_line(r)
+    assert "unknown impl 'turbo_embed'" in r.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [comp]
+
+
+def test_invalid_yaml_composition(tmp_path):
+    comp = tmp_path / "c.yaml"
+    comp.write_text("name: [oops\n")
+    out = tmp_path / "out.json"
+    r = run("contract", "build", "--family", "dense", "--composition", str(comp), "--arch", "cpu", "--out", str(out))
+    assert r.returncode == 2 and "not valid YAML" in r.stderr and not out.exists()
+
+
+def test_existing_output_untouched_on_refusal(tmp_path):
+    out = tmp_path / "out.json"
+    out.write_text("previous")
+    r = run("contract", "build", "--family", "dense", "--composition", "nope", "--arch", "cpu", "--out", str(out))
+    assert r.returncode == 2 and out.read_text() == "previous"
+
+
+def test_usage_error_is_exit_2():
+    assert run("contract", "build", "--family", "dense").returncode == 2
+    assert run("contract", "build", "--family", "nope", "--composition", "isoexec", "--arch", "cpu",
+               "--out", "x").returncode == 2
