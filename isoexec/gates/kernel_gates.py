@@ -255,3 +255,199 @@ def entry_with_impl(entry: Entry, impl: ImplRef) -> Entry:
     spec = registry.impl_by_ref(impl.id, impl.version, impl.arch)
     return Entry(region=entry.region, cases=entry.cases, impl=impl, constants=frozen_mapping(spec.default_constants()),
                  discharge=None, half="function")
+
+
+def _heads(cfg: dict) -> tuple[int, int, int]:
+    nh = cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // nh
+    return nh, nkv, hd
+
+
+def _rope_theta(cfg: dict) -> float:
+    rp = cfg.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def gate_rope(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
+    nh, _, hd = _heads(cfg)
+    theta = _rope_theta(cfg)
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    reports = []
+    for m in sizes:
+        for _ in range(2):
+            x = _rand((m, nh, hd), dtype, gen, device)
+            pos = torch.randint(0, max_pos, (m,), generator=gen).to(device)
+            i = int(torch.randint(0, m, (1,), generator=gen))
+            inside = fn(x, pos, theta=theta)[i:i + 1]
+            alone = fn(x[i:i + 1].clone(), pos[i:i + 1].clone(), theta=theta)
+            reports.append(compare_bits(inside, alone))
+    x = _rand((16, nh, hd), dtype, gen, device)
+    pos = torch.randint(0, max_pos, (16,), generator=gen)
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    ph = pos.double()[:, None] * inv[None, :]
+    cos, sin = torch.cat([ph.cos(), ph.cos()], -1)[:, None], torch.cat([ph.sin(), ph.sin()], -1)[:, None]
+    xd = x.double().cpu()
+    rot = torch.cat([-xd[..., hd // 2:], xd[..., :hd // 2]], -1)
+    err = rel_err(fn(x, pos.to(device), theta=theta), xd * cos + rot * sin)
+    return GateOutcome(family, {"heads": nh, "head_dim": hd, "M": list(sizes)}, str(dtype), reports, err,
+                       TOLERANCE[dtype], {})
+
+
+def gate_activation(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
+    inter = cfg.get("intermediate_size", 4 * cfg["hidden_size"])
+
+    def make(m):
+        return _rand((m, 2 * inter), dtype, gen, device, 2.0)
+
+    def call(gu):
+        return fn(gu[:, :inter], gu[:, inter:])
+
+    reports = _rowwise_invariance(call, make, sizes, gen)
+    gu = make(16)
+    g, u = gu[:, :inter].double(), gu[:, inter:].double()
+    err = rel_err(call(gu), g * torch.sigmoid(g) * u)
+    return GateOutcome(family, {"I": inter, "M": list(sizes)}, str(dtype), reports, err, TOLERANCE[dtype], {})
+
+
+def gate_embed(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
+    v, h = cfg["vocab_size"], cfg["hidden_size"]
+    table = _rand((v, h), dtype, gen, device)
+    reports = []
+    for m in sizes:
+        ids = torch.randint(0, v, (m,), generator=gen).to(device)
+        i = int(torch.randint(0, m, (1,), generator=gen))
+        reports.append(compare_bits(fn(ids, table)[i:i + 1], fn(ids[i:i + 1].clone(), table)))
+    ids = torch.randint(0, v, (16,), generator=gen).to(device)
+    err = rel_err(fn(ids, table), table.double()[ids])
+    return GateOutcome(family, {"V": v, "H": h, "M": list(sizes)}, str(dtype), reports, err, TOLERANCE[dtype], {})
+
+
+def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants,
+                   binds=None) -> GateOutcome:
+    """Attention is gated across cases. ``binds`` maps case -> bound callable.
+
+    batch_invariance: a sequence alone (varlen) equals the same sequence packed among random
+    others at a random offset, for packs of up to 64 sequences.
+    case_parity: for random sequences, varlen (trainer) rows == paged prefill rows with the
+    prompt split at random points into chunks == decode rows for the tail tokens, with pages
+    of the cache shuffled; lengths not multiples of BLOCK_N exercise the hazard.
+    """
+    from isoexec_kernels.attention import compute_slot_mapping, write_kv_pages
+
+    nh, nkv, hd = _heads(cfg)
+    scale = hd ** -0.5
+    block_n = int(constants.get("BLOCK_N", 64))
+    max_len = 160 if device == "cpu" else 700
+    varlen = binds["trainer_score"]
+    reports: list[BitReport] = []
+    exercised = {"len_not_tile_multiple": False}
+
+    def seq(n):
+        return (_rand((n, nh, hd), dtype, gen, device), _rand((n, nkv, hd), dtype, gen, device),
+                _rand((n, nkv, hd), dtype, gen, device))
+
+    def pack(seqs):
+        lens = [s[0].shape[0] for s in seqs]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        return [torch.cat([s[j] for s in seqs]) for j in range(3)] + [cu, max(lens)]
+
+    counts = [c for c in (1, 2, 5, 16, 64) if c <= max(sizes)]
+    if family == "batch_invariance":
+        for nseq in counts:
+            n = int(torch.randint(1, max_len, (1,), generator=gen))
+            target = seq(n)
+            q, k, v, cu, mx = pack([target])
+            alone = varlen(q, k, v, cu, mx, scale)
+            others = [seq(int(torch.randint(1, max_len, (1,), generator=gen))) for _ in range(nseq - 1)]
+            pos = int(torch.randint(0, nseq, (1,), generator=gen))
+            allseq = others[:pos] + [target] + others[pos:]
+            q, k, v, cu, mx = pack(allseq)
+            off = int(cu[pos])
+            reports.append(compare_bits(varlen(q, k, v, cu, mx, scale)[off:off + n], alone))
+            exercised["len_not_tile_multiple"] |= n % block_n != 0
+    else:
+        prefill, decode = binds["engine_prefill"], binds["engine_decode"]
+        page = 16
+        for nseq in counts[:4]:
+            lens = [int(torch.randint(2, max_len, (1,), generator=gen)) for _ in range(nseq)]
+            seqs = [seq(n) for n in lens]
+            q, k, v, cu, mx = pack(seqs)
+            trainer = varlen(q, k, v, cu, mx, scale)
+            pages_needed = sum(-(-n // page) for n in lens)
+            perm = torch.randperm(pages_needed, generator=gen).tolist()
+            tables, at = [], 0
+            for n in lens:
+                tables.append(perm[at:at + -(-n // page)])
+                at += -(-n // page)
+            width = max(len(t) for t in tables)
+            bt = torch.zeros((nseq, width), dtype=torch.int32)
+            for b, t in enumerate(tables):
+                bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            bt = bt.to(device)
+            kc = torch.zeros((pages_needed, page, nkv, hd), dtype=dtype, device=device)
+            vc = torch.zeros_like(kc)
+            # prompts: all but a random tail; prefill them in random chunks (all sequences per step)
+            tails = [int(torch.randint(1, min(n, 9), (1,), generator=gen)) if n > 1 else 0 for n in lens]
+            done = [0] * nseq
+            engine_rows = [[] for _ in range(nseq)]
+            while any(done[b] < lens[b] - tails[b] for b in range(nseq)):
+                qs, ks, vs, qlens, ctx = [], [], [], [], []
+                for b in range(nseq):
+                    left = lens[b] - tails[b] - done[b]
+                    step = min(left, int(torch.randint(1, 2 * block_n, (1,), generator=gen))) if left > 0 else 0
+                    sq, sk, sv = seqs[b]
+                    qs.append(sq[done[b]:done[b] + step])
+                    ks.append(sk[done[b]:done[b] + step])
+                    vs.append(sv[done[b]:done[b] + step])
+                    qlens.append(step)
+                    ctx.append(done[b] + step)
+                cuq = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+                ctx_t = torch.tensor(ctx, dtype=torch.int32)
+                slots = compute_slot_mapping(bt.cpu(), cuq, ctx_t, page).to(device)
+                write_kv_pages(torch.cat(ks), torch.cat(vs), kc, vc, slots)
+                out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale)
+                at = 0
+                for b in range(nseq):
+                    engine_rows[b].append(out[at:at + qlens[b]])
+                    at += qlens[b]
+                    done[b] += qlens[b]
+            for t in range(max(tails)):
+                active = [b for b in range(nseq) if t < tails[b]]
+                qs = torch.cat([seqs[b][0][done[b]:done[b] + 1] for b in active])
+                ks = torch.cat([seqs[b][1][done[b]:done[b] + 1] for b in active])
+                vs = torch.cat([seqs[b][2][done[b]:done[b] + 1] for b in active])
+                ctx_t = torch.tensor([done[b] + 1 for b in active], dtype=torch.int32)
+                cuq = torch.arange(len(active) + 1, dtype=torch.int32)
+                sub_bt = bt[torch.tensor(active, device=device)]
+                slots = compute_slot_mapping(sub_bt.cpu(), cuq, ctx_t, page).to(device)
+                write_kv_pages(ks, vs, kc, vc, slots)
+                out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale)
+                for j, b in enumerate(active):
+                    engine_rows[b].append(out[j:j + 1])
+                    done[b] += 1
+            at = 0
+            for b, n in enumerate(lens):
+                reports.append(compare_bits(torch.cat(engine_rows[b]), trainer[at:at + n]))
+                at += n
+                exercised["len_not_tile_multiple"] |= n % block_n != 0
+    # correctness: float64 causal attention on one packed batch
+    seqs = [seq(int(torch.randint(1, 80, (1,), generator=gen))) for _ in range(3)]
+    q, k, v, cu, mx = pack(seqs)
+    out = varlen(q, k, v, cu, mx, scale)
+    refs, rep = [], nh // nkv
+    for sq, sk, sv in seqs:
+        qd, kd, vd = sq.double().cpu(), sk.double().cpu().repeat_interleave(rep, 1), sv.double().cpu().repeat_interleave(
+            rep, 1)
+        s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+        n = s.shape[-1]
+        s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+        refs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vd))
+    err = rel_err(out, torch.cat(refs))
+    return GateOutcome(family, {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len,
+                                "sequences": counts}, str(dtype), reports, err, TOLERANCE[dtype], exercised,
+                       hazards)
+
+
+GATE_RUNNERS.update({"rope": gate_rope, "activation": gate_activation, "embed": gate_embed,
+                     "attention": gate_attention})

@@ -80,8 +80,11 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
     spec = registry.impl_by_ref(entry.impl.id, entry.impl.version, entry.impl.arch)
     fn = bind(entry, entry.cases[0] if "trainer_score" not in entry.cases else "trainer_score")
     gen = torch.Generator().manual_seed(seed)
+    extra = {}
+    if kind == "attention":
+        extra["binds"] = {c: bind(entry, c) for c in entry.cases}
     outcome = GATE_RUNNERS[kind](fn, entry.region, cfg, of or family, dtype, DEVICE[arch], gen, BATCH_SIZES[arch],
-                                 spec.hazards, dict(entry.constants))
+                                 spec.hazards, dict(entry.constants), **extra)
     body = _body(entry, family, outcome, seed, arch, expect, of)
     gid, path = write_artifact(out_dir, body)
     c = body["counts"]
@@ -103,7 +106,7 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
         kind = registry.OPS[e.region[0]].kind
         spec = registry.impl_by_ref(e.impl.id, e.impl.version, e.impl.arch)
         for fam in GATE_FAMILIES.get(kind, ()):
-            if kind not in GATE_RUNNERS or fam not in ("batch_invariance", "hazards"):
+            if kind not in GATE_RUNNERS:
                 log(f"SKIP {fam:<17} {e.region_name:<28} {e.impl.id:<22} (no {kind} {fam} gate yet)")
                 continue
             if fam == "hazards" and not spec.hazards:

@@ -1,0 +1,24 @@
+"""The unified model: one definition for trainer and engine, arithmetic bound from a contract."""
+
+from .batch import ForwardBatch, KVCache
+from .config import DenseConfig, hf_config_from_dict
+from .dense import DenseModel
+from .loading import CheckpointError, load_dense_checkpoint, load_from_hf_model
+
+FAMILY_MODELS = {"dense": (DenseModel, DenseConfig)}
+
+
+def build_model(family: str, hf_config: dict, dtype=None, device="cpu"):
+    """An uninitialised model of ``family`` from a transformers config dict."""
+    import torch
+
+    from ..errors import ConfigError
+
+    if family not in FAMILY_MODELS:
+        raise ConfigError(f"the unified model has no {family!r} family yet (have: {', '.join(FAMILY_MODELS)})")
+    model_cls, cfg_cls = FAMILY_MODELS[family]
+    return model_cls(cfg_cls.from_hf(hf_config), dtype=dtype or torch.float32, device=device)
+
+
+__all__ = ["DenseConfig", "DenseModel", "ForwardBatch", "KVCache", "CheckpointError", "build_model",
+           "hf_config_from_dict", "load_dense_checkpoint", "load_from_hf_model"]

@@ -1,0 +1,146 @@
+"""The dense family of the unified model (Qwen3 architecture).
+
+One model class serves the trainer and the engine; what differs between them is only the case
+(``trainer_fwd``, ``trainer_score``, ``engine_prefill``, ``engine_decode``), the batch layout and
+the KV state. Every piece of arithmetic is a logical op whose implementation comes from the
+installed contract's execution plan for that case, so native vs IsoExec is the same code under a
+different contract.
+
+Weights are stored fused where regions may fuse (``qkv_weight`` = [Wq; Wk; Wv], ``gate_up_weight``
+= [Wg; Wu]); a contract that keeps the ops in separate regions runs one GEMM per row slice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..contract import ExecutionContract
+from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
+from ..errors import BindingRefused
+from .batch import ForwardBatch
+from .config import DenseConfig
+
+
+class DenseLayer(nn.Module):
+    def __init__(self, cfg: DenseConfig, dtype, device):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        p = lambda *shape: nn.Parameter(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
+        self.attn_norm = p(h)
+        self.qkv_weight = p(cfg.q_size + 2 * cfg.kv_size, h)
+        self.q_norm = p(hd)
+        self.k_norm = p(hd)
+        self.o_weight = p(h, cfg.q_size)
+        self.mlp_norm = p(h)
+        self.gate_up_weight = p(2 * cfg.intermediate_size, h)
+        self.down_weight = p(h, cfg.intermediate_size)
+
+
+class DenseModel(nn.Module):
+    family = "dense"
+
+    def __init__(self, cfg: DenseConfig, dtype=torch.float32, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(DenseLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.plans: dict[str, ExecutionPlan] = {}
+        self.contract: ExecutionContract | None = None
+
+    # ------------------------------------------------------------------------------ contract
+    def install(self, contract: ExecutionContract, facts: RuntimeFacts | None = None) -> list[BoundRecord]:
+        """Bind every (region, case) of ``contract`` to this model; refuse before any compute if
+        the topology or the bound callables differ from the contract."""
+        if contract.model.family != self.family:
+            raise BindingRefused(f"contract is for the {contract.model.family} family, model is {self.family}")
+        from ..envinfo import runtime_arch
+
+        facts = facts or RuntimeFacts(arch="cpu" if self.embed.device.type == "cpu" else runtime_arch())
+        check_topology(contract, facts)
+        self.plans = {case: ExecutionPlan.build(contract, case) for case in contract.case_ids}
+        self.contract = contract
+        return [r for p in self.plans.values() for r in p.records()]
+
+    def _plan(self, case: str) -> ExecutionPlan:
+        try:
+            return self.plans[case]
+        except KeyError:
+            raise BindingRefused(f"no contract installed for case {case!r}; call model.install(contract)") from None
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed if self.lm_head is None else self.lm_head
+
+    # ------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "DenseModel":
+        g = torch.Generator().manual_seed(seed)
+        for name, prm in self.named_parameters():
+            if prm.dim() == 1:
+                prm.copy_(1.0 + 0.05 * torch.randn(prm.shape, generator=g))
+            else:
+                prm.copy_(torch.randn(prm.shape, generator=g) * std)
+        return self
+
+    # ------------------------------------------------------------------------------ forward
+    @staticmethod
+    def _linear(plan: ExecutionPlan, ops: tuple[str, ...], x: torch.Tensor, weight: torch.Tensor,
+                sizes: tuple[int, ...]) -> torch.Tensor:
+        """One GEMM if the contract fuses ``ops`` into one region, else one GEMM per row slice."""
+        bound = [plan[o] for o in ops]
+        if all(b is bound[0] for b in bound):
+            return bound[0](x, weight)
+        outs, start = [], 0
+        for b, n in zip(bound, sizes):
+            outs.append(b(x, weight[start:start + n]))
+            start += n
+        return torch.cat(outs, dim=-1)
+
+    def _attention(self, plan: ExecutionPlan, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        scale = self.cfg.head_dim ** -0.5
+        attn = plan["attn_core"]
+        if not batch.is_engine:
+            return attn(q, k, v, batch.cu_seqlens, batch.max_seqlen, scale)
+        from isoexec_kernels.attention import write_kv_pages
+
+        kc, vc = batch.kv.k[layer], batch.kv.v[layer]
+        write_kv_pages(k, v, kc, vc, batch.slot_mapping)  # a copy: no arithmetic, part of attn_core
+        if batch.case == "engine_decode":
+            return attn(q, kc, vc, batch.block_table, batch.context_lens, scale)
+        return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale)
+
+    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
+        cfg, plan = self.cfg, self._plan(batch.case)
+        T = ids.shape[0]
+        nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        x = plan["embed"](ids, self.embed)
+        for i, L in enumerate(self.layers):
+            n = plan["attn_norm"](x, L.attn_norm, eps)
+            qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
+                               (cfg.q_size, cfg.kv_size, cfg.kv_size))
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q = plan["q_norm"](q.reshape(T, nh, hd), L.q_norm, eps)
+            k = plan["k_norm"](k.reshape(T, nkv, hd), L.k_norm, eps)
+            q = plan["rope"](q, batch.positions, theta=cfg.rope_theta)
+            k = plan["rope"](k, batch.positions, theta=cfg.rope_theta)
+            v = v.reshape(T, nkv, hd)
+            a = self._attention(plan, i, q, k, v, batch)
+            x = x + plan["o_proj"](a.reshape(T, cfg.q_size), L.o_weight)
+            n = plan["mlp_norm"](x, L.mlp_norm, eps)
+            gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight,
+                              (cfg.intermediate_size, cfg.intermediate_size))
+            g, u = gu.split((cfg.intermediate_size, cfg.intermediate_size), dim=-1)
+            x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
+        return plan["final_norm"](x, self.final_norm, eps)
+
+    def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:
+        return self._plan(case)["lm_head"](hidden, self.lm_head_weight)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 log p(targets[t] | row t) for hidden rows [T, H] (the logprob region)."""
+        return self._plan(case)["logprob"](self.logits(hidden, case), targets)
