@@ -28,6 +28,61 @@ BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "sm90": (torch.bfloat16,)}
 DEVICE = {"cpu": "cpu", "sm90": "cuda"}
+MODEL_FAMILIES = ("dense",)
+# Whole-model gate sizes: CPU runs the fixed-order torch twins (slow), so sequences are short.
+MODEL_GATE_SIZES = {"cpu": dict(batch_sizes=(1, 4, 17, 64), max_len=40),
+                    "sm90": dict(batch_sizes=(1, 8, 64, 128), max_len=200)}
+
+
+def _model_body(contract, composition: str, family: str, reports, info: dict, dtype, seed: int, arch: str,
+                expect: str, of: str | None = None) -> dict:
+    counts = merge(reports)
+    invariant = counts["differing"] == 0
+    gate = {"family": family, "region": ["model"],
+            "impl": {"id": f"composition:{composition}", "version": contract.identities.numerical_policy[:16],
+                     "arch": arch},
+            "constants": {}, "shapes": info, "dtype": str(dtype).replace("torch.", ""), "seed": seed, "hazards": [],
+            "model": contract.model.config_digest[:16]}
+    if of:
+        gate["of"] = of
+    verdict = "pass" if invariant == (expect == "invariant") else "fail"
+    return {"gate": gate, "expect": expect, "verdict": verdict, "counts": counts,
+            "correctness": {"rel_err": "n/a", "tolerance": "n/a"}, "hazards_exercised": {}, "env": env_info(arch)}
+
+
+def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
+                    log: Callable[[str], None]) -> list[GateResult]:
+    """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
+    from ..model import build_model
+    from .model_gates import model_batch_invariance, model_case_parity
+
+    cfg = load_model_config(model or default_model_name(family))["hf_config"]
+    results = []
+    runs = [(composition, "invariant", None)]
+    if composition != "native" and arch in NEGATIVE_CONTROLS:
+        runs.append(("native", "variant", "model_case_parity"))
+    for comp, expect, of in runs:
+        contract = build_contract(family, comp, arch, model)
+        for dtype in DTYPES[arch]:
+            m = build_model(family, cfg, dtype=dtype, device=DEVICE[arch]).init_random(seed)
+            m.install(contract)
+            t0 = time.time()
+            gates = [("model_case_parity", model_case_parity)]
+            if expect == "invariant":
+                gates.append(("model_batch_invariance", model_batch_invariance))
+            for name, fn in gates:
+                gen = torch.Generator().manual_seed(seed + 1)
+                reports, info = fn(m, gen, **MODEL_GATE_SIZES[arch])
+                fam_name = "negative_control" if expect == "variant" else name
+                body = _model_body(contract, comp, fam_name, reports, info, dtype, seed, arch, expect, of)
+                gid, path = write_artifact(out_dir, body)
+                c = body["counts"]
+                r = GateResult(gid, path, fam_name, "model", f"composition:{comp}",
+                               str(dtype).replace("torch.", ""), body["verdict"], expect, c["differing"],
+                               c["compared"])
+                results.append(r)
+                log(r.line() + f"  ({time.time() - t0:.1f}s)")
+    return results
 
 
 @dataclass
@@ -133,6 +188,8 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
                                  of="batch_invariance")
                     results.append(r)
                     log(r.line())
+    if family in MODEL_FAMILIES:
+        results += run_model_gates(family, composition, arch, out_dir, seed, model, log)
     log(f"{sum(r.ok for r in results)}/{len(results)} gates passed in {time.time() - t0:.1f}s "
         f"({family}/{composition} on {arch}, seed {seed}) -> {out_dir}")
     return results
