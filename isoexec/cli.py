@@ -144,14 +144,31 @@ def cmd_gates_run(args) -> int:
 
     arch = args.arch or ("sm90" if runtime_arch() == "sm90" else "cpu")
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    results = run_gates(args.family, args.composition, arch, args.out, seed=args.seed, model=args.model, log=log)
+    skipped: list[dict] = []
+    results = run_gates(args.family, args.composition, arch, args.out, seed=args.seed, model=args.model, log=log,
+                        skipped=skipped)
     ok = bool(results) and all(r.ok for r in results)
     if args.json:
-        print(json.dumps({"passed": ok, "gates": [{"id": r.id, "family": r.family, "region": r.region,
+        print(json.dumps({"passed": ok, "skipped": skipped, "gates": [{"id": r.id, "family": r.family, "region": r.region,
                                                    "impl": r.impl, "dtype": r.dtype, "verdict": r.verdict,
                                                    "expect": r.expect, "differing": r.differing,
                                                    "compared": r.compared} for r in results]}, indent=1))
     return EXIT_OK if ok else EXIT_CHECK_FAILED
+
+
+# ------------------------------------------------------------------------------------ bench
+def cmd_bench(args) -> int:
+    from .bench.common import default_device, write_result
+    from .bench.kernels import BENCHES
+
+    device = args.device or default_device()
+    arch = "cpu" if device == "cpu" else "sm90"
+    print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
+    rows = BENCHES[args.name](device, quick=args.quick)
+    path = write_result(args.name, rows, args.out, arch)
+    ratios = [r["speed_ratio"] for r in rows if r.get("speed_ratio")]
+    print(f"wrote {path} ({len(rows)} rows; speed_ratio min {min(ratios):.3f}, max {max(ratios):.3f})")
+    return EXIT_OK
 
 
 # ------------------------------------------------------------------------------------ parser
@@ -159,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="isoexec", description="Bitwise-identical trainer/engine logprobs: contracts, "
                                 "gates and benchmarks.", epilog="exit codes: 0 ok, 1 check failed, 2 bad input",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench}")
 
     pc = sub.add_parser("contract", help="build, show, verify and diff execution contracts")
     cs = pc.add_subparsers(dest="action", required=True, metavar="{build,show,verify,diff}")
@@ -202,6 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--json", action="store_true", help="print a JSON summary (progress goes to stderr)")
     r.set_defaults(func=cmd_gates_run)
+
+    pb = sub.add_parser("bench", help="microbenchmarks: ours vs the stock path in the same run (JSON result)")
+    pb.add_argument("name", choices=["gemm", "attention", "rmsnorm", "logprob"])
+    pb.add_argument("--out", required=True, help="result JSON (results/<run>/bench/<name>.json)")
+    pb.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
+    pb.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    pb.set_defaults(func=cmd_bench)
     return p
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..contract import Discharge, Entry, ExecutionContract, canonical_json, parse_json_strict
 from ..contract.digests import sha256_hex
-from ..errors import ContractDecodeError, IsoExecError
+from ..errors import ContractDecodeError, IsoExecError, NotAdmitted
 from ..paths import atomic_write
 
 PENDING = "pending"
@@ -155,6 +155,6 @@ def resolve_discharges(entries: list[Entry], gates_dir: str | Path) -> list[Entr
             e = replace(e, discharge=Discharge("gate", REF_SEP.join(chk.artifacts)))
         out.append(e)
     if problems:
-        raise IsoExecError(f"cannot admit: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} without a "
+        raise NotAdmitted(f"cannot admit: {len(problems)} entr{'y' if len(problems) == 1 else 'ies'} without a "
                            f"passing gate in {str(gates_dir)!r}: " + "; ".join(problems))
     return out

@@ -148,10 +148,13 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
 
 
 def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, seed: int = 0,
-              model: str | None = None, log: Callable[[str], None] = print) -> list[GateResult]:
+              model: str | None = None, log: Callable[[str], None] = print,
+              skipped: list[dict] | None = None) -> list[GateResult]:
+    """Run the gates; gates that have no runner yet are appended to ``skipped`` (if given)."""
     contract = build_contract(family, composition, arch, model)
     cfg = load_model_config(model or default_model_name(family))["hf_config"]
     results: list[GateResult] = []
+    skipped = [] if skipped is None else skipped
     seen: set = set()
     torch.manual_seed(seed)
     t0 = time.time()
@@ -163,6 +166,8 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
         for fam in GATE_FAMILIES.get(kind, ()):
             if kind not in GATE_RUNNERS:
                 log(f"SKIP {fam:<17} {e.region_name:<28} {e.impl.id:<22} (no {kind} {fam} gate yet)")
+                skipped.append({"family": fam, "region": e.region_name, "impl": e.impl.id,
+                                "reason": f"no {kind} {fam} gate yet"})
                 continue
             if fam == "hazards" and not spec.hazards:
                 continue

@@ -1,0 +1,73 @@
+"""Benchmark plumbing: timing (device events / do_bench, median of many), result JSON.
+
+Result format (BENCHMARKS.md, stable): ``{"name", "env": {device, torch, triton, transformers,
+commit, date}, "rows": [{<shape fields>, "baseline", "baseline_ms", "ours_ms", "speed_ratio"}]}``
+with ``speed_ratio = baseline_ms / ours_ms`` (1.0 parity, 0.5 = ours twice as slow). Ours and the
+stock baseline are always measured in the same run, on rotated random inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..envinfo import env_info
+from ..paths import atomic_write
+
+
+def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 50, rep_ms: float = 300) -> float:
+    """Median milliseconds of ``fn()``: triton's do_bench on CUDA, perf_counter on CPU."""
+    if device == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    deadline = time.perf_counter() + rep_ms / 1000
+    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def rotating(make: Callable[[], tuple], count: int) -> Callable[[], tuple]:
+    """Cycle through ``count`` independently drawn input sets so repeated calls do not just hit L2."""
+    sets = [make() for _ in range(count)]
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(sets)
+        return sets[state["i"]]
+
+    return nxt
+
+
+def row(fields: dict, baseline: str, baseline_ms: float, ours_ms: float) -> dict:
+    return {**fields, "baseline": baseline, "baseline_ms": round(baseline_ms, 6), "ours_ms": round(ours_ms, 6),
+            "speed_ratio": round(baseline_ms / ours_ms, 4) if ours_ms > 0 else None}
+
+
+def write_result(name: str, rows: list[dict], out: str | Path, arch: str, extra: dict | None = None) -> Path:
+    env = env_info(arch)
+    env = {k: env[k] for k in ("device", "torch", "triton", "transformers", "commit", "date")}
+    obj = {"name": name, "env": env, "rows": rows}
+    if extra:
+        obj.update(extra)
+    return atomic_write(out, json.dumps(obj, indent=1) + "\n")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def print_rows(rows: list[dict], keys: list[str], log=print) -> None:
+    for r in rows:
+        shape = " ".join(f"{k}={r[k]}" for k in keys if k in r)
+        log(f"{shape:<48} {r['baseline']:<14} {r['baseline_ms']:9.4f} ms  ours {r['ours_ms']:9.4f} ms  "
+            f"ratio {r['speed_ratio']:.3f}")

@@ -1,0 +1,101 @@
+# Shared settings and path helpers of the workflow (no rules here: the linter wants functions and
+# rules in separate files). Everything below is derived from the validated config.
+
+import os
+import re
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from isoexec import report as isoreport
+
+RUN = config["run_name"]
+ARCH = config["arch"]
+FAMILIES = list(config["families"])
+COMPOSITIONS = list(config["compositions"])
+GATE_COMPOSITION = config["gates"]["composition"]
+GATE_SEED = int(config["gates"]["seed"])
+# One GPU per gate job on a GPU arch; none on cpu. The SLURM profile turns this into --gpus.
+GATE_GPUS = 0 if ARCH == "cpu" else 1
+
+RES = f"{config['results_dir']}/{RUN}"
+FIG = f"{config['figures_dir']}/{RUN}"
+LOGS = f"{RES}/logs"
+
+# The CLI is given compositions and models by name (their names end up in gate artifacts, and the
+# gate runner tells native from isoexec by name); make it resolve those names in this workflow's
+# configs/ folder, the same files the rules declare as inputs.
+os.environ.update(ISOEXEC_CONFIGS=str(Path("configs").resolve()))
+
+_no_model = [f for f in FAMILIES if f not in config["models"]]
+if _no_model:
+    raise WorkflowError(
+        f"config: `models` has no entry for famil{'y' if len(_no_model) == 1 else 'ies'} "
+        f"{', '.join(_no_model)}; add e.g. `models: {{{_no_model[0]}: <name in configs/models/ or a YAML path>}}`"
+    )
+
+wildcard_constraints:
+    family="|".join(map(re.escape, FAMILIES)),
+    composition="|".join(map(re.escape, sorted(set(COMPOSITIONS) | {GATE_COMPOSITION}))),
+
+
+def model_name(family):
+    """What the CLI gets for --model: a name in configs/models/ or a YAML path, as configured."""
+    return config["models"][family]
+
+
+def model_file(wildcards):
+    """The model config YAML of a family (declared as an input, so editing it reruns the jobs)."""
+    name = model_name(wildcards.family)
+    if name.endswith((".yaml", ".yml")) or "/" in name:
+        return name
+    return f"configs/models/{name}.yaml"
+
+
+def composition_file(wildcards):
+    return f"configs/compositions/{wildcards.composition}.yaml"
+
+
+def gate_composition_file(wildcards):
+    return f"configs/compositions/{GATE_COMPOSITION}.yaml"
+
+
+def contract_path(family, composition, kind):
+    """results/<run>/contracts/<family>/<composition><kind>.json; kind "" is the final contract."""
+    return f"{RES}/contracts/{family}/{composition}{kind}.json"
+
+
+def gates_dir(family):
+    return f"{RES}/gates/{family}"
+
+
+def gate_run_record(family):
+    return f"{RES}/gate_runs/{family}.json"
+
+
+def build_args(wildcards):
+    """`isoexec contract build` arguments shared by the draft and the admitted build (no --out)."""
+    return ["contract", "build", "--family", wildcards.family, "--composition", wildcards.composition,
+            "--model", model_name(wildcards.family), "--arch", ARCH]
+
+
+def gate_runs():
+    """(record, artifact folder) per family, in config order: the gates table's input."""
+    return [(gate_run_record(f), gates_dir(f)) for f in FAMILIES]
+
+
+def contract_items():
+    """Per family x composition: the records the contracts table reads."""
+    return [{"family": f, "composition": c, "show": contract_path(f, c, ".show"),
+             "verify": contract_path(f, c, ".verify"), "admission": contract_path(f, c, ".admission"),
+             "gate_run": gate_run_record(f)}
+            for f in FAMILIES for c in COMPOSITIONS]
+
+
+def contract_inputs(wildcards):
+    paths = [p for it in contract_items() for k, p in it.items() if k not in ("family", "composition")]
+    return list(dict.fromkeys(paths))
+
+
+def final_targets():
+    return [f"{FIG}/gates.md", f"{FIG}/gates.csv", f"{FIG}/contracts.md", f"{FIG}/contracts.csv"]

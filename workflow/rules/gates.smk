@@ -1,0 +1,31 @@
+# Bitwise admission gates (GATES.md), per family, for the gate composition (isoexec):
+#   gates  `isoexec gates run --json` writes one artifact per gate into results/<run>/gates/<family>/
+#          (a directory output: Snakemake empties it before a rerun, so no stale artifacts remain)
+#          and the run's outcome into results/<run>/gate_runs/<family>.json.
+# A failing gate or a run stopped by a kernel that does not exist yet (exit 1) is recorded and
+# rendered as missing; bad input (exit 2) fails the job. This is the job that needs a GPU on sm90.
+
+
+rule gates:
+    input:
+        draft=contract_path("{family}", GATE_COMPOSITION, ".draft"),
+        composition=gate_composition_file,
+        model=model_file,
+    output:
+        artifacts=directory(gates_dir("{family}")),
+        record=gate_run_record("{family}"),
+    log:
+        f"{LOGS}/gates/{{family}}.log",
+    params:
+        composition=GATE_COMPOSITION,
+        model=lambda wc: model_name(wc.family),
+        arch=ARCH,
+        seed=GATE_SEED,
+    threads: 4
+    resources:
+        gpu=GATE_GPUS,
+        runtime=60,
+    run:
+        isoreport.run_gates(family=wildcards.family, composition=params.composition, model=params.model,
+                            arch=params.arch, seed=params.seed, out_dir=output.artifacts,
+                            record=output.record, log=log[0], threads=threads)
