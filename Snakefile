@@ -35,3 +35,4 @@ rule all:
 include: "workflow/rules/gates.smk"
 include: "workflow/rules/contracts.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/bench.smk"

@@ -176,7 +176,7 @@ IMPLS: tuple[ImplSpec, ...] = (
              {"trainer_fwd": f"{_K}.attention:varlen_attention", "trainer_score": f"{_K}.attention:varlen_attention",
               "engine_prefill": f"{_K}.attention:paged_prefill_attention",
               "engine_decode": f"{_K}.attention:paged_decode_attention"},
-             constants={"BLOCK_N": _c(64, 16, 32, 64)},
+             constants={"BLOCK_N": _c(64)},
              capabilities=frozenset({"grad", "cuda_graph", "paged"}), hazards=("len_not_tile_multiple",),
              doc="KV blocks of BLOCK_N at absolute positions walked in order with an fp32 online softmax"),
     ImplSpec("silu_mul_fp32", "1", "activation", ARCHES, {"*": f"{_K}.activation:silu_and_mul"},

@@ -20,7 +20,7 @@ from ..envinfo import env_info
 from ..paths import atomic_write
 
 
-def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 50, rep_ms: float = 300) -> float:
+def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: float = 120) -> float:
     """Median milliseconds of ``fn()``: triton's do_bench on CUDA, perf_counter on CPU."""
     if device == "cuda":
         import triton.testing

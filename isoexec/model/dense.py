@@ -111,7 +111,8 @@ class DenseModel(nn.Module):
         write_kv_pages(k, v, kc, vc, batch.slot_mapping)  # a copy: no arithmetic, part of attn_core
         if batch.case == "engine_decode":
             return attn(q, kc, vc, batch.block_table, batch.context_lens, scale)
-        return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale)
+        return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale,
+                    **({"max_seqlen_q": batch.max_seqlen_q} if batch.max_seqlen_q else {}))
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""

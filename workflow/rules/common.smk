@@ -8,6 +8,7 @@ from pathlib import Path
 from snakemake.exceptions import WorkflowError
 
 from isoexec import report as isoreport
+from isoexec.bench import report as isobench
 
 RUN = config["run_name"]
 ARCH = config["arch"]
@@ -97,5 +98,16 @@ def contract_inputs(wildcards):
     return list(dict.fromkeys(paths))
 
 
+BENCHES = list(config["benchmarks"]["names"])
+BENCH_QUICK = bool(config["benchmarks"]["quick"])
+
+
+def bench_path(name):
+    return f"{RES}/bench/{name}.json"
+
+
 def final_targets():
-    return [f"{FIG}/gates.md", f"{FIG}/gates.csv", f"{FIG}/contracts.md", f"{FIG}/contracts.csv"]
+    out = [f"{FIG}/gates.md", f"{FIG}/gates.csv", f"{FIG}/contracts.md", f"{FIG}/contracts.csv"]
+    if BENCHES:
+        out += [f"{FIG}/kernels.md", f"{FIG}/kernels.csv"]
+    return out

@@ -1,0 +1,90 @@
+"""Render benchmark result JSON (BENCHMARKS.md format) into paper_figures tables.
+
+One markdown section per benchmark: the rows as measured (shape fields, baseline, baseline_ms,
+ours_ms, speed_ratio), the measuring environment, and a one-line summary of the ratios. A CSV
+holds every row of every benchmark with a ``name`` column.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+from typing import Iterable
+
+from ..paths import atomic_write
+
+TIME_FIELDS = ("baseline", "baseline_ms", "ours_ms", "speed_ratio")
+
+
+def load(path: str | Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        obj = json.load(f)
+    for key in ("name", "env", "rows"):
+        if key not in obj:
+            raise ValueError(f"{path}: not a benchmark result (no {key!r})")
+    return obj
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def section(obj: dict) -> list[str]:
+    rows = obj["rows"]
+    shape_keys = [k for k in rows[0] if k not in TIME_FIELDS] if rows else []
+    env = obj["env"]
+    ratios = [r["speed_ratio"] for r in rows if isinstance(r.get("speed_ratio"), (int, float))]
+    lines = [f"## {obj['name']}", "",
+             f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
+             f"commit {env.get('commit', '?')}, {env.get('date', '?')}). speed_ratio = baseline_ms / ours_ms "
+             "(1.0 parity, 0.5 = ours twice as slow).", ""]
+    if ratios:
+        lines += [f"speed_ratio over {len(ratios)} rows: min {min(ratios):.3f}, median "
+                  f"{sorted(ratios)[len(ratios) // 2]:.3f}, max {max(ratios):.3f}.", ""]
+    header = shape_keys + list(TIME_FIELDS)
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(r.get(k, "")) for k in header) + " |")
+    return lines + [""]
+
+
+def write_bench_report(paths: Iterable[str | Path], md_out: str | Path, csv_out: str | Path, run: str) -> int:
+    objs = [load(p) for p in paths]
+    lines = [f"# Kernel benchmarks ({run})", "",
+             "Ours vs the stock path, measured in the same run on the same random inputs "
+             "(`isoexec bench NAME`).", ""]
+    buf = io.StringIO()
+    keys = ["name"]
+    for o in objs:
+        for r in o["rows"]:
+            for k in r:
+                if k not in keys:
+                    keys.append(k)
+    w = csv.DictWriter(buf, fieldnames=keys + ["device"])
+    w.writeheader()
+    for o in objs:
+        lines += section(o)
+        for r in o["rows"]:
+            w.writerow({"name": o["name"], "device": o["env"].get("device", ""), **r})
+    atomic_write(md_out, "\n".join(lines))
+    atomic_write(csv_out, buf.getvalue())
+    return sum(len(o["rows"]) for o in objs)
+
+
+def run_bench(name: str, out: str, device: str, quick: bool, log: str) -> None:
+    """The workflow's bench job: ``isoexec bench NAME`` with its output logged."""
+    from ..report import run_cli
+
+    with open(log, "w") as lf:
+        run_cli(["bench", name, "--out", out, "--device", device, *(["--quick"] if quick else [])], lf)
+
+
+def render(paths, md_out: str, csv_out: str, run: str, log: str) -> None:
+    """The workflow's kernels_table job."""
+    n = write_bench_report(paths, md_out, csv_out, run)
+    Path(log).write_text(f"{n} benchmark rows rendered\n")

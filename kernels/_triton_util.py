@@ -1,0 +1,144 @@
+"""Triton plumbing shared by the kernels: optional import, lazy jit, allocator, SM count.
+
+Triton is optional: on a CPU machine without it every kernel module still imports and its
+reference twin runs. Kernels are decorated with :func:`jit`, which defers ``triton.jit`` to
+the first launch so that ``TRITON_INTERPRET=1`` set by a test (after this module was imported)
+is still honoured; one compiled object is kept per mode (interpreted or not).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # pragma: no cover - depends on the machine
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+    HAS_TRITON = False
+
+    class _MissingTritonLanguage:
+        """Stand-in for ``triton.language`` so kernel signatures (``X: tl.constexpr``) still
+        evaluate; any other use says what is missing."""
+
+        constexpr = None
+
+        def __getattr__(self, name):
+            raise RuntimeError(
+                f"triton.language.{name} used but triton is not installed; "
+                "install the 'gpu' extra (pip install 'isoexec[gpu]') or use the reference twin"
+            )
+
+    tl = _MissingTritonLanguage()
+
+
+__all__ = [
+    "HAS_TRITON",
+    "triton",
+    "tl",
+    "jit",
+    "interpreting",
+    "triton_usable",
+    "want_triton",
+    "num_sms",
+    "ensure_allocator",
+    "next_pow2",
+]
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``: CUDA tensors with triton installed, or any
+    tensor under the interpreter."""
+    if not HAS_TRITON:
+        return False
+    return t.is_cuda or interpreting()
+
+
+def want_triton(t: torch.Tensor) -> bool:
+    """The public dispatch rule of every kernel: a CUDA tensor goes to Triton, anything else to
+    the reference twin. (The interpreter is reached only by calling ``*_triton`` directly.)"""
+    if t.is_cuda:
+        if not HAS_TRITON:
+            raise RuntimeError(
+                "isoexec_kernels: CUDA tensor given but triton is not installed; the invariant "
+                "path needs triton (pip install 'isoexec[gpu]')"
+            )
+        return True
+    return False
+
+
+class _LazyKernel:
+    """A kernel whose ``triton.jit`` happens at first launch, once per interpret mode."""
+
+    def __init__(self, fn, jit_kwargs):
+        self.fn = fn
+        self.jit_kwargs = jit_kwargs
+        self._compiled = {}
+        functools.update_wrapper(self, fn)
+
+    def _get(self):
+        if not HAS_TRITON:
+            raise RuntimeError(
+                f"kernel {self.fn.__name__} needs triton, which is not installed; "
+                "use the reference twin on CPU"
+            )
+        mode = interpreting()
+        k = self._compiled.get(mode)
+        if k is None:
+            k = triton.jit(self.fn, **self.jit_kwargs)
+            self._compiled[mode] = k
+        return k
+
+    def __getitem__(self, grid):
+        return self._get()[grid]
+
+
+def jit(fn=None, **kwargs):
+    """``triton.jit`` deferred to the first launch (see module docstring). Kernels decorated
+    this way must not call each other (inline helpers instead)."""
+    if fn is None:
+        return lambda f: _LazyKernel(f, kwargs)
+    return _LazyKernel(fn, kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Number of streaming multiprocessors (persistent grid size); 4 under the interpreter."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _scratch_alloc(size: int, alignment: int, stream):
+    # Device-side tensor descriptors (TMA) need a small global workspace per launch.
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _scratch_alloc_cpu(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8)
+
+
+def ensure_allocator(device: torch.device) -> None:
+    """Install Triton's workspace allocator. The allocator lives in a ContextVar, so it is set
+    before every descriptor launch (cheap) rather than once per process."""
+    if HAS_TRITON:
+        triton.set_allocator(_scratch_alloc if device.type == "cuda" else _scratch_alloc_cpu)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -1,0 +1,48 @@
+"""Benchmarks: the CLI writes the BENCHMARKS.md result format and the renderer tables it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from isoexec.bench.report import write_bench_report
+
+REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
+
+
+@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention"])
+def test_bench_cli_writes_result_format(tmp_path, name):
+    out = tmp_path / f"{name}.json"
+    r = subprocess.run([sys.executable, "-m", "isoexec.cli", "bench", name, "--quick", "--device", "cpu",
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    obj = json.loads(out.read_text())
+    assert obj["name"] == name
+    assert {"device", "torch", "triton", "transformers", "commit", "date"} <= set(obj["env"])
+    assert obj["rows"] and all(REQUIRED_ROW <= set(row) for row in obj["rows"])
+    for row in obj["rows"]:
+        assert row["speed_ratio"] == pytest.approx(row["baseline_ms"] / row["ours_ms"], rel=1e-3, abs=1e-4)
+
+
+def test_report_renders_every_row(tmp_path):
+    res = {"name": "gemm", "env": {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers":
+                                   "5.17.0", "commit": "abc", "date": "2026-11-30"},
+           "rows": [{"M": 1, "K": 64, "N": 64, "baseline": "cublas", "baseline_ms": 1.0, "ours_ms": 2.0,
+                     "speed_ratio": 0.5},
+                    {"M": 256, "K": 64, "N": 64, "baseline": "cublas", "baseline_ms": 1.0, "ours_ms": 1.0,
+                     "speed_ratio": 1.0}]}
+    p = tmp_path / "gemm.json"
+    p.write_text(json.dumps(res))
+    n = write_bench_report([p], tmp_path / "k.md", tmp_path / "k.csv", "h200")
+    md = (tmp_path / "k.md").read_text()
+    assert n == 2 and "## gemm" in md and "| 256 | 64 | 64 | cublas | 1 | 1 | 1 |" in md
+    assert "min 0.500" in md and "NVIDIA H200" in md
+    assert len((tmp_path / "k.csv").read_text().strip().splitlines()) == 3
+
+
+def test_report_refuses_a_non_result(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text("{}")
+    with pytest.raises(ValueError, match="not a benchmark result"):
+        write_bench_report([p], tmp_path / "k.md", tmp_path / "k.csv", "x")

@@ -1,0 +1,177 @@
+"""Helpers for the kernel gates (fixture ``kb``): integer-view bit comparison, tolerances, the Triton interpreter.
+
+Bits are compared through integer views (int32 for fp32, int16 for bf16/fp16): ``torch.equal``
+on floats calls +0 and -0 equal and NaN unequal to itself. A gate passes only with 0 differing
+elements; failures report count, first index, max |diff| and max ULP distance.
+Triton interpreter checks: see the section below (fixture ``interp_results``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+# rel L2 tolerance against a float64 evaluation of the same inputs
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+# every M bucket of the GEMM tile table is crossed by this list (<=64, <=256, >256 on GPU)
+BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(INT_VIEW[t.dtype])
+
+
+def bit_report(a: torch.Tensor, b: torch.Tensor) -> dict:
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
+    ia, ib = bits(a).long(), bits(b).long()
+    diff = ia != ib
+    rep = {"elements": a.numel(), "differing": int(diff.sum())}
+    if rep["differing"]:
+        da, db = a.detach().cpu().double(), b.detach().cpu().double()
+        rep["max_abs_diff"] = float((da - db).abs().nan_to_num(float("inf")).max())
+        rep["max_ulp"] = int((ia - ib).abs().max())
+        rep["first_index"] = [int(i) for i in diff.nonzero()[0]]
+    return rep
+
+
+def assert_bitwise(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
+    rep = bit_report(a, b)
+    assert rep["differing"] == 0, f"{what}: {rep}"
+
+
+def rel_l2(out: torch.Tensor, want: torch.Tensor) -> float:
+    out, want = out.detach().double().cpu(), want.detach().double().cpu()
+    den = want.norm().item()
+    return (out - want).norm().item() / (den if den else 1.0)
+
+
+def needle_batch(row: torch.Tensor, m: int, gen: torch.Generator, scale: float = 1.0):
+    """A batch of ``m`` random rows (random magnitudes) with ``row`` placed at a random index;
+    returns (batch, index)."""
+    idx = int(torch.randint(0, m, (1,), generator=gen))
+    batch = torch.randn((m,) + tuple(row.shape), generator=gen, dtype=torch.float32)
+    mags = torch.exp(torch.randn((m,) + (1,) * row.dim(), generator=gen))
+    batch = (batch * mags * scale).to(row.dtype)
+    batch[idx] = row
+    return batch, idx
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+#
+# Triton must be imported with TRITON_INTERPRET=1 already set (its own helper functions such as
+# tl.cdiv/tl.sum are compiled objects otherwise), so the interpreter checks run in ONE
+# subprocess per session: it loads every test module of this folder, runs each function named
+# ``interp_case_*`` (argument: the ``kb`` helpers) and reports "ok" or the failure as JSON.
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _run_interpreter_cases() -> dict:
+    import importlib.util
+    import traceback
+
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - machine dependent
+        return {"__skip__": f"triton not importable ({type(e).__name__}: {e})"}
+    import numpy
+
+    np_ver = tuple(int(v) for v in numpy.__version__.split(".")[:2])
+    if triton.__version__.startswith("3.6") and np_ver >= (2, 3):
+        # seen on the GPU machine (numpy 2.5): "only 0-dimensional arrays can be converted
+        # to Python scalars" inside any kernel loop
+        return {"__skip__": f"triton 3.6's interpreter needs numpy < 2.3 (have {numpy.__version__})"}
+    try:  # a tiny dot inside a runtime loop first
+        import triton.language as tl
+
+        @triton.jit
+        def _probe(x_ptr, o_ptr, n, B: tl.constexpr):
+            i = tl.arange(0, B)
+            acc = tl.zeros((B, B), dtype=tl.float32)
+            for _ in range(0, n, 1):
+                a = tl.load(x_ptr + i[:, None] * B + i[None, :])
+                acc = tl.dot(a, a, acc, input_precision="ieee")
+            tl.store(o_ptr + i[:, None] * B + i[None, :], acc)
+
+        x = torch.randn(16, 16)
+        o = torch.empty(16, 16)
+        _probe[(1,)](x, o, 2, B=16)
+        assert torch.allclose(o, 2 * (x @ x), atol=1e-4), "interpreter dot is wrong"
+    except Exception as e:  # pragma: no cover - machine dependent
+        return {"__skip__": f"triton interpreter unusable here ({type(e).__name__}: {e})"}
+    helpers = _helpers()
+    results = {}
+    for fname in sorted(os.listdir(_HERE)):
+        if not (fname.startswith("test_") and fname.endswith(".py")):
+            continue
+        path = os.path.join(_HERE, fname)
+        with open(path) as f:
+            if "def interp_case_" not in f.read():
+                continue
+        spec = importlib.util.spec_from_file_location(f"_interp_{fname[:-3]}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        for name in sorted(vars(mod)):
+            if name.startswith("interp_case_"):
+                key = f"{fname[:-3]}::{name}"
+                try:
+                    getattr(mod, name)(helpers)
+                    results[key] = "ok"
+                except Exception:
+                    results[key] = traceback.format_exc(limit=4)
+    return results
+
+
+@pytest.fixture(scope="session")
+def interp_results():
+    """Results of every ``interp_case_*`` run in a TRITON_INTERPRET=1 subprocess."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed: interpreter checks skipped")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(_HERE, "conftest.py")], env=env,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "__skip__" in res:
+        pytest.skip(res["__skip__"])
+    return res
+
+
+def check_interp(results: dict, module: str, case: str) -> None:
+    key = f"{module}::{case}"
+    assert key in results, f"interpreter case {key} did not run"
+    assert results[key] == "ok", f"{key}:\n{results[key]}"
+
+
+def _helpers() -> SimpleNamespace:
+    return SimpleNamespace(
+        bits=bits, bit_report=bit_report, assert_bitwise=assert_bitwise, rel_l2=rel_l2,
+        needle_batch=needle_batch, TOL=TOL, BATCH_SIZES=BATCH_SIZES, check_interp=check_interp,
+    )
+
+
+@pytest.fixture(scope="session")
+def kb():
+    """The helpers above as one object (test modules do not import conftest)."""
+    return _helpers()
+
+
+if __name__ == "__main__":
+    print(json.dumps(_run_interpreter_cases()))

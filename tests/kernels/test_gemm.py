@@ -1,0 +1,308 @@
+"""Gates for the batch-invariant linear layer (kernels/gemm.py) and the fixed-order sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoexec_kernels import _ref, gemm, native
+
+DTYPES = (torch.float32, torch.bfloat16)
+BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
+CUDA_BATCH_SIZES = BATCH_SIZES + (17, 257, 1000, 1025, 2048, 4096, 4097)
+CUDA_N = (4096, 1024, 1000, 151936)
+
+
+def _weights(N, K, dtype, seed, bias=True):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return w, b, g
+
+
+# --------------------------------------------------------------------------- fixed-order sums
+
+
+def test_tree_sum_is_the_documented_halves_tree():
+    t = torch.tensor([1e8, 1.0, -1e8, 1.0, 3.0], dtype=torch.float32)
+    # pad to 8: [(1e8+3) + (-1e8+0)] + [(1+0) + (1+0)] evaluated in fp32
+    a = (torch.tensor(1e8) + 3.0) + (torch.tensor(-1e8) + 0.0)
+    want = a + (torch.tensor(1.0) + torch.tensor(1.0))
+    assert torch.equal(_ref.tree_sum0(t), want)
+    buf = t.clone()
+    assert _ref.tree_sum0(torch.zeros(0)).item() == 0.0
+    buf8 = torch.cat([buf, torch.zeros(3)])
+    assert torch.equal(_ref.tree_sum0_(buf8), want)
+
+
+def test_blocked_sum_leaf_padding_never_changes_bits(kb):
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(300, 7, generator=g) * torch.exp(torch.randn(300, 7, generator=g) * 4)
+    a = _ref.blocked_sum(t, 0, 64)
+    # same leaves written out by hand with explicit zero padding to the full leaf width
+    acc = torch.zeros(7)
+    for k0 in range(0, 300, 64):
+        leaf = torch.zeros(64, 7)
+        leaf[: min(64, 300 - k0)] = t[k0:k0 + 64]
+        acc = acc + _ref.tree_sum0(leaf)
+    kb.assert_bitwise(a, acc, "blocked_sum vs explicit padding")
+
+
+# --------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,N,K", [(7, 48, 160), (33, 10, 64), (4, 3, 1), (5, 130, 257)])
+def test_linear_reference_matches_float64(kb, dtype, M, N, K):
+    w, b, g = _weights(N, K, dtype, seed=M * 1000 + K)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    want = x.double() @ w.double().T + b.double()
+    out = gemm.linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (M, N)
+    assert kb.rel_l2(out, want) < kb.TOL[dtype]
+    assert kb.rel_l2(native.linear_native(x, w, b), want) < kb.TOL[dtype]
+
+
+def test_linear_leading_dims_and_empty_batch(kb):
+    w, b, g = _weights(24, 80, torch.float32, seed=3)
+    x = torch.randn(2, 5, 80, generator=g)
+    out = gemm.linear(x, w, b)
+    assert out.shape == (2, 5, 24)
+    kb.assert_bitwise(out.reshape(10, 24), gemm.linear(x.reshape(10, 80), w, b), "leading dims")
+    assert gemm.linear(torch.zeros(0, 80), w, b).shape == (0, 24)
+
+
+# --------------------------------------------------------------------------- batch invariance
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_row_alone_equals_row_in_batch_bitwise(kb, dtype):
+    seed = 11 if dtype == torch.float32 else 12
+    w, b, g = _weights(48, 160, dtype, seed)  # K = 2.5 blocks: last block partial
+    checked = 0
+    for m in BATCH_SIZES:
+        row = torch.randn(160, generator=g).to(dtype)
+        alone = gemm.linear(row[None], w, b)[0]
+        batch, idx = kb.needle_batch(row, m, g)
+        kb.assert_bitwise(gemm.linear(batch, w, b)[idx], alone, f"seed {seed} M={m} row {idx}")
+        checked += 1
+    assert checked == len(BATCH_SIZES)
+
+
+def test_linear_row_invariant_across_reference_row_chunks(kb):
+    # N large enough that the reference processes rows in several chunks
+    N, K = 1100, 70
+    w, b, g = _weights(N, K, torch.float32, seed=5)
+    assert _ref.rows_per_chunk(gemm.BLOCK_K * N) < 40
+    row = torch.randn(K, generator=g)
+    alone = gemm.linear(row[None], w, b)[0]
+    for m in (13, 40, 97):
+        batch, idx = kb.needle_batch(row, m, g)
+        kb.assert_bitwise(gemm.linear(batch, w, b)[idx], alone, f"M={m} row {idx}")
+
+
+def test_linear_hazards_signed_zeros_subnormals_noncontiguous_bitwise(kb):
+    K, N = 100, 20
+    w, b, g = _weights(N, K, torch.float32, seed=7, bias=False)
+    w[3] = -0.0  # a whole output column of -0 weights
+    x = torch.randn(9, K, generator=g)
+    x[0] = -0.0  # a row of -0
+    x[1, ::3] = 1e-40  # fp32 subnormals
+    x[2, :50] = -x[2, 50:]  # exact cancellations
+    assert int((x.abs() < 1.2e-38).logical_and(x != 0).sum()) > 0, "no subnormal drawn"
+    assert int(torch.signbit(x[0]).sum()) == K, "no -0 drawn"
+    out = gemm.linear(x, w)
+    for i in range(3):
+        kb.assert_bitwise(gemm.linear(x[i:i + 1], w)[0], out[i], f"hazard row {i}")
+    # an all -0 product row sums to +0 (the accumulator starts at +0)
+    assert not torch.signbit(out[0]).any()
+    # non-contiguous views give the bits of their contiguous copies
+    big = torch.randn(K, 30, generator=g)
+    xt = big.t()[:, :]  # [30, K] transposed view
+    wt = torch.randn(K, N, generator=g).t()  # [N, K] transposed view
+    kb.assert_bitwise(gemm.linear(xt, wt), gemm.linear(xt.contiguous(), wt.contiguous()),
+                      "non-contiguous")
+
+
+def test_stock_cpu_matmul_is_batch_variant_negative_control(kb):
+    """Negative control: the stock CPU fp32 matmul changes a row's bits with the batch size on
+    this machine, so the invariance gates above are not vacuous."""
+    g = torch.Generator().manual_seed(0)
+    differing = 0
+    for K, N in ((64, 64), (256, 256), (512, 512)):
+        x = torch.randn(64, K, generator=g)
+        w = torch.randn(N, K, generator=g)
+        alone = F.linear(x[:1], w)
+        differing += kb.bit_report(F.linear(x, w)[:1], alone)["differing"]
+        # ... while the invariant kernel keeps them
+        kb.assert_bitwise(gemm.linear(x, w)[:1], gemm.linear(x[:1], w), f"K={K}")
+    assert differing > 0, "stock matmul was batch invariant here: negative control unavailable"
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def test_linear_gradients_match_float64(kb):
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(2, 6, 70, generator=g, requires_grad=True)
+    w = (torch.randn(30, 70, generator=g) / 8).requires_grad_()
+    b = torch.randn(30, generator=g, requires_grad=True)
+    dy = torch.randn(2, 6, 30, generator=g)
+    out = gemm.linear(x, w, b)
+    (out * dy).sum().backward()
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    (F.linear(x64, w64, b64) * dy.double()).sum().backward()
+    for got, want, name in ((x.grad, x64.grad, "x"), (w.grad, w64.grad, "w"), (b.grad, b64.grad, "b")):
+        assert got.dtype == torch.float32
+        assert kb.rel_l2(got, want) < 1e-5, name
+
+
+def test_linear_grad_x_row_alone_equals_row_in_batch_bitwise(kb):
+    w, _, g = _weights(40, 90, torch.float32, seed=31, bias=False)
+    dy_row = torch.randn(40, generator=g)
+    x_row = torch.randn(90, generator=g)
+
+    def grad_x(xs, dys):
+        xs = xs.clone().requires_grad_()
+        gemm.linear(xs, w).backward(dys)
+        return xs.grad
+
+    alone = grad_x(x_row[None], dy_row[None])[0]
+    for m in (3, 64, 100):
+        xb, idx = kb.needle_batch(x_row, m, g)
+        dyb = torch.randn(m, 40, generator=g)
+        dyb[idx] = dy_row
+        kb.assert_bitwise(grad_x(xb, dyb)[idx], alone, f"grad_x M={m}")
+
+
+def test_linear_forward_with_and_without_autograd_is_bitwise_equal(kb):
+    w, b, g = _weights(32, 64, torch.bfloat16, seed=41)
+    x = torch.randn(10, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        plain = gemm.linear(x, w, b)
+    graded = gemm.linear(x.clone().requires_grad_(), w, b)
+    kb.assert_bitwise(graded, plain, "trainer_fwd vs trainer_score")
+
+
+# --------------------------------------------------------------------------- tiles and errors
+
+
+def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
+    seen = set()
+    for n in (1024, 4096, 151936):
+        for m in list(BATCH_SIZES) + [257, 1000, 1024, 1025, 2048, 4096, 4097, 10240]:
+            cfg = gemm.tile_for_m(m, torch.bfloat16, n)
+            assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer")
+            seen.add((n, tuple(sorted(cfg.items()))))
+        assert gemm.block_k_for(n, 4096) == gemm.BLOCK_K
+    # the CUDA gate below runs CUDA_BATCH_SIZES for every N of CUDA_N: every bucket
+    buckets = {tuple(sorted(gemm.tile_for_m(m, torch.bfloat16, n).items()))
+               for n in CUDA_N for m in range(1, 10241, 7)}
+    gate = {tuple(sorted(gemm.tile_for_m(m, torch.bfloat16, n).items()))
+            for n in CUDA_N for m in CUDA_BATCH_SIZES}
+    assert buckets <= gate, "CUDA_BATCH_SIZES misses an M bucket"
+    assert gemm.gemm_path(4096, 4096, torch.bfloat16, torch.device("cpu")) == "pointer"
+
+
+def test_linear_errors_name_the_problem():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="K=7"):
+        gemm.linear(torch.randn(2, 7), w)
+    with pytest.raises(TypeError, match="bfloat16"):
+        gemm.linear(torch.randn(2, 8).bfloat16(), w)
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+# Each interp_case_* runs in the TRITON_INTERPRET=1 subprocess (conftest); fp32/fp16 only.
+
+
+def _interp_linear(kb, dtype, impl):
+    g = torch.Generator().manual_seed(51)
+    N, K = 40, 100 if impl == "tma" else 90  # tma needs 16-byte row strides
+    w = (torch.randn(N, K, generator=g) / 10).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    row = torch.randn(K, generator=g).to(dtype)
+    alone = gemm.linear_triton(row[None], w, b, impl=impl)[0]
+    for m in (1, 70, 300):  # fp16 crosses all three M buckets
+        batch, idx = kb.needle_batch(row, m, g)
+        out = gemm.linear_triton(batch, w, b, impl=impl)
+        want = batch.double() @ w.double().T + b.double()
+        assert kb.rel_l2(out, want) < kb.TOL[dtype], kb.rel_l2(out, want)
+        kb.assert_bitwise(out[idx], alone, f"{impl} {dtype} M={m} row {idx}")
+
+
+def interp_case_linear_fp32_pointer_matches_float64_and_row_invariant(kb):
+    _interp_linear(kb, torch.float32, "pointer")
+
+
+def interp_case_linear_fp32_tma_matches_float64_and_row_invariant(kb):
+    _interp_linear(kb, torch.float32, "tma")
+
+
+def interp_case_linear_fp16_pointer_matches_float64_and_row_invariant_every_bucket(kb):
+    _interp_linear(kb, torch.float16, "pointer")
+
+
+def interp_case_linear_pointer_and_tma_agree_fp32(kb):
+    g = torch.Generator().manual_seed(52)
+    w = torch.randn(24, 132, generator=g)
+    x = torch.randn(9, 132, generator=g)
+    kb.assert_bitwise(gemm.linear_triton(x, w, impl="pointer"), gemm.linear_triton(x, w, impl="tma"),
+                      "pointer vs tma (interpreter)")
+
+
+def interp_case_linear_noncontiguous_and_bias_free(kb):
+    g = torch.Generator().manual_seed(53)
+    big = torch.randn(72, 20, generator=g)
+    x = big.t()  # [20, 72] strided view
+    w = torch.randn(16, 72, generator=g)
+    kb.assert_bitwise(gemm.linear_triton(x, w), gemm.linear_triton(x.contiguous(), w), "strided x")
+
+
+@pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
+def test_linear_triton_under_interpreter(interp_results, kb, case):
+    kb.check_interp(interp_results, "test_gemm", case)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1000, 200), (151936, 1024)])
+def test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket(kb, N, K):
+    g = torch.Generator().manual_seed(61)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda()
+    row = torch.randn(K, generator=g).bfloat16()
+    alone = gemm.linear(row[None].cuda(), w, b)[0]
+    for m in CUDA_BATCH_SIZES:
+        batch, idx = kb.needle_batch(row, m, g)
+        out = gemm.linear(batch.cuda(), w, b)
+        kb.assert_bitwise(out[idx], alone, f"cuda N={N} K={K} M={m} row {idx}")
+    want = batch.double() @ w.double().cpu().T + b.double().cpu()
+    assert kb.rel_l2(out, want) < kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_linear_cuda_fp32_and_backward(kb):
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(70, 136, generator=g).cuda().requires_grad_()
+    w = torch.randn(48, 136, generator=g).cuda().requires_grad_()
+    out = gemm.linear(x, w)
+    want = x.detach().double() @ w.detach().double().T
+    assert kb.rel_l2(out, want) < 1e-5
+    out.sum().backward()
+    assert kb.rel_l2(x.grad, torch.ones(70, 48, dtype=torch.float64, device="cuda") @ w.detach().double()) < 1e-5
+
+
+@pytest.mark.gpu
+def test_stock_cublas_is_batch_variant_negative_control(kb):
+    g = torch.Generator().manual_seed(63)
+    x = torch.randn(256, 4096, generator=g).bfloat16().cuda()
+    w = torch.randn(4096, 4096, generator=g).bfloat16().cuda()
+    alone = F.linear(x[:1], w)
+    differing = sum(kb.bit_report(F.linear(x[:m], w)[:1], alone)["differing"] for m in (64, 128, 256))
+    assert differing > 0, "cuBLAS was batch invariant here: negative control unavailable"

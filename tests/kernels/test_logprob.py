@@ -1,0 +1,183 @@
+"""Gates for token logprobs / log-softmax (kernels/logprob.py) and the position-free log."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoexec_kernels import _ref, logprob, native
+
+BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
+
+
+def _f64_logprobs(z, t):
+    ls = torch.log_softmax(z.double(), dim=-1)
+    return ls.gather(-1, t.long()[:, None])[:, 0]
+
+
+def test_log64_is_accurate_and_handles_specials():
+    y = torch.exp(torch.linspace(-700, 700, 20001, dtype=torch.float64))
+    assert (_ref.log64(y) - torch.log(y)).abs().max() < 1e-12
+    sp = _ref.log64(torch.tensor([0.0, 1.0, float("inf"), -1.0], dtype=torch.float64))
+    assert sp[0] == -float("inf") and sp[1] == 0 and sp[2] == float("inf") and torch.isnan(sp[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("V", [1, 7, 1000, 1024, 3001])
+def test_logprobs_match_float64(kb, dtype, V):
+    g = torch.Generator().manual_seed(V)
+    z = (torch.randn(6, V, generator=g) * 3).to(dtype)
+    t = torch.randint(0, V, (6,), generator=g)
+    lp = logprob.token_logprobs(z, t)
+    assert lp.dtype == torch.float32 and lp.shape == (6,)
+    want = _f64_logprobs(z, t)
+    assert (lp.double() - want).abs().max() < 1e-5
+    ls = logprob.log_softmax(z)
+    assert kb.rel_l2(ls, torch.log_softmax(z.double(), -1)) < 1e-6
+    assert (native.token_logprobs_native(z, t).double() - want).abs().max() < 1e-5
+
+
+def test_token_logprobs_equal_gathered_log_softmax_bitwise(kb):
+    g = torch.Generator().manual_seed(1)
+    z = torch.randn(9, 2500, generator=g) * 4
+    t = torch.randint(0, 2500, (9,), generator=g)
+    kb.assert_bitwise(logprob.token_logprobs(z, t),
+                      logprob.log_softmax(z).gather(1, t[:, None])[:, 0], "token vs full")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logprob_row_alone_equals_row_in_batch_bitwise(kb, dtype):
+    g = torch.Generator().manual_seed(2)
+    V = 1500  # one full reference leaf and a partial one
+    for m in BATCH_SIZES:
+        row = (torch.randn(V, generator=g) * 3).to(dtype)
+        tgt = int(torch.randint(0, V, (1,), generator=g))
+        alone = logprob.token_logprobs(row[None], torch.tensor([tgt]))[0]
+        alone_full = logprob.log_softmax(row[None])[0]
+        batch, idx = kb.needle_batch(row, m, g, scale=3.0)
+        tb = torch.randint(0, V, (m,), generator=g)
+        tb[idx] = tgt
+        kb.assert_bitwise(logprob.token_logprobs(batch, tb)[idx], alone, f"M={m} row {idx}")
+        if m in (1, 64, 256):
+            kb.assert_bitwise(logprob.log_softmax(batch)[idx], alone_full, f"full M={m}")
+
+
+def test_logprob_invariant_across_reference_row_chunks(kb):
+    g = torch.Generator().manual_seed(3)
+    V = 70000  # the reference processes few rows per chunk at this vocabulary
+    assert _ref.rows_per_chunk(V, budget=1 << 19) < 10
+    row = torch.randn(V, generator=g)
+    alone = logprob.token_logprobs(row[None], torch.tensor([5]))[0]
+    batch, idx = kb.needle_batch(row, 12, g)
+    t = torch.full((12,), 5)
+    kb.assert_bitwise(logprob.token_logprobs(batch, t)[idx], alone, "chunked rows")
+
+
+def test_logprob_hazards_signed_zeros_ties_masked_vocab_noncontiguous(kb):
+    V = 300
+    z = torch.randn(6, V, generator=torch.Generator().manual_seed(4))
+    z[0] = -0.0  # all -0: max is -0 (normalised to +0), uniform distribution
+    z[1] = 0.0
+    z[2, :] = 1.0  # ties everywhere
+    z[3, 100:] = -float("inf")  # masked vocabulary
+    z[4, ::2] = -0.0
+    t = torch.tensor([3, 3, 7, 5, 0, 1])
+    assert int(torch.signbit(z[0]).sum()) == V and bool(torch.isinf(z[3]).any())
+    lp = logprob.token_logprobs(z, t)
+    kb.assert_bitwise(lp[0], lp[1], "-0 row vs +0 row")
+    assert abs(lp[0].item() + torch.log(torch.tensor(float(V))).item()) < 1e-6
+    assert abs(lp[3].item() - torch.log_softmax(z[3].double(), 0)[5].item()) < 1e-6
+    for i in range(6):
+        kb.assert_bitwise(logprob.token_logprobs(z[i:i + 1], t[i:i + 1])[0], lp[i], f"row {i}")
+    # logits as a strided view (e.g. every other row of a bigger buffer)
+    big = torch.randn(12, V + 5, generator=torch.Generator().manual_seed(5))
+    view = big[::2, :V]
+    tt = torch.randint(0, V, (6,))
+    kb.assert_bitwise(logprob.token_logprobs(view, tt), logprob.token_logprobs(view.contiguous(), tt),
+                      "strided logits")
+    assert logprob.token_logprobs(torch.zeros(0, V), torch.zeros(0, dtype=torch.long)).shape == (0,)
+
+
+def test_logprob_gradients_match_float64(kb):
+    g = torch.Generator().manual_seed(6)
+    z = (torch.randn(5, 400, generator=g) * 2).requires_grad_()
+    t = torch.randint(0, 400, (5,), generator=g)
+    dy = torch.randn(5, generator=g)
+    logprob.token_logprobs(z, t).backward(dy)
+    z64 = z.detach().double().requires_grad_()
+    (_f64_logprobs(z64, t) * dy.double()).sum().backward()
+    assert kb.rel_l2(z.grad, z64.grad) < 1e-6
+    z.grad = None
+    dyf = torch.randn(5, 400, generator=g)
+    logprob.log_softmax(z).backward(dyf)
+    z64.grad = None
+    (torch.log_softmax(z64, -1) * dyf.double()).sum().backward()
+    assert kb.rel_l2(z.grad, z64.grad) < 1e-6
+
+
+def test_logprob_forward_with_and_without_autograd_is_bitwise_equal(kb):
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(4, 900, generator=g).bfloat16()
+    t = torch.randint(0, 900, (4,), generator=g)
+    with torch.no_grad():
+        plain = logprob.token_logprobs(z, t)
+    kb.assert_bitwise(logprob.token_logprobs(z.clone().requires_grad_(), t), plain, "grad vs no grad")
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+def interp_case_logprob_matches_float64_row_invariant_and_token_equals_full(kb):
+    for dtype in (torch.float32, torch.float16):
+        g = torch.Generator().manual_seed(8)
+        V = 5000  # one full BLOCK_V chunk and a partial one
+        row = (torch.randn(V, generator=g) * 3).to(dtype)
+        tgt = 17
+        alone = logprob.token_logprobs_triton(row[None], torch.tensor([tgt]))[0]
+        for m in (1, 6):
+            batch, idx = kb.needle_batch(row, m, g, scale=3.0)
+            tb = torch.randint(0, V, (m,), generator=g)
+            tb[idx] = tgt
+            lp = logprob.token_logprobs_triton(batch, tb)
+            assert (lp.double() - _f64_logprobs(batch, tb)).abs().max() < 1e-5
+            kb.assert_bitwise(lp[idx], alone, f"{dtype} M={m}")
+            full = logprob.log_softmax_triton(batch)
+            kb.assert_bitwise(full.gather(1, tb[:, None])[:, 0], lp, "token vs full")
+
+
+def interp_case_logprob_hazards_masked_and_signed_zero(kb):
+    V = 4200
+    z = torch.randn(3, V)
+    z[0] = -0.0
+    z[1, :4096] = -float("inf")  # a whole first chunk masked
+    z[2] = 0.0
+    t = torch.tensor([0, 4100, 0])
+    lp = logprob.token_logprobs_triton(z, t)
+    kb.assert_bitwise(lp[0], lp[2], "-0 vs +0 row")
+    assert abs(lp[1].item() - torch.log_softmax(z[1].double(), 0)[4100].item()) < 1e-5
+
+
+@pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
+def test_logprob_triton_under_interpreter(interp_results, kb, case):
+    kb.check_interp(interp_results, "test_logprob", case)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("V", [1000, 151936])
+def test_logprob_cuda_row_alone_equals_row_in_batch_bitwise(kb, V):
+    g = torch.Generator().manual_seed(9)
+    row = (torch.randn(V, generator=g) * 3).bfloat16()
+    tgt = 11
+    alone = logprob.token_logprobs(row[None].cuda(), torch.tensor([tgt]).cuda())[0]
+    for m in (2, 64, 257, 1024):
+        batch, idx = kb.needle_batch(row, m, g, scale=3.0)
+        tb = torch.randint(0, V, (m,), generator=g)
+        tb[idx] = tgt
+        lp = logprob.token_logprobs(batch.cuda(), tb.cuda())
+        kb.assert_bitwise(lp[idx], alone, f"cuda V={V} M={m}")
+    assert (lp.cpu().double() - _f64_logprobs(batch, tb)).abs().max() < 1e-4
+    full = logprob.log_softmax(batch.cuda())
+    kb.assert_bitwise(full.gather(1, tb.cuda()[:, None])[:, 0], lp, "token vs full")

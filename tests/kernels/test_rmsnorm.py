@@ -1,0 +1,196 @@
+"""Gates for the batch-invariant RMSNorm (kernels/rmsnorm.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoexec_kernels import native, rmsnorm
+
+DTYPES = (torch.float32, torch.bfloat16)
+BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
+EPS = 1e-6
+
+
+def _weight(H, dtype, g):
+    return (1.0 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+
+
+def _f64(x, w, eps=EPS):
+    xd = x.double()
+    return w.double() * (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H", [64, 100, 256])
+def test_rms_norm_matches_float64(kb, dtype, H):
+    g = torch.Generator().manual_seed(H)
+    x = (torch.randn(9, H, generator=g) * 3).to(dtype)
+    w = _weight(H, dtype, g)
+    out = rmsnorm.rms_norm(x, w, EPS)
+    assert out.dtype == dtype
+    assert kb.rel_l2(out, _f64(x, w)) < kb.TOL[dtype]
+    assert kb.rel_l2(native.rms_norm_native(x, w, EPS), _f64(x, w)) < kb.TOL[dtype]
+
+
+def test_rms_norm_fp32_weight_on_bf16_input_promotes_like_qwen3(kb):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    w = _weight(64, torch.float32, g)
+    out = rmsnorm.rms_norm(x, w, EPS)
+    assert out.dtype == torch.float32
+    assert kb.rel_l2(out, native.rms_norm_native(x, w, EPS)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_row_alone_equals_row_in_batch_bitwise(kb, dtype):
+    g = torch.Generator().manual_seed(3)
+    H = 96
+    w = _weight(H, dtype, g)
+    for m in BATCH_SIZES:
+        row = (torch.randn(H, generator=g) * 2).to(dtype)
+        alone = rmsnorm.rms_norm(row[None], w, EPS)[0]
+        batch, idx = kb.needle_batch(row, m, g)
+        kb.assert_bitwise(rmsnorm.rms_norm(batch, w, EPS)[idx], alone, f"M={m} row {idx}")
+
+
+def test_rms_norm_per_head_qk_norm_each_head_alone_equals_in_batch_bitwise(kb):
+    g = torch.Generator().manual_seed(4)
+    T, NH, D = 12, 4, 32
+    w = _weight(D, torch.bfloat16, g)
+    x = torch.randn(T, NH, D, generator=g).bfloat16()
+    out = rmsnorm.rms_norm(x, w, EPS)
+    assert out.shape == (T, NH, D)
+    kb.assert_bitwise(rmsnorm.rms_norm(x[5, 2][None], w, EPS)[0], out[5, 2], "one head alone")
+    # a strided view of the heads (e.g. q out of a fused qkv) gives the same bits
+    qkv = torch.randn(T, 3 * NH * D, generator=g).bfloat16()
+    q = qkv[:, : NH * D].view(T, NH, D)
+    kb.assert_bitwise(rmsnorm.rms_norm(q, w, EPS), rmsnorm.rms_norm(q.contiguous(), w, EPS),
+                      "strided heads")
+
+
+def test_rms_norm_hazards_signed_zeros_subnormals_odd_hidden(kb):
+    g = torch.Generator().manual_seed(5)
+    H = 100  # not a power of two
+    w = _weight(H, torch.float32, g)
+    x = torch.randn(6, H, generator=g)
+    x[0] = -0.0
+    x[1, ::2] = 3e-39  # subnormal
+    x[1, 1::2] = 0.0
+    x[2, :] = 1e-20  # tiny: var underflows, eps dominates
+    assert int(((x.abs() < 1.2e-38) & (x != 0)).sum()) > 0 and bool(torch.signbit(x[0]).all())
+    out = rmsnorm.rms_norm(x, w, EPS)
+    assert torch.isfinite(out).all()
+    for i in range(3):
+        kb.assert_bitwise(rmsnorm.rms_norm(x[i:i + 1], w, EPS)[0], out[i], f"hazard row {i}")
+    assert bool((out[0] == 0).all())
+    assert rmsnorm.rms_norm(torch.zeros(0, H), w, EPS).shape == (0, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_gradients_match_float64(kb, dtype):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 7, 80, generator=g).to(dtype).requires_grad_()
+    w = _weight(80, dtype, g).requires_grad_()
+    dy = torch.randn(2, 7, 80, generator=g).to(dtype)
+    rmsnorm.rms_norm(x, w, EPS).backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    _f64(x64, w64).backward(dy.double())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert kb.rel_l2(x.grad, x64.grad) < tol
+    assert kb.rel_l2(w.grad, w64.grad) < tol
+
+
+def test_rms_norm_grad_x_row_alone_equals_row_in_batch_bitwise(kb):
+    g = torch.Generator().manual_seed(7)
+    H = 64
+    w = _weight(H, torch.float32, g)
+    row, dy_row = torch.randn(H, generator=g), torch.randn(H, generator=g)
+
+    def grad_x(xs, dys):
+        xs = xs.clone().requires_grad_()
+        rmsnorm.rms_norm(xs, w, EPS).backward(dys)
+        return xs.grad
+
+    alone = grad_x(row[None], dy_row[None])[0]
+    for m in (2, 65, 200):
+        xb, idx = kb.needle_batch(row, m, g)
+        dyb = torch.randn(m, H, generator=g)
+        dyb[idx] = dy_row
+        kb.assert_bitwise(grad_x(xb, dyb)[idx], alone, f"grad M={m}")
+
+
+def test_rms_norm_forward_with_and_without_autograd_is_bitwise_equal(kb):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    w = _weight(64, torch.bfloat16, g)
+    with torch.no_grad():
+        plain = rmsnorm.rms_norm(x, w, EPS)
+    kb.assert_bitwise(rmsnorm.rms_norm(x.clone().requires_grad_(), w, EPS), plain, "grad vs no grad")
+
+
+def test_rms_norm_errors_name_the_problem():
+    with pytest.raises(ValueError, match="weight must be"):
+        rmsnorm.rms_norm(torch.randn(2, 8), torch.ones(7))
+
+
+# --------------------------------------------------------------------------- Triton (interpreter)
+
+
+def interp_case_rms_norm_matches_float64_and_row_invariant(kb):
+    for dtype in (torch.float32, torch.float16):
+        g = torch.Generator().manual_seed(9)
+        H = 100
+        w = _weight(H, dtype, g)
+        row = torch.randn(H, generator=g).to(dtype)
+        alone = rmsnorm.rms_norm_triton(row[None], w, EPS)[0]
+        for m in (1, 17, 64):
+            batch, idx = kb.needle_batch(row, m, g)
+            out = rmsnorm.rms_norm_triton(batch, w, EPS)
+            assert kb.rel_l2(out, _f64(batch, w)) < kb.TOL[dtype]
+            kb.assert_bitwise(out[idx], alone, f"{dtype} M={m}")
+
+
+def interp_case_rms_norm_backward_matches_reference(kb):
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(7, 48, generator=g)
+    w = _weight(48, torch.float32, g)
+    dy = torch.randn(7, 48, generator=g)
+    _, rstd = rmsnorm._triton_fwd(x, w, EPS)
+    dx_t, dw_t = rmsnorm.rms_norm_backward_triton(dy, x, w, rstd)
+    dx_r, dw_r = rmsnorm.rms_norm_backward_reference(dy, x, w, rstd)
+    assert kb.rel_l2(dx_t, dx_r) < 1e-6 and kb.rel_l2(dw_t, dw_r) < 1e-6
+
+
+@pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
+def test_rms_norm_triton_under_interpreter(interp_results, kb, case):
+    kb.check_interp(interp_results, "test_rmsnorm", case)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H", [128, 1024, 4096, 5000])
+def test_rms_norm_cuda_row_alone_equals_row_in_batch_bitwise(kb, H):
+    g = torch.Generator().manual_seed(11)
+    w = _weight(H, torch.bfloat16, g).cuda()
+    row = torch.randn(H, generator=g).bfloat16()
+    alone = rmsnorm.rms_norm(row[None].cuda(), w, EPS)[0]
+    for m in BATCH_SIZES + (1000, 4096):
+        batch, idx = kb.needle_batch(row, m, g)
+        out = rmsnorm.rms_norm(batch.cuda(), w, EPS)
+        kb.assert_bitwise(out[idx], alone, f"cuda H={H} M={m}")
+    assert kb.rel_l2(out, _f64(batch, w.cpu())) < kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_rms_norm_cuda_backward_matches_float64(kb):
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(33, 256, generator=g).cuda().requires_grad_()
+    w = _weight(256, torch.float32, g).cuda().requires_grad_()
+    dy = torch.randn(33, 256, generator=g).cuda()
+    rmsnorm.rms_norm(x, w, EPS).backward(dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    _f64(x64, w64).backward(dy.double())
+    assert kb.rel_l2(x.grad, x64.grad) < 1e-5 and kb.rel_l2(w.grad, w64.grad) < 1e-5
