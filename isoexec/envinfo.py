@@ -11,6 +11,10 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
+    """HEAD of the checkout ("-dirty" if tracked files changed); ``$ISOEXEC_COMMIT`` where there is
+    no git metadata (a copied working tree on a GPU machine)."""
+    import os
+
     root = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -20,7 +24,7 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return "unknown"
+    return os.environ.get("ISOEXEC_COMMIT", "unknown")
 
 
 def _version(mod: str) -> str:
