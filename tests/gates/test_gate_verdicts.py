@@ -1,0 +1,58 @@
+"""A real invariant gate passes, the negative control fails on this CPU, vacuous hazards fail."""
+
+import torch
+
+from isoexec.compose import build_contract, load_model_config
+from isoexec.contract import ImplRef
+from isoexec.enforce import bind
+from isoexec.gates.compare import merge
+from isoexec.gates.kernel_gates import GateOutcome, entry_with_impl, gate_linear
+from isoexec.gates.runner import BATCH_SIZES
+
+CFG = load_model_config("dense_tiny")["hf_config"]
+
+
+def _lm_head(contract):
+    return next(e for e in contract.composition if e.region == ("lm_head",))
+
+
+def _run(entry, family="batch_invariance", dtype=torch.float32):
+    fn = bind(entry, "trainer_score")
+    gen = torch.Generator().manual_seed(0)
+    return gate_linear(fn, entry.region, CFG, family, dtype, "cpu", gen, BATCH_SIZES["cpu"], ("signed_zero",),
+                       dict(entry.constants))
+
+
+def test_invariant_gemm_gate_passes():
+    out = _run(_lm_head(build_contract("dense", "isoexec", "cpu")))
+    counts = merge(out.reports)
+    assert counts["compared"] > 0 and counts["differing"] == 0
+    assert out.rel_err < out.tolerance
+    assert out.verdict() == "pass"
+
+
+def test_negative_control_stock_cpu_matmul_is_batch_variant():
+    iso = _lm_head(build_contract("dense", "isoexec", "cpu"))
+    native = entry_with_impl(iso, ImplRef("torch_linear", "torch", "cpu"))
+    out = _run(native)
+    counts = merge(out.reports)
+    assert counts["differing"] > 0, "stock CPU matmul was batch-invariant: the gate would prove nothing here"
+    assert out.verdict(expect_invariant=True) == "fail"
+    assert out.verdict(expect_invariant=False) == "pass"
+
+
+def test_hazard_gate_shows_its_hazards_occurred():
+    out = _run(_lm_head(build_contract("dense", "isoexec", "cpu")), family="hazards")
+    ex = out.hazards_exercised
+    assert ex["signed_zero"] > 0 and ex["subnormal"] > 0 and ex["k_not_tile_multiple"] and ex["noncontiguous"]
+    assert out.verdict() == "pass"
+
+
+def test_vacuous_hazard_gate_fails():
+    out = GateOutcome("hazards", {}, "float32", [], 0.0, 1e-4, {"signed_zero": 0}, ("signed_zero",))
+    assert out.verdict() == "fail"
+
+
+def test_wrong_kernel_fails_correctness_even_if_invariant():
+    out = GateOutcome("batch_invariance", {}, "float32", [], float("nan"), 1e-4, {})
+    assert out.verdict() == "fail"
