@@ -6,7 +6,7 @@ reductions pick their algorithm by shape, so a row's bits can change with the ba
 
   ``linear_native(x, weight, bias=None)``          torch.nn.functional.linear
   ``rms_norm_native(x, weight, eps=1e-6)``         Qwen3RMSNorm's formula with torch.mean/rsqrt
-  ``apply_rope_native(x, positions, theta, rotary_dim=None)``  transformers' default RoPE
+  ``apply_rope_native(x, positions, cos_sin_cache=None, *, theta, rotary_dim=None)``  transformers' default RoPE
                                                    (fp32 phases, cos/sin cast to x.dtype,
                                                    arithmetic in x.dtype)
   ``silu_and_mul_native(gate, up=None)``           F.silu(gate) * up (two roundings)
@@ -51,13 +51,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
-def apply_rope_native(x: torch.Tensor, positions: torch.Tensor, theta: float,
-                      rotary_dim: int | None = None) -> torch.Tensor:
-    """transformers' default rotary embedding on ``x[T, ..., D]``."""
+def apply_rope_native(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None = None, *,
+                      theta: float | None = None, rotary_dim: int | None = None) -> torch.Tensor:
+    """transformers' default rotary embedding on ``x[T, ..., D]``, computed on x's device the way
+    transformers does (fp32 phases, cos/sin cast to x.dtype, products in x.dtype). The invariant
+    kernel's ``cos_sin_cache`` is accepted for a common signature and ignored: the stock path
+    recomputes its phases."""
+    if theta is None:
+        raise ValueError("apply_rope_native: pass theta")
     R = rotary_dim or x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
-    freqs = positions.float().cpu()[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1).to(x.device)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.int64, device=x.device).float() / R))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (R,)
     cos = emb.cos().to(x.dtype).reshape(shape)
     sin = emb.sin().to(x.dtype).reshape(shape)

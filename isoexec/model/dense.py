@@ -50,6 +50,7 @@ class DenseModel(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.plans: dict[str, ExecutionPlan] = {}
         self.contract: ExecutionContract | None = None
+        self._rope_tables: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------------------ contract
     def install(self, contract: ExecutionContract, facts: RuntimeFacts | None = None) -> list[BoundRecord]:
@@ -86,6 +87,18 @@ class DenseModel(nn.Module):
                 prm.copy_(torch.randn(prm.shape, generator=g) * std)
         return self
 
+    def rope_table(self) -> torch.Tensor:
+        """fp32 (cos | sin) rows for every position, built once per device. Passing it to the rope
+        region keeps the forward free of host round trips (needed for CUDA-graph capture); a row
+        is bitwise the same as one computed on the fly for that position."""
+        dev = str(self.embed.device)
+        if dev not in self._rope_tables:
+            from isoexec_kernels.rope import rope_cache
+
+            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.head_dim,
+                                                self.cfg.rope_theta, self.embed.device)
+        return self._rope_tables[dev]
+
     # ------------------------------------------------------------------------------ forward
     @staticmethod
     def _linear(plan: ExecutionPlan, ops: tuple[str, ...], x: torch.Tensor, weight: torch.Tensor,
@@ -120,6 +133,7 @@ class DenseModel(nn.Module):
         T = ids.shape[0]
         nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         x = plan["embed"](ids, self.embed)
+        rope = self.rope_table()
         for i, L in enumerate(self.layers):
             n = plan["attn_norm"](x, L.attn_norm, eps)
             qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
@@ -127,8 +141,8 @@ class DenseModel(nn.Module):
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q = plan["q_norm"](q.reshape(T, nh, hd), L.q_norm, eps)
             k = plan["k_norm"](k.reshape(T, nkv, hd), L.k_norm, eps)
-            q = plan["rope"](q, batch.positions, theta=cfg.rope_theta)
-            k = plan["rope"](k, batch.positions, theta=cfg.rope_theta)
+            q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
+            k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
             v = v.reshape(T, nkv, hd)
             a = self._attention(plan, i, q, k, v, batch)
             x = x + plan["o_proj"](a.reshape(T, cfg.q_size), L.o_weight)
@@ -142,6 +156,10 @@ class DenseModel(nn.Module):
     def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:
         return self._plan(case)["lm_head"](hidden, self.lm_head_weight)
 
+    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 log-softmax of ``logits`` rows gathered at ``targets`` (the logprob region)."""
+        return self._plan(case)["logprob"](logits, targets)
+
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
-        """fp32 log p(targets[t] | row t) for hidden rows [T, H] (the logprob region)."""
-        return self._plan(case)["logprob"](self.logits(hidden, case), targets)
+        """fp32 log p(targets[t] | row t) for hidden rows [T, H] (lm_head then the logprob region)."""
+        return self.logprobs_from_logits(self.logits(hidden, case), targets, case)

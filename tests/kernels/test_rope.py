@@ -58,7 +58,7 @@ def test_apply_rope_matches_float64(kb, dtype, D, R):
     out = rope.apply_rope(x, torch.arange(T), cache)
     assert out.dtype == dtype and out.shape == x.shape
     assert kb.rel_l2(out, _f64_rope(x, pos, R)) < kb.TOL[dtype]
-    assert kb.rel_l2(native.apply_rope_native(x, pos, THETA, R), _f64_rope(x, pos, R)) < 2e-2
+    assert kb.rel_l2(native.apply_rope_native(x, pos, theta=THETA, rotary_dim=R), _f64_rope(x, pos, R)) < 2e-2
     # partial rotary: the pass-through channels are copied bit for bit
     if R < D:
         kb.assert_bitwise(out[..., R:], x[..., R:], "pass-through channels")

@@ -1,0 +1,150 @@
+"""Runs one scheduled step on the unified model and samples the next tokens.
+
+A step with any prefill chunk is one ``engine_prefill`` call (decode rows are chunks of length
+1 inside it: mixed batches are allowed); a step of decode tokens only is an ``engine_decode``
+call. The model writes the new K/V into the paged cache and returns final-norm hidden states;
+the runner gathers the last row of every sequence whose chunk reaches its last token, computes
+their logits through the contract's ``lm_head`` region and hands them to the sampler, whose
+logprobs come from the contract's ``logprob`` region (``model.logprobs_from_logits``, the
+callable ``model.token_logprobs`` uses, so no second lm_head GEMM is run).
+
+CUDA graphs (``DecodeGraphs``): on a CUDA device, decode steps replay graphs captured for a few
+batch sizes; a step of n sequences uses the smallest bucket >= n, and the extra lanes are inert
+(slot -1: they never write the cache; context length 1 on page 0: they only read; their outputs
+are dropped). Only the model body is captured; logits and sampling run eagerly on the real rows.
+Parameters are updated in place by ``Engine.update_weights``, so captured graphs stay valid.
+This path cannot run on the CPU development machine and is switched off there; it is opt-in
+(``EngineConfig.cuda_graphs``) until the graph-parity gate passes on the GPU. Known blocker: the
+dense model calls the rope region with ``theta=`` only, and ``rope_cos_sin`` then builds the
+cos/sin rows on the host from the positions (a device-to-host copy, forbidden while capturing,
+and baked in at capture time if it were not); the model must pass a device ``rope_cache``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..model.batch import ForwardBatch, KVCache
+from .sampler import SampleOutput, Sampler
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
+                 cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = ()):
+        self.model = model
+        cfg = model.cfg
+        self.device = model.embed.device
+        self.page_size = page_size
+        self.kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                   model.embed.dtype, self.device)
+        self.sampler = Sampler()
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graphs and self.device.type == "cuda" and torch.cuda.is_available():
+            max_pages = -(-max_model_len // page_size)
+            sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
+            self.graphs = DecodeGraphs(model, self.kv, sizes, max_pages)
+
+    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, str]:
+        """Hidden rows [T, H] of the step's new tokens and the case they ran under."""
+        seqs, counts = batch.seqs, batch.num_tokens
+        case = "engine_decode" if batch.is_decode else "engine_prefill"
+        ids = torch.tensor([t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed:s.num_computed + n]],
+                           dtype=torch.int64, device=self.device)
+        tables = [s.block_table for s in seqs]
+        starts = [s.num_computed for s in seqs]
+        if self.graphs is not None and batch.is_decode and self.graphs.bucket(len(seqs)) is not None:
+            return self.graphs.run(ids, tables, starts, self.page_size), case
+        fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device)
+        return self.model.hidden_states(ids, fb), case
+
+    @torch.no_grad()
+    def run(self, batch: ScheduledBatch) -> Optional[SampleOutput]:
+        """Run the step; sample for each sequence whose chunk reaches its last token."""
+        hidden, case = self.forward(batch)
+        samples = batch.samples
+        if not any(samples):
+            return None
+        ends = torch.tensor(batch.num_tokens, dtype=torch.int64).cumsum(0) - 1
+        rows = ends[torch.tensor(samples)].to(self.device)
+        picked = [s for s, keep in zip(batch.seqs, samples) if keep]
+        logits = self.model.logits(hidden[rows], case)
+        def logprob(lg, targets):
+            return self.model.logprobs_from_logits(lg, targets, case)
+
+        return self.sampler(logits, [s.params for s in picked], [s.request_id for s in picked],
+                            [s.num_tokens for s in picked], logprob)
+
+
+class DecodeGraphs:
+    """CUDA-graph capture and replay of ``engine_decode`` steps, one graph per batch bucket.
+
+    Untested on the CPU development machine; GATES.md family 4 (graph parity: replay with padded
+    lanes == eager) must pass on the GPU before a composition claims it.
+    """
+
+    def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int):
+        self.model = model
+        self.kv = kv
+        dev = model.embed.device
+        self.sizes = tuple(sorted(batch_sizes))
+        top = self.sizes[-1]
+        self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.block_table = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=dev)
+        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = None
+        with torch.no_grad():
+            for bs in reversed(self.sizes):          # largest first: the others reuse its pool
+                fb = self._batch(bs)
+                model.hidden_states(self.ids[:bs], fb)   # warm-up: compiles kernels; pads write nothing
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[bs] = model.hidden_states(self.ids[:bs], fb)
+                except RuntimeError as exc:  # e.g. a host sync inside the forward
+                    raise RuntimeError(f"CUDA graph capture of engine_decode (batch {bs}) failed: {exc}; every "
+                                       "op of the decode forward must stay on the device (no .item(), no "
+                                       "host copies); run with EngineConfig(cuda_graphs=False)") from exc
+                pool = graph.pool()
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(case="engine_decode", positions=self.positions[:bs], kv=self.kv,
+                            block_table=self.block_table[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
+                            context_lens=self.context_lens[:bs], slot_mapping=self.slot_mapping[:bs],
+                            max_seqlen_q=1)
+
+    def bucket(self, n: int) -> Optional[int]:
+        return next((b for b in self.sizes if b >= n), None)
+
+    def run(self, ids: torch.Tensor, tables: list[list[int]], starts: list[int], page_size: int) -> torch.Tensor:
+        n = len(tables)
+        bs = self.bucket(n)
+        width = self.block_table.shape[1]
+        bt = torch.zeros(bs, width, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        pos = torch.zeros(bs, dtype=torch.int64)
+        pos[:n] = torch.tensor(starts, dtype=torch.int64)
+        ctx = torch.ones(bs, dtype=torch.int32)          # padded lanes: one key on page 0, read only
+        ctx[:n] = pos[:n].to(torch.int32) + 1
+        slots = torch.full((bs,), -1, dtype=torch.int64)  # padded lanes never write the cache
+        slots[:n] = torch.tensor([t[p // page_size] * page_size + p % page_size for t, p in zip(tables, starts)],
+                                 dtype=torch.int64)
+        self.ids[:bs].zero_()
+        self.ids[:n].copy_(ids)
+        self.positions[:bs].copy_(pos)
+        self.block_table[:bs].copy_(bt)
+        self.context_lens[:bs].copy_(ctx)
+        self.slot_mapping[:bs].copy_(slots)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,184 @@
+"""Which tokens of which sequences run in the next step.
+
+Policy (one step, a budget of ``max_num_batched_tokens`` tokens):
+
+1. **Running decodes first**, oldest admission first: one token each. A decode that needs a new
+   page when none is free preempts the most recently admitted running sequence (possibly itself)
+   by recompute: its pages and state slot are freed, its cache position reset to 0, and it goes
+   back to the FRONT of the waiting queue, keeping its tokens.
+2. **Running prefills** (a prompt, or a recompute, cut into chunks in earlier steps), oldest
+   first, each takes the largest chunk that fits the budget and the free pages.
+3. **Waiting requests, FIFO**, while fewer than ``max_num_seqs`` run (and a state slot is free
+   where the family has recurrent state): each is admitted with its first chunk. The head of the
+   queue that cannot get a chunk blocks the ones behind it (no overtaking). Skipped in a step
+   that preempted, so a victim does not bounce straight back.
+
+A chunk that does not finish its sequence's pending tokens ends on a multiple of
+``chunk_align`` (absolute position), so chunk shapes follow the composition's largest grid
+(attention BLOCK_N = 64 by default). The kernels are invariant to any split; the alignment only
+keeps shapes regular. If nothing at all can run, the most recent running sequence is preempted
+and the step is planned again.
+
+``postprocess`` then records what the step computed, appends the sampled tokens and retires the
+finished sequences.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_tokens: list[int]          # new tokens per sequence, in batch order
+    is_decode: bool                # every row is a decode token: the engine_decode case
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def samples(self) -> list[bool]:
+        """Whether each sequence's chunk reaches its last token (so it yields a next token)."""
+        return [s.num_computed + n == s.num_tokens for s, n in zip(self.seqs, self.num_tokens)]
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 chunk_align: int, max_model_len: int):
+        assert max_num_batched_tokens >= chunk_align >= 1
+        self.bm = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.chunk_align = chunk_align
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------ planning
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """New tokens for ``seq`` this step: all it has pending if they fit, else the largest
+        piece that ends on the alignment grid."""
+        pending = seq.num_pending
+        n = min(pending, budget, self.bm.max_new_tokens(seq))
+        if 0 < n < pending:
+            end = (seq.num_computed + n) // self.chunk_align * self.chunk_align
+            n = max(0, end - seq.num_computed)
+        return n
+
+    def _plan(self) -> tuple[list[Sequence], list[int], bool]:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+
+        def take(seq: Sequence, n: int) -> None:
+            nonlocal budget
+            self.bm.allocate(seq, n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+
+        # 1. decodes, oldest first; make room by preempting the newest
+        for seq in [s for s in self.running if s.num_pending == 1 and s.num_computed > 0]:
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:       # preempted earlier in this loop
+                continue
+            while not self.bm.may_append(seq):
+                victim = self.running[-1]
+                assert victim not in seqs, "a preemption victim was already scheduled"
+                self.preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                take(seq, 1)
+        # 2. running prefills (continuing chunks), oldest first
+        for seq in [s for s in self.running if s not in seqs]:
+            n = self._chunk(seq, budget)
+            if n:
+                take(seq, n)
+        # 3. waiting, FIFO
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.bm.can_allocate_state():
+                break
+            n = self._chunk(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.bm.allocate_state(seq)
+            self.running.append(seq)
+            take(seq, n)
+        return seqs, counts, preempted
+
+    def schedule(self) -> Optional[ScheduledBatch]:
+        """The next step's batch, or None when no request is left."""
+        while self.has_unfinished():
+            seqs, counts, _ = self._plan()
+            if seqs:
+                is_decode = all(n == 1 and s.num_computed > 0 for s, n in zip(seqs, counts))
+                return ScheduledBatch(seqs, counts, is_decode)
+            if len(self.running) <= 1:   # alone with every page free and still stuck: it never fits
+                head = self.running[0] if self.running else self.waiting[0]
+                raise RuntimeError(f"request {head.request_id} ({head.num_tokens} tokens) cannot be scheduled "
+                                   f"with {self.bm.num_pages} pages of {self.bm.page_size} tokens, a budget of "
+                                   f"{self.max_num_batched_tokens} and chunk_align {self.chunk_align}; "
+                                   "raise num_pages")
+            self.preempt(self.running[-1])
+        return None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preemption by recompute: drop the cache of ``seq`` and queue it first."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed = 0
+        seq.status = Status.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> None:
+        """Drop every running sequence's cache (weight update): newest first so FIFO order holds."""
+        for seq in reversed(list(self.running)):
+            self.preempt(seq)
+
+    # ------------------------------------------------------------------------------ results
+    def postprocess(self, batch: ScheduledBatch, tokens: Seq[int], logprobs: Seq[float],
+                    tops: Optional[Seq[Optional[tuple]]] = None) -> list[Sequence]:
+        """Account the computed tokens, append one sampled token per sampling sequence (in batch
+        order), retire the finished ones; returns them."""
+        sampling = batch.samples
+        assert len(tokens) == sum(sampling), f"{len(tokens)} sampled tokens for {sum(sampling)} sequences"
+        finished = []
+        k = 0
+        for seq, n, samples in zip(batch.seqs, batch.num_tokens, sampling):
+            seq.num_computed += n
+            if not samples:
+                continue
+            seq.append(tokens[k], logprobs[k], tops[k] if tops is not None else None)
+            k += 1
+            reason = seq.check_stop(self.max_model_len)
+            if reason is not None:
+                seq.finish_reason = reason
+                seq.status = Status.FINISHED
+                self.running.remove(seq)
+                self.bm.free(seq)
+                finished.append(seq)
+        return finished
