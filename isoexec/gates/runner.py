@@ -54,6 +54,8 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
                     log: Callable[[str], None]) -> list[GateResult]:
     """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
     from ..model import build_model
+    from .engine_gates import ENGINE_GATES
+    from .engine_gates import SIZES as ENGINE_SIZES
     from .model_gates import model_batch_invariance, model_case_parity
 
     cfg = load_model_config(model or default_model_name(family))["hf_config"]
@@ -67,12 +69,15 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
             m = build_model(family, cfg, dtype=dtype, device=DEVICE[arch]).init_random(seed)
             m.install(contract)
             t0 = time.time()
-            gates = [("model_case_parity", model_case_parity)]
+            gates = [("model_case_parity", lambda g: model_case_parity(m, g, **MODEL_GATE_SIZES[arch]))]
             if expect == "invariant":
-                gates.append(("model_batch_invariance", model_batch_invariance))
+                gates.append(("model_batch_invariance",
+                              lambda g: model_batch_invariance(m, g, **MODEL_GATE_SIZES[arch])))
+                for gname, gfn in ENGINE_GATES.items():
+                    gates.append((gname, lambda g, gfn=gfn: gfn(m, contract, g, **ENGINE_SIZES[arch])))
             for name, fn in gates:
                 gen = torch.Generator().manual_seed(seed + 1)
-                reports, info = fn(m, gen, **MODEL_GATE_SIZES[arch])
+                reports, info = fn(gen)
                 fam_name = "negative_control" if expect == "variant" else name
                 body = _model_body(contract, comp, fam_name, reports, info, dtype, seed, arch, expect, of)
                 gid, path = write_artifact(out_dir, body)

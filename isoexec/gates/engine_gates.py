@@ -1,0 +1,130 @@
+"""End-to-end engine gates (GATES.md families 1-3, 7 through the real rollout engine).
+
+- ``engine_generate_verify``: every token the engine samples (mixed greedy / temperature /
+  top-k / top-p requests, staggered arrivals, chunked prefill, mixed prefill+decode steps) has an
+  engine logprob equal, bit for bit, to the trainer's ``score_logprobs`` over prompt + response.
+- ``engine_needle``: one request alone vs inside a large random batch with staggered arrivals:
+  identical tokens and bitwise-identical logprobs.
+- ``engine_preemption``: a page budget so small that requests are preempted and recomputed gives
+  the same tokens and bits as an unconstrained run.
+Graph replay == eager (family 4) needs CUDA graphs and is a GPU-only test
+(tests/engine/test_model_runner.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..train.scoring import PackedSequences, score_logprobs
+from .compare import BitReport, compare_bits
+
+SIZES = {"cpu": dict(requests=24, max_prompt=40, max_tokens=12),
+         "sm90": dict(requests=128, max_prompt=300, max_tokens=96)}
+
+
+def _engine(model, contract, **kw) -> Engine:
+    cfg = dict(max_num_batched_tokens=96, max_num_seqs=64, num_pages=512, chunk_align=16)
+    cfg.update(kw)
+    return Engine(model, contract, EngineConfig(**cfg), trainer_contract=contract)
+
+
+def _params(rng: random.Random, n: int, max_tokens: int) -> list[SamplingParams]:
+    out = []
+    for i in range(n):
+        kind = i % 4
+        out.append(SamplingParams(temperature=[0.0, 1.0, 0.7, 1.2][kind], top_k=[0, 0, 20, 0][kind],
+                                  top_p=[1.0, 1.0, 1.0, 0.8][kind], seed=rng.randrange(2 ** 40),
+                                  max_tokens=rng.randint(1, max_tokens)))
+    return out
+
+
+def _prompts(gen: torch.Generator, n: int, max_len: int, vocab: int) -> list[list[int]]:
+    return [torch.randint(0, vocab, (int(torch.randint(1, max_len + 1, (1,), generator=gen)),),
+                          generator=gen).tolist() for _ in range(n)]
+
+
+def _staggered(engine: Engine, requests) -> dict:
+    pending = sorted(requests, key=lambda r: r[0])
+    results, step = {}, 0
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= step:
+            _, prompt, params, rid = pending.pop(0)
+            engine.add_request(prompt, params, rid)
+        for r in engine.step():
+            results[r.request_id] = r
+        step += 1
+    return results
+
+
+def _tokens_report(a: list[int], b: list[int]) -> BitReport:
+    if len(a) == len(b):
+        return compare_bits(torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64))
+    n = max(len(a), len(b))
+    return BitReport(compared=n, differing=n, max_abs_diff="length", max_ulp=0, first_index=[min(len(a), len(b))],
+                     dtype="int64")
+
+
+def _verify(model, results) -> BitReport:
+    packed = PackedSequences.from_lists([r.prompt + r.ids for r in results])
+    parts = packed.split(score_logprobs(model, packed))
+    want = torch.cat([p[len(r.prompt) - 1:] for p, r in zip(parts, results)])
+    got = torch.cat([r.logprobs for r in results])
+    return compare_bits(got, want)
+
+
+def engine_generate_verify(model, contract, gen: torch.Generator, requests: int, max_prompt: int,
+                           max_tokens: int) -> tuple[list[BitReport], dict]:
+    rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    prompts = _prompts(gen, requests, max_prompt, model.cfg.vocab_size)
+    params = _params(rng, requests, max_tokens)
+    reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    results = _staggered(_engine(model, contract), reqs)
+    ordered = [results[i] for i in range(requests)]
+    return [_verify(model, ordered)], {"requests": requests, "tokens": sum(len(r.ids) for r in ordered)}
+
+
+def engine_needle(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
+                  ) -> tuple[list[BitReport], dict]:
+    rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    needle = _prompts(gen, 1, max_prompt, model.cfg.vocab_size)[0]
+    needle_params = SamplingParams(temperature=0.9, top_k=50, seed=rng.randrange(2 ** 40), max_tokens=max_tokens)
+    alone = _staggered(_engine(model, contract), [(0, needle, needle_params, 10 ** 6)])[10 ** 6]
+    prompts = _prompts(gen, requests - 1, max_prompt, model.cfg.vocab_size)
+    reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, _params(rng, requests - 1,
+                                                                                          max_tokens)))]
+    reqs.insert(rng.randrange(requests), (rng.randint(0, 4), needle, needle_params, 10 ** 6))
+    inside = _staggered(_engine(model, contract), reqs)[10 ** 6]
+    reports = [_tokens_report(alone.ids, inside.ids)]
+    if alone.ids == inside.ids:
+        reports.append(compare_bits(inside.logprobs, alone.logprobs))
+    return reports, {"requests": requests, "needle_prompt": len(needle), "needle_tokens": len(alone.ids)}
+
+
+def engine_preemption(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
+                      ) -> tuple[list[BitReport], dict]:
+    rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    n = max(4, requests // 3)
+    prompts = _prompts(gen, n, max_prompt, model.cfg.vocab_size)
+    params = _params(rng, n, max_tokens)
+    free = _engine(model, contract).generate(prompts, params)
+    longest = max(len(p) for p in prompts) + max_tokens
+    pages = -(-longest // 4) + 2          # room for the longest request alone, not for all of them
+    tight = _engine(model, contract, num_pages=pages, page_size=4, chunk_align=4, max_num_batched_tokens=32)
+    squeezed = tight.generate(prompts, params)
+    reports = []
+    for a, b in zip(free, squeezed):
+        reports.append(_tokens_report(a.ids, b.ids))
+        if a.ids == b.ids:
+            reports.append(compare_bits(b.logprobs, a.logprobs))
+    if tight.scheduler.num_preemptions == 0:
+        # no preemption happened: the gate would be vacuous, so it fails (GATES.md, hazards)
+        reports.append(BitReport(compared=1, differing=1, max_abs_diff="vacuous: no preemption", max_ulp=0,
+                                 first_index=None, dtype="none"))
+    return reports, {"requests": n, "preemptions": tight.scheduler.num_preemptions}
+
+
+ENGINE_GATES = {"engine_generate_verify": engine_generate_verify, "engine_needle": engine_needle,
+                "engine_preemption": engine_preemption}
