@@ -155,4 +155,11 @@ def bench_logprob(device: str, quick: bool = False, log=print) -> list[dict]:
     return rows
 
 
-BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob}
+def _bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
+    from .engine import bench_engine
+
+    return bench_engine(device, quick, log)
+
+
+BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
+           "engine": _bench_engine}

@@ -137,3 +137,16 @@ def read_hf_config(path: str | Path) -> dict:
         return json.loads(cfg.read_text())
     except ValueError as exc:
         raise ConfigError(f"{cfg}: invalid JSON ({exc})") from None
+
+
+@torch.no_grad()
+def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's weights under transformers' Qwen3 names (for the transformers reference)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, (target, start, rows) in dense_name_map(model.cfg).items():
+        p = params[target]
+        out[name] = p[start:start + rows].clone()
+    if model.cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out

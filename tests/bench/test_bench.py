@@ -11,7 +11,7 @@ from isoexec.bench.report import write_bench_report
 REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 
 
-@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention"])
+@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine"])
 def test_bench_cli_writes_result_format(tmp_path, name):
     out = tmp_path / f"{name}.json"
     r = subprocess.run([sys.executable, "-m", "isoexec.cli", "bench", name, "--quick", "--device", "cpu",

@@ -22,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 EXPECTED_JOBS = {"contract_draft": 2, "gates": 1, "contract_admit": 2, "contract_show": 2, "contract_verify": 2,
-                 "gates_table": 1, "contracts_table": 1, "bench": 4, "kernels_table": 1, "all": 1}
+                 "gates_table": 1, "contracts_table": 1, "bench": 5, "kernels_table": 1, "all": 1}
 
 
 def copy_workflow(dst: Path) -> Path:

@@ -13,7 +13,7 @@ rule bench:
         device="cpu" if ARCH == "cpu" else "cuda",
         quick=BENCH_QUICK,
     wildcard_constraints:
-        name="gemm|attention|rmsnorm|logprob",
+        name="gemm|attention|rmsnorm|logprob|engine",
     resources:
         gpu=GATE_GPUS,
         runtime=30,
