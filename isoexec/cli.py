@@ -171,12 +171,62 @@ def cmd_bench(args) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------------ RL runs
+def _load_mapping(path: str) -> dict:
+    from .yamlio import load_yaml
+
+    data = load_yaml(path, "rl config") if path else {}
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise IsoExecError(f"rl config {path!r} must be a mapping of keys to values")
+    return data
+
+
+def cmd_run(args) -> int:
+    from .rl.loop import RLConfig, run_rl
+
+    d = _load_mapping(args.config)
+    d = dict(d.get("rl", d))
+    for key in ("family", "composition", "model", "arch", "contract", "seed", "steps", "dataset", "checkpoint"):
+        v = getattr(args, key)
+        if v is not None:
+            d[key] = v
+    cfg = RLConfig.from_dict(d)
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    lines = run_rl(cfg, args.out, log=log)
+    if lines:
+        last = lines[-1]
+        print(json.dumps({"steps_run": len(lines), "last_step": last["step"],
+                          "logprob_abs_diff_max": max(x["logprob_abs_diff_max"] for x in lines),
+                          "out": args.out}))
+    return EXIT_OK
+
+
+def cmd_data_synthetic(args) -> int:
+    from .rl.data import synthetic_arithmetic, write_parquet
+
+    params = {"n": args.n}
+    if args.params:
+        try:
+            params.update(json.loads(args.params))
+        except ValueError as exc:
+            raise IsoExecError(f"--params is not JSON: {exc}") from None
+    try:
+        rows = synthetic_arithmetic(seed=args.seed, **params)
+    except (TypeError, ValueError) as exc:
+        raise IsoExecError(f"synthetic data: {exc}") from None
+    write_parquet(rows, args.out)
+    print(f"wrote {args.out}: {len(rows)} synthetic arithmetic problems (DAPO-Math-17k schema)")
+    return EXIT_OK
+
+
 # ------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="isoexec", description="Bitwise-identical trainer/engine logprobs: contracts, "
                                 "gates and benchmarks.", epilog="exit codes: 0 ok, 1 check failed, 2 bad input",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench,run,data}")
 
     pc = sub.add_parser("contract", help="build, show, verify and diff execution contracts")
     cs = pc.add_subparsers(dest="action", required=True, metavar="{build,show,verify,diff}")
@@ -226,6 +276,29 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     pb.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     pb.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("run", help="synchronous DAPO/GRPO run: engine rollouts, trainer updates, metrics.jsonl")
+    pr.add_argument("--config", help="YAML with the RL settings (a top-level `rl:` mapping or the mapping itself)")
+    pr.add_argument("--family", choices=list(registry.FAMILIES))
+    pr.add_argument("--composition")
+    pr.add_argument("--model")
+    pr.add_argument("--arch", choices=list(registry.ARCHES))
+    pr.add_argument("--contract", help="admitted contract JSON (default: build the draft)")
+    pr.add_argument("--checkpoint", help="HF checkpoint folder (default: random init + warm-up)")
+    pr.add_argument("--dataset", help="'synthetic' or a DAPO-schema parquet")
+    pr.add_argument("--seed", type=int)
+    pr.add_argument("--steps", type=int)
+    pr.add_argument("--out", required=True, help="run folder (metrics.jsonl, checkpoint.pt); resumes if present")
+    pr.set_defaults(func=cmd_run)
+
+    pd = sub.add_parser("data", help="datasets for RL runs")
+    ds = pd.add_subparsers(dest="action", required=True, metavar="{synthetic}")
+    sy = ds.add_parser("synthetic", help="write a synthetic arithmetic task in the DAPO-Math-17k schema")
+    sy.add_argument("--n", type=int, default=512)
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("--params", help='JSON of synthetic_arithmetic parameters, e.g. \'{"max_operand": 9}\'')
+    sy.add_argument("--out", required=True)
+    sy.set_defaults(func=cmd_data_synthetic)
     return p
 
 

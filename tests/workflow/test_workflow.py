@@ -22,7 +22,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 EXPECTED_JOBS = {"contract_draft": 2, "gates": 1, "contract_admit": 2, "contract_show": 2, "contract_verify": 2,
-                 "gates_table": 1, "contracts_table": 1, "bench": 5, "kernels_table": 1, "all": 1}
+                 "gates_table": 1, "contracts_table": 1, "bench": 5, "kernels_table": 1, "synthetic_data": 1, "rl_run": 2, "rl_tables": 1,
+                 "all": 1}
 
 
 def copy_workflow(dst: Path) -> Path:

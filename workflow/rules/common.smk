@@ -9,6 +9,7 @@ from snakemake.exceptions import WorkflowError
 
 from isoexec import report as isoreport
 from isoexec.bench import report as isobench
+from isoexec.rl import workflow_jobs as isorl
 
 RUN = config["run_name"]
 ARCH = config["arch"]
@@ -106,8 +107,37 @@ def bench_path(name):
     return f"{RES}/bench/{name}.json"
 
 
+RL_CONF = dict(config.get("rl") or {})
+RL_SEEDS = list(RL_CONF.get("seeds", [0]))
+RL_ON = bool(RL_CONF.get("enabled", False))
+
+
+def rl_settings(wildcards):
+    """The RLConfig of one run: the config's `rl.settings`, with the run's identity filled in."""
+    s = dict(RL_CONF.get("settings") or {})
+    s.update(family=wildcards.family, composition=wildcards.composition, model=model_name(wildcards.family),
+             arch=ARCH, seed=int(wildcards.seed),
+             contract=str(Path(contract_path(wildcards.family, wildcards.composition, "")).resolve()))
+    if RL_CONF.get("dataset", "synthetic") == "synthetic":
+        s["dataset"] = str(Path(f"{RES}/data/synthetic.parquet").resolve())
+    else:
+        s["dataset"] = RL_CONF["dataset"]
+    return s
+
+
+def rl_data_input(wildcards):
+    return [f"{RES}/data/synthetic.parquet"] if RL_CONF.get("dataset", "synthetic") == "synthetic" else []
+
+
+def rl_run_outputs():
+    return [f"{RES}/runs/{f}/{c}/seed{s}/run.json" for f in FAMILIES for c in COMPOSITIONS for s in RL_SEEDS]
+
+
 def final_targets():
     out = [f"{FIG}/gates.md", f"{FIG}/gates.csv", f"{FIG}/contracts.md", f"{FIG}/contracts.csv"]
     if BENCHES:
         out += [f"{FIG}/kernels.md", f"{FIG}/kernels.csv"]
+    if RL_ON:
+        out += [f"{FIG}/logprob_diff.md", f"{FIG}/step_time.md", f"{FIG}/runs.csv", f"{FIG}/logprob_diff.png",
+                f"{FIG}/step_time.png"]
     return out

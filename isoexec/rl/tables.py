@@ -1,0 +1,192 @@
+"""The reproduction tables and figures from run metrics (BENCHMARKS.md "Reporting").
+
+Reads ``results/<run>/runs/<family>/<composition>/seed<k>/metrics.jsonl`` (one JSON object per
+RL step) and renders, in the seed's layout:
+- ``logprob_diff.md/.csv``: rollout-vs-trainer |Δlogprob| per family, native vs IsoExec: mean of
+  the per-step means, mean of the per-step stds, the largest per-step max, bitwise-equal fraction;
+- ``step_time.md/.csv``: generation, policy training (scoring + updates) and full-step seconds,
+  native vs IsoExec, with the overhead in percent;
+- ``logprob_diff.png``: per-step mean |Δlogprob| on a log scale (an exact 0 cannot sit on a log
+  axis: it is drawn at a floor line labelled "exactly 0");
+- ``step_time.png``: step-time bars per family and stage.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Iterable
+
+from ..paths import atomic_write
+
+ZERO_FLOOR = 1e-12
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{path}:{i + 1}: not a JSON line") from None
+    return rows
+
+
+def run_from_folder(seed_dir: str | Path) -> dict:
+    """One run folder ``.../runs/<family>/<composition>/seed<k>`` as {family, composition, seed, steps}."""
+    seed_dir = Path(seed_dir)
+    p = seed_dir / "metrics.jsonl"
+    return {"family": seed_dir.parent.parent.name, "composition": seed_dir.parent.name,
+            "seed": int(seed_dir.name[4:]), "path": str(p), "steps": read_metrics(p)}
+
+
+def find_runs(runs_dir: str | Path) -> list[dict]:
+    """Every run folder under runs_dir that has a metrics.jsonl."""
+    return [run_from_folder(p.parent) for p in sorted(Path(runs_dir).glob("*/*/seed*/metrics.jsonl"))]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def summarize(run: dict) -> dict:
+    s = run["steps"]
+    gen = _mean([x["time_generation_s"] for x in s])
+    train = _mean([x["time_scoring_s"] + x["time_training_s"] for x in s])
+    return {"family": run["family"], "composition": run["composition"], "seed": run["seed"], "steps": len(s),
+            "dlp_mean": _mean([x["logprob_abs_diff_mean"] for x in s]),
+            "dlp_std": _mean([x["logprob_abs_diff_std"] for x in s]),
+            "dlp_max": max((x["logprob_abs_diff_max"] for x in s), default=float("nan")),
+            "equal_frac": _mean([x["bitwise_equal_frac"] for x in s]),
+            "reward": _mean([x["reward_mean"] for x in s]),
+            "t_gen": gen, "t_train": train, "t_step": _mean([x["time_step_s"] for x in s])}
+
+
+def _pool(rows: list[dict]) -> dict:
+    """Seeds of one (family, composition) pooled: means of means, max of maxes."""
+    out = dict(rows[0])
+    for k in ("dlp_mean", "dlp_std", "equal_frac", "reward", "t_gen", "t_train", "t_step"):
+        out[k] = _mean([r[k] for r in rows])
+    out["dlp_max"] = max(r["dlp_max"] for r in rows)
+    out["steps"] = sum(r["steps"] for r in rows)
+    out["seeds"] = len(rows)
+    return out
+
+
+def pooled(runs: Iterable[dict]) -> dict[tuple[str, str], dict]:
+    groups: dict[tuple[str, str], list] = {}
+    for r in runs:
+        groups.setdefault((r["family"], r["composition"]), []).append(summarize(r))
+    return {k: _pool(v) for k, v in groups.items()}
+
+
+def _g(x: float) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}"
+
+
+def _overhead(native: float, ours: float) -> str:
+    if not native or math.isnan(native) or math.isnan(ours):
+        return "–"
+    return f"{(ours / native - 1) * 100:+.1f}%"
+
+
+def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
+    out_dir = Path(out_dir)
+    P = pooled(runs)
+    families = sorted({f for f, _ in P})
+    lp = [f"# Rollout vs trainer logprob difference ({run_name})", "",
+          "|Δlogprob| between the engine's sampled-token logprobs and the trainer's recomputed ones, per RL "
+          "step; mean = mean of per-step means, std = mean of per-step stds, max = largest per-step max, "
+          "equal = fraction of tokens with bitwise-identical logprobs. Anchor (seed paper): native 1.6e-2 "
+          "mean, 5.07 max; IsoExec ≤ 6.7e-7 mean.", "",
+          "| family | native mean | native std | native max | native equal | IsoExec mean | IsoExec std | "
+          "IsoExec max | IsoExec equal | steps (native/IsoExec) |", "|" + "---|" * 10]
+    st = [f"# Step time, native vs IsoExec ({run_name})", "",
+          "Mean seconds per RL step. Policy training = pre-update scoring + mini-batch updates. Anchor (seed "
+          "paper): IsoExec +31.3% generation, +18.6% training, +25.3% full step.", "",
+          "| family | stage | native s | IsoExec s | overhead |", "|---|---|---|---|---|"]
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(["family", "composition", "seeds", "steps", "dlp_mean", "dlp_std", "dlp_max", "equal_frac",
+                "reward", "t_gen", "t_train", "t_step"])
+    for f in families:
+        n, i = P.get((f, "native")), P.get((f, "isoexec"))
+        def cell(x, k):
+            return _g(x[k]) if x else "–"
+        lp.append(f"| {f} | {cell(n, 'dlp_mean')} | {cell(n, 'dlp_std')} | {cell(n, 'dlp_max')} | "
+                  f"{cell(n, 'equal_frac')} | {cell(i, 'dlp_mean')} | {cell(i, 'dlp_std')} | {cell(i, 'dlp_max')} | "
+                  f"{cell(i, 'equal_frac')} | {n['steps'] if n else 0}/{i['steps'] if i else 0} |")
+        for stage, k in (("generation", "t_gen"), ("policy training", "t_train"), ("full step", "t_step")):
+            st.append(f"| {f} | {stage} | {cell(n, k)} | {cell(i, k)} | "
+                      f"{_overhead(n[k], i[k]) if n and i else '–'} |")
+        for x in (n, i):
+            if x:
+                w.writerow([f, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
+                            x["equal_frac"], x["reward"], x["t_gen"], x["t_train"], x["t_step"]])
+    atomic_write(out_dir / "logprob_diff.md", "\n".join(lp) + "\n")
+    atomic_write(out_dir / "step_time.md", "\n".join(st) + "\n")
+    atomic_write(out_dir / "runs.csv", buf.getvalue())
+    render_figures(runs, P, out_dir)
+    return P
+
+
+def render_figures(runs: list[dict], P: dict, out_dir: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for r in runs:
+        xs = [s["step"] for s in r["steps"]]
+        ys = [max(s["logprob_abs_diff_mean"], ZERO_FLOOR) for s in r["steps"]]
+        style = "-" if r["composition"] == "native" else "--"
+        ax.plot(xs, ys, style, marker="o", ms=3, label=f"{r['family']} {r['composition']} s{r['seed']}")
+    ax.axhline(ZERO_FLOOR, color="grey", lw=0.8)
+    ax.text(0.01, ZERO_FLOOR * 2, "exactly 0", transform=ax.get_yaxis_transform(), color="grey", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean |Δlogprob| (rollout vs trainer)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out_dir / "logprob_diff.png")
+    plt.close(fig)
+
+    fams = sorted({f for f, _ in P})
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    stages = (("generation", "t_gen"), ("training", "t_train"), ("full step", "t_step"))
+    width = 0.8 / (2 * len(fams) or 1)
+    for fi, f in enumerate(fams):
+        for ci, comp in enumerate(("native", "isoexec")):
+            x = P.get((f, comp))
+            if not x:
+                continue
+            off = (2 * fi + ci) * width
+            ax.bar([j + off for j in range(len(stages))], [x[k] for _, k in stages], width,
+                   label=f"{f} {comp}")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stages))], [s for s, _ in stages])
+    ax.set_ylabel("seconds per step")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    _save(fig, out_dir / "step_time.png")
+    plt.close(fig)
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    tmp.replace(path)
