@@ -122,7 +122,15 @@ def rl_settings(wildcards):
         s["dataset"] = str(Path(f"{RES}/data/synthetic.parquet").resolve())
     else:
         s["dataset"] = RL_CONF["dataset"]
+    ckpt = (config.get("checkpoints") or {}).get(wildcards.family)
+    if ckpt:  # real weights: the checkpoint's own tokenizer, no warm-up
+        s.update(checkpoint=ckpt, tokenizer=ckpt, warmup_sft_steps=0)
     return s
+
+
+if RL_ON and RL_CONF.get("dataset", "synthetic") != "synthetic" and not Path(RL_CONF["dataset"]).exists():
+    raise WorkflowError(f"config: rl.dataset {RL_CONF['dataset']!r} does not exist; download DAPO-Math-17k "
+                        "(verl parquet schema) to that path, or use `dataset: synthetic`")
 
 
 def rl_data_input(wildcards):
