@@ -101,7 +101,6 @@ class RLRun:
         from .tokenizer import CharTokenizer, HFTokenizer
 
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
-        self.out.mkdir(parents=True, exist_ok=True)
         device = "cpu" if cfg.arch == "cpu" else "cuda"
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
                  "bfloat16": torch.bfloat16}[cfg.dtype]
@@ -140,6 +139,7 @@ class RLRun:
                 "max_num_batched_tokens": 2048, **cfg.engine}
         self.engine = Engine(self.engine_model, self.contract, EngineConfig(**ecfg),
                              trainer_contract=self.contract)
+        self.out.mkdir(parents=True, exist_ok=True)   # only once every input has been checked
         self.metrics = MetricsWriter(self.out / "metrics.jsonl")
         self.live_check = self.contract.claims.claims_zero_tolerance if cfg.live_check is None else cfg.live_check
         self.step = 0

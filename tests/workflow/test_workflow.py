@@ -177,8 +177,12 @@ def read_outputs(wf: Path, run: str) -> tuple[str, str, dict]:
     return gates_md, contracts_md, record
 
 
-def run_args(run: str, *extra: str) -> list[str]:
-    return ["--cores", "all", "--config", f"run_name={run}", "results_dir=res", "figures_dir=figs", *extra]
+def run_args(run: str, *extra: str, tables_only: bool = False) -> list[str]:
+    """A real run into res/<run> and figs/<run>; ``tables_only`` builds just the gate and contract
+    tables (the tests about gate failures need neither the benchmarks nor the RL runs)."""
+    targets = [f"figs/{run}/gates.md", f"figs/{run}/contracts.md"] if tables_only else []
+    return ["--cores", "all", *targets, "--config", f"run_name={run}", "results_dir=res", "figures_dir=figs",
+            *extra]
 
 
 def test_failing_gates_are_recorded_and_the_workflow_finishes(wf):
@@ -186,7 +190,7 @@ def test_failing_gates_are_recorded_and_the_workflow_finishes(wf):
     exits 1, which is recorded; the isoexec contract then has no artifact of its own and is not
     admitted; the native contract claims no tolerance 0 (n.a.). Real CLI, about 20 s."""
     cfg = write_config(wf / "native_gates.yaml", "gates: {composition: native, seed: 3}\n")
-    r = snakemake(wf, *run_args("neg", "--configfile", str(cfg)))
+    r = snakemake(wf, *run_args("neg", "--configfile", str(cfg), tables_only=True))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     gates_md, contracts_md, record = read_outputs(wf, "neg")
     assert record["status"] == "failed" and record["returncode"] == 1 and record["seed"] == 3
@@ -230,7 +234,7 @@ def fake_env(tmp_path: Path, mode: str) -> dict:
 
 
 def test_a_gate_run_that_stops_early_is_recorded_as_missing(wf, tmp_path):
-    r = snakemake(wf, *run_args("stop"), env=fake_env(tmp_path, "stop"))
+    r = snakemake(wf, *run_args("stop", tables_only=True), env=fake_env(tmp_path, "stop"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     gates_md, contracts_md, record = read_outputs(wf, "stop")
     assert record["status"] == "error" and "cannot import 'isoexec_kernels.nope'" in record["error"]
@@ -240,7 +244,7 @@ def test_a_gate_run_that_stops_early_is_recorded_as_missing(wf, tmp_path):
 
 
 def test_bad_input_to_the_gates_fails_the_job(wf, tmp_path):
-    r = snakemake(wf, *run_args("bad"), env=fake_env(tmp_path, "bad"))
+    r = snakemake(wf, *run_args("bad", tables_only=True), env=fake_env(tmp_path, "bad"))
     assert r.returncode != 0
     out = r.stdout + r.stderr
     assert "exited 2 (bad input)" in out and "unknown composition 'nope'" in out
@@ -267,6 +271,15 @@ def test_default_run_renders_tables_and_report(wf, tmp_path):
     assert len(re.findall(r"`[0-9a-f]{64}`", contracts_md)) == 6  # 3 digests x 2 compositions
     csv_lines = (wf / "figs/e2e/gates.csv").read_text().splitlines()
     assert csv_lines[0].startswith("family,gate,region") and len(csv_lines) == n_artifacts + 1
+    # the RL runs: IsoExec exactly 0 on every step, native measurably not; tables and figures exist
+    lp = (wf / "figs/e2e/logprob_diff.md").read_text()
+    row = next(ln for ln in lp.splitlines() if ln.startswith("| dense |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == "0" and cells[7] == "0" and cells[8] == "1", row      # IsoExec mean, max, equal
+    assert cells[3] not in ("0", "–"), row                                   # native max
+    assert "| dense | full step |" in (wf / "figs/e2e/step_time.md").read_text()
+    for name in ("logprob_diff.png", "step_time.png", "kernels.md"):
+        assert (wf / "figs/e2e" / name).stat().st_size > 500
 
     again = snakemake(wf, *run_args("e2e", "-n"))
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr
