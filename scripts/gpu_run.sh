@@ -4,7 +4,8 @@
 # engine benchmarks.
 # Everything lands under $OUT; the gate artifacts travel as ONE tarball (a device call returns
 # at most 8 files). Usage on the GPU machine (commit passed in: the copied tree has no .git):
-#   OUT=/some/dir ISOEXEC_COMMIT=<sha> bash scripts/gpu_run.sh
+#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|all bash scripts/gpu_run.sh
+# Wheels the GPU image lacks: run scripts/fetch_gpu_wheels.sh here first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 WORK=/tmp/step2
@@ -16,6 +17,8 @@ fi
 mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/isoexec_kernels
 export PYTHONPATH="$PWD:/tmp/pp:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
+MODE=${MODE:-all}
+if [ "$MODE" != rl ]; then
 python3 -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"
 tail -3 "$WORK/gpu_tests.log"
 python3 -m isoexec.cli gates run --family dense --composition isoexec --arch sm90 --model dense_qwen3_0p6b \
@@ -27,3 +30,19 @@ for b in gemm attention rmsnorm logprob engine; do
   tail -4 "$WORK/bench/$b.log"
 done
 tar -C "$WORK" -czf "$OUT/bench.tgz" bench
+fi
+if [ "$MODE" != kernels ]; then
+  # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU machine)
+  python3 - <<'PY'
+import yaml
+c = yaml.safe_load(open("configs/h200.yaml"))
+rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), model=c["models"]["dense"], arch="sm90")
+yaml.safe_dump({"rl": rl}, open("/tmp/step2/rl_h200.yaml", "w"))
+PY
+  for comp in native isoexec; do
+    python3 -m isoexec.cli run --config /tmp/step2/rl_h200.yaml --composition $comp \
+      --out "$WORK/runs/dense/$comp/seed0" > "$WORK/rl_$comp.log" 2>&1; echo "rl $comp rc=$?"
+    tail -4 "$WORK/rl_$comp.log"
+  done
+  tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs rl_native.log rl_isoexec.log
+fi
