@@ -105,6 +105,8 @@ class RLRun:
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
                  "bfloat16": torch.bfloat16}[cfg.dtype]
         if cfg.contract:
+            if not Path(cfg.contract).is_file():
+                raise ConfigError(f"contract file {cfg.contract!r} not found")
             self.contract = check_contract(decode(Path(cfg.contract).read_bytes()))
         else:
             self.contract = build_contract(cfg.family, cfg.composition, cfg.arch, cfg.model)
@@ -123,7 +125,7 @@ class RLRun:
             self.trainer_model.init_random(cfg.seed)
         for m in (self.trainer_model, self.engine_model):
             m.install(self.contract)
-        self.trainer = Trainer(self.trainer_model, TrainConfig(**{"seed": cfg.seed, **cfg.train}))
+        self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
         if cfg.dataset == "synthetic":
             try:
                 problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
