@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -35,17 +36,16 @@ def resolve_config(kind: str, name_or_path: str) -> Path:
     return cand
 
 
-def atomic_write(path: str | Path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` through a temp file in the same folder and a rename, so a
-    crash or a refused check never leaves a half-written output behind."""
+@contextlib.contextmanager
+def atomic_writer(path: str | Path):
+    """A binary file handle whose content appears at ``path`` only when the block succeeds: it is
+    written to a temp file in the same folder, synced, and renamed; on error the temp file goes."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, str):
-        data = data.encode("utf-8")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -55,4 +55,13 @@ def atomic_write(path: str | Path, data: bytes | str) -> Path:
         except FileNotFoundError:
             pass
         raise
-    return path
+
+
+def atomic_write(path: str | Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``path`` through a temp file in the same folder and a rename, so a
+    crash or a refused check never leaves a half-written output behind."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    with atomic_writer(path) as f:
+        f.write(data)
+    return Path(path)

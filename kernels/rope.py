@@ -29,7 +29,6 @@ Rounding schedule
 
 from __future__ import annotations
 
-import math
 
 import torch
 

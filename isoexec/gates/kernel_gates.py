@@ -27,7 +27,6 @@ from typing import Callable
 import torch
 
 from ..contract import Entry, ImplRef, frozen_mapping
-from ..enforce import bind
 from .compare import BitReport, compare_bits, merge
 
 GATE_FAMILIES = {

@@ -249,22 +249,12 @@ def write_parquet(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from ..paths import atomic_writer
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     table = pa.Table.from_pylist(list(rows), schema=_arrow_schema())
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_writer(path) as f:
+        pq.write_table(table, f)
     return path
 
 

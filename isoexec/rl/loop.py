@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -337,6 +336,3 @@ def run_rl(cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = prin
     run = RLRun(cfg, out_dir, log)
     return run.run()
 
-
-def main_log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
