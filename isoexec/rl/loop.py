@@ -234,6 +234,20 @@ class RLRun:
         results = self.engine.generate(prompts, params)
         return results, owners
 
+    def _region_hint(self, seqs, plens, first) -> str:
+        """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
+        if not first:
+            return ""
+        from ..debug import first_divergence
+
+        seq_i, tok_i = first
+        tokens = seqs[seq_i][:plens[seq_i] + tok_i + 1]
+        try:
+            d = first_divergence(self.trainer_model, self.engine_model, tokens, "decode" if tok_i else "prefill")
+        except Exception as exc:  # noqa: BLE001 - a hint must never hide the live-check failure itself
+            return f" (locator failed: {exc})"
+        return f"; {d}" if d else "; the locator found no differing region (a sampling-path difference?)"
+
     def run_step(self) -> dict:
         from ..train.trainer import TrainBatch
         from .advantages import dynamic_sampling, group_advantages
@@ -280,8 +294,8 @@ class RLRun:
             raise LiveCheckFailed(
                 f"step {step}: contract claims tolerance 0 but rollout and trainer logprobs differ "
                 f"({stats['bitwise_equal_frac']:.6f} of tokens equal); first differing token: response "
-                f"{first[0] if first else '?'}, token {first[1] if first else '?'}; stopping before the "
-                "backward pass.")
+                f"{first[0] if first else '?'}, token {first[1] if first else '?'}"
+                f"{self._region_hint(all_seqs, all_plens, first)}; stopping before the backward pass.")
         kept = [i for g in groups for i in g]
         rewards_kept = [generated[i][1][0] for i in kept]
         adv = group_advantages(rewards_kept, cfg.samples_per_prompt) if kept else []

@@ -42,8 +42,9 @@ def test_live_check_stops_before_backward(tmp_path, monkeypatch):
     called = []
     monkeypatch.setattr(run.trainer, "train", lambda *a, **k: called.append(1))
     monkeypatch.setattr(run, "_sync_weights", lambda: 0.0)
-    with pytest.raises(LiveCheckFailed, match="first differing token: response"):
+    with pytest.raises(LiveCheckFailed, match="first differing token: response") as ei:
         run.run_step()
+    assert "first divergence at region embed" in str(ei.value)   # the drifted tensor is the embedding
     assert not called
 
 
