@@ -282,8 +282,5 @@ def required_ops(c: ExecutionContract) -> frozenset[str]:
     return frozenset(registry.family(c.model.family).ops)
 
 
-def composition_name(spec_path: str) -> str:
-    return Path(spec_path).stem
-
 
 __all__ = ["build_contract", "load_composition", "load_model_config", "config_digest", "required_ops", "PENDING"]

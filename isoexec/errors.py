@@ -62,12 +62,6 @@ class TopologyRefused(IsoExecError):
     exit_code = 1
 
 
-class GateFailure(IsoExecError):
-    """A gate that had to pass did not."""
-
-    exit_code = 1
-
-
 class NotAdmitted(IsoExecError):
     """A contract cannot be admitted: some discharge has no passing gate artifact."""
 

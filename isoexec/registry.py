@@ -152,7 +152,6 @@ def _c(default, *allowed) -> ConstantSpec:
 
 
 _K = "isoexec_kernels"
-_ALL_CASES = {"*": ""}
 
 # ---------------------------------------------------------------------------------- implementations
 IMPLS: tuple[ImplSpec, ...] = (

@@ -125,7 +125,7 @@ class DenseModel(nn.Module):
         if batch.case == "engine_decode":
             return attn(q, kc, vc, batch.block_table, batch.context_lens, scale)
         return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale,
-                    **({"max_seqlen_q": batch.max_seqlen_q} if batch.max_seqlen_q else {}))
+                    max_seqlen_q=batch.max_seqlen_q)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""

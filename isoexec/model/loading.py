@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from ..errors import ConfigError, IsoExecError
+from ..errors import IsoExecError
 from .config import DenseConfig
 
 
@@ -126,17 +126,6 @@ def load_from_hf_model(model, hf_model) -> None:
     state = {k: v for k, v in hf_model.state_dict().items()}
     load_named_tensors(model, state, dense_name_map(model.cfg), type(hf_model).__name__,
                        ignore=_tied_extra(model.cfg))
-
-
-def read_hf_config(path: str | Path) -> dict:
-    p = Path(path)
-    cfg = p / "config.json" if p.is_dir() else p
-    if not cfg.is_file():
-        raise ConfigError(f"no config.json at {str(path)!r}")
-    try:
-        return json.loads(cfg.read_text())
-    except ValueError as exc:
-        raise ConfigError(f"{cfg}: invalid JSON ({exc})") from None
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ choice is keyed by (seed, step, ...) rather than drawn from a stream that a rest
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import time
@@ -176,7 +177,7 @@ class RLRun:
     def _save(self) -> None:
         from ..paths import atomic_write
 
-        buf = __import__("io").BytesIO()
+        buf = io.BytesIO()
         torch.save({"config": asdict(self.cfg), "step": self.step, "trainer": self.trainer.state_dict(),
                     "stream": self.stream.state_dict()}, buf)
         atomic_write(self.ckpt_path, buf.getvalue())
@@ -304,10 +305,9 @@ class RLRun:
         rollout_lp = [all_rollout[i] for i in kept]
         trainer_lp = [all_trainer[i] for i in kept]
         all_rewards = [x[1][0] for x in generated]
-        flat = kept
         t0 = time.time()
         train_stats = {}
-        if flat:
+        if kept:
             batch = TrainBatch(sequences=sequences, prompt_lens=prompt_lens, advantages=adv,
                                rollout_logprobs=rollout_lp)
             old = trainer_lp if self.trainer.config.pi_old == "recompute" else rollout_lp
