@@ -46,7 +46,8 @@ def _prompts(gen: torch.Generator, n: int, max_len: int, vocab: int) -> list[lis
                           generator=gen).tolist() for _ in range(n)]
 
 
-def _staggered(engine: Engine, requests) -> dict:
+def run_staggered(engine: Engine, requests) -> dict:
+    """Feed (arrival_step, prompt, params, request_id) requests as the steps pass; results by id."""
     pending = sorted(requests, key=lambda r: r[0])
     results, step = {}, 0
     while pending or engine.has_unfinished():
@@ -67,7 +68,8 @@ def _tokens_report(a: list[int], b: list[int]) -> BitReport:
                      dtype="int64")
 
 
-def _verify(model, results) -> BitReport:
+def verify_engine_logprobs(model, results) -> BitReport:
+    """Engine logprobs of every generated token vs score_logprobs over prompt + response."""
     packed = PackedSequences.from_lists([r.prompt + r.ids for r in results])
     parts = packed.split(score_logprobs(model, packed))
     want = torch.cat([p[len(r.prompt) - 1:] for p, r in zip(parts, results)])
@@ -81,9 +83,9 @@ def engine_generate_verify(model, contract, gen: torch.Generator, requests: int,
     prompts = _prompts(gen, requests, max_prompt, model.cfg.vocab_size)
     params = _params(rng, requests, max_tokens)
     reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-    results = _staggered(_engine(model, contract), reqs)
+    results = run_staggered(_engine(model, contract), reqs)
     ordered = [results[i] for i in range(requests)]
-    return [_verify(model, ordered)], {"requests": requests, "tokens": sum(len(r.ids) for r in ordered)}
+    return [verify_engine_logprobs(model, ordered)], {"requests": requests, "tokens": sum(len(r.ids) for r in ordered)}
 
 
 def engine_needle(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
@@ -91,12 +93,12 @@ def engine_needle(model, contract, gen: torch.Generator, requests: int, max_prom
     rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
     needle = _prompts(gen, 1, max_prompt, model.cfg.vocab_size)[0]
     needle_params = SamplingParams(temperature=0.9, top_k=50, seed=rng.randrange(2 ** 40), max_tokens=max_tokens)
-    alone = _staggered(_engine(model, contract), [(0, needle, needle_params, 10 ** 6)])[10 ** 6]
+    alone = run_staggered(_engine(model, contract), [(0, needle, needle_params, 10 ** 6)])[10 ** 6]
     prompts = _prompts(gen, requests - 1, max_prompt, model.cfg.vocab_size)
     reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, _params(rng, requests - 1,
                                                                                           max_tokens)))]
     reqs.insert(rng.randrange(requests), (rng.randint(0, 4), needle, needle_params, 10 ** 6))
-    inside = _staggered(_engine(model, contract), reqs)[10 ** 6]
+    inside = run_staggered(_engine(model, contract), reqs)[10 ** 6]
     reports = [_tokens_report(alone.ids, inside.ids)]
     if alone.ids == inside.ids:
         reports.append(compare_bits(inside.logprobs, alone.logprobs))

@@ -87,14 +87,6 @@ def _rand(shape, dtype, gen, device, scale=1.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(dtype).to(device)
 
 
-def _neighbourhood(row: torch.Tensor, m: int, gen, dtype, device, make) -> tuple[torch.Tensor, int]:
-    """A batch of ``m`` random rows with ``row`` at a random position."""
-    batch = make(m)
-    pos = int(torch.randint(0, m, (1,), generator=gen))
-    batch[pos] = row
-    return batch, pos
-
-
 def _rowwise_invariance(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[int], torch.Tensor],
                         sizes, gen) -> list[BitReport]:
     """f(batch)[pos] == f(row alone) for each size, in two different random batches."""
@@ -107,6 +99,30 @@ def _rowwise_invariance(fn: Callable[[torch.Tensor], torch.Tensor], make: Callab
             alone = fn(row)
             inside = fn(batch)[pos:pos + 1]
             reports.append(compare_bits(inside, alone))
+    return reports
+
+
+def _with_zeros_and_subnormals(x: torch.Tensor, gen) -> torch.Tensor:
+    """~10% of ``x`` set to -0.0 and ~5% to 3e-39 (a subnormal in fp32 and bf16)."""
+    mask = (torch.rand(x.shape, generator=gen) < 0.1).to(x.device)
+    x = x.masked_fill(mask, -0.0)
+    sub = (torch.rand(x.shape, generator=gen) < 0.05).to(x.device)
+    return torch.where(sub, torch.full_like(x, 3e-39), x)
+
+
+def _hazard_reports(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[int], torch.Tensor], sizes, gen,
+                    exercised: dict) -> list[BitReport]:
+    """Row alone vs inside the batch on non-contiguous hazard inputs, counting what occurred."""
+    reports = []
+    for m in sizes:
+        x = make(m).repeat(1, 2)[:, ::2]           # non-contiguous view: every other column
+        exercised["noncontiguous"] = exercised.get("noncontiguous", False) or not x.is_contiguous()
+        exercised["signed_zero"] = exercised.get("signed_zero", 0) + int(((x == 0) & torch.signbit(x)).sum())
+        xf = x.float()
+        exercised["subnormal"] = exercised.get("subnormal", 0) + int(
+            ((xf != 0) & (xf.abs() < torch.finfo(torch.float32).tiny)).sum())
+        pos = int(torch.randint(0, m, (1,), generator=gen))
+        reports.append(compare_bits(fn(x)[pos:pos + 1], fn(x[pos:pos + 1])))
     return reports
 
 
@@ -150,27 +166,10 @@ def gate_linear(fn, region, cfg, family, dtype, device, gen, sizes, hazards, con
 
     def make(m):
         x = _rand((m, k), dtype, gen, device)
-        if family == "hazards":
-            mask = torch.rand((m, k), generator=gen) < 0.1
-            x[mask.to(device)] = -0.0
-            sub = torch.rand((m, k), generator=gen) < 0.05
-            tiny = torch.full((m, k), 3e-39, dtype=torch.float32).to(dtype).to(device)  # subnormal in fp32 and bf16
-            x = torch.where(sub.to(device), tiny, x)
-        return x
+        return _with_zeros_and_subnormals(x, gen) if family == "hazards" else x
 
-    reports = []
     if family == "hazards":
-        for m in sizes:
-            wide = make(m).repeat(1, 2)            # non-contiguous view: every other column pair
-            x = wide[:, ::2]
-            exercised["noncontiguous"] = exercised.get("noncontiguous", False) or not x.is_contiguous()
-            exercised["signed_zero"] = exercised.get("signed_zero", 0) + int(
-                ((x == 0) & torch.signbit(x)).sum())
-            xf = x.float()
-            exercised["subnormal"] = exercised.get("subnormal", 0) + int(
-                ((xf != 0) & (xf.abs() < torch.finfo(torch.float32).tiny)).sum())
-            pos = int(torch.randint(0, m, (1,), generator=gen))
-            reports.append(compare_bits(fn(x, w)[pos:pos + 1], fn(x[pos:pos + 1], w)))
+        reports = _hazard_reports(lambda x: fn(x, w), make, sizes, gen, exercised)
     else:
         reports = _rowwise_invariance(lambda x: fn(x, w), make, sizes, gen)
     x = make(min(sizes[-1], 64))
@@ -187,23 +186,10 @@ def gate_norm(fn, region, cfg, family, dtype, device, gen, sizes, hazards, const
 
     def make(m):
         x = _rand((m, h), dtype, gen, device)
-        if family == "hazards":
-            x[(torch.rand((m, h), generator=gen) < 0.1).to(device)] = -0.0
-            sub = (torch.rand((m, h), generator=gen) < 0.05).to(device)
-            x = torch.where(sub, torch.full_like(x, 3e-39), x)
-        return x
+        return _with_zeros_and_subnormals(x, gen) if family == "hazards" else x
 
     if family == "hazards":
-        reports = []
-        for m in sizes:
-            x = make(m).repeat(1, 2)[:, ::2]
-            exercised["noncontiguous"] = exercised.get("noncontiguous", False) or not x.is_contiguous()
-            exercised["signed_zero"] = exercised.get("signed_zero", 0) + int(((x == 0) & torch.signbit(x)).sum())
-            xf = x.float()
-            exercised["subnormal"] = exercised.get("subnormal", 0) + int(
-                ((xf != 0) & (xf.abs() < torch.finfo(torch.float32).tiny)).sum())
-            pos = int(torch.randint(0, m, (1,), generator=gen))
-            reports.append(compare_bits(fn(x, weight, eps)[pos:pos + 1], fn(x[pos:pos + 1], weight, eps)))
+        reports = _hazard_reports(lambda x: fn(x, weight, eps), make, sizes, gen, exercised)
     else:
         reports = _rowwise_invariance(lambda x: fn(x, weight, eps), make, sizes, gen)
     x = make(16)

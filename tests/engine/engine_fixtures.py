@@ -10,8 +10,8 @@ import torch  # noqa: E402
 
 from isoexec.compose import build_contract  # noqa: E402
 from isoexec.gates.compare import BitReport, compare_bits  # noqa: E402
+from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
-from isoexec.train import PackedSequences, score_logprobs  # noqa: E402
 
 TINY = dict(model_type="qwen3", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=2, num_key_value_heads=1, head_dim=16, hidden_act="silu",
@@ -44,12 +44,8 @@ def random_prompts(gen: torch.Generator, count: int, min_len: int = 1, max_len: 
 
 def verify(model, results) -> BitReport:
     """Engine logprobs of every generated token vs score_logprobs over prompt + generated."""
-    packed = PackedSequences.from_lists([r.prompt + r.ids for r in results])
-    parts = packed.split(score_logprobs(model, packed))
-    want = torch.cat([p[len(r.prompt) - 1:] for p, r in zip(parts, results)])
-    got = torch.cat([r.logprobs for r in results])
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    return compare_bits(got, want)
+    assert all(r.logprobs.dtype == torch.float32 for r in results)
+    return verify_engine_logprobs(model, results)
 
 
 def same_results(a, b) -> None:

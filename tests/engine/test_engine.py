@@ -17,6 +17,7 @@ from isoexec.contract import offer
 from isoexec.engine import Engine, EngineConfig, SamplingParams
 from isoexec.errors import BindingRefused, ContractMismatch
 from isoexec.gates.compare import compare_bits
+from isoexec.gates.engine_gates import run_staggered
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -38,19 +39,6 @@ def _mixed_params(n, seed=0, max_tokens=(4, 10)):
                                   max_tokens=rng.randint(*max_tokens), logprobs=2 if kind == 1 else 0))
     return out
 
-
-def _run_staggered(engine, requests):
-    """requests: (arrival_step, prompt, params, request_id); results by request id."""
-    pending = sorted(requests, key=lambda r: r[0])
-    results, step = {}, 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, prompt, params, rid = pending.pop(0)
-            engine.add_request(prompt, params, rid)
-        for r in engine.step():
-            results[r.request_id] = r
-        step += 1
-    return results
 
 
 def _record_batches(engine):
@@ -92,7 +80,7 @@ def test_needle_in_batch_logprobs_bitwise(dtype):
     rng = random.Random(20)
     needle = random_prompts(gen, 1, 20, 30)[0]
     needle_params = SamplingParams(temperature=0.9, top_k=60, seed=1234, max_tokens=10)
-    alone = _run_staggered(_engine(model), [(0, needle, needle_params, 4242)])[4242]
+    alone = run_staggered(_engine(model), [(0, needle, needle_params, 4242)])[4242]
     assert verify(model, [alone]).differing == 0
 
     n = 40
@@ -102,7 +90,7 @@ def test_needle_in_batch_logprobs_bitwise(dtype):
     requests.insert(rng.randrange(n), (3, needle, needle_params, 4242))   # joins mid-flight
     engine = _engine(model, max_num_seqs=48, max_num_batched_tokens=96)
     log = _record_batches(engine)
-    inside = _run_staggered(engine, requests)
+    inside = run_staggered(engine, requests)
     assert any(not d and 1 in counts for d, counts, _ in log), "no mixed prefill+decode step happened"
     assert max(len(c) for _, c, _ in log) >= 16, "the batch never grew large"
     same_results([alone], [inside[4242]])
