@@ -4,7 +4,9 @@
 # engine benchmarks.
 # Everything lands under $OUT; the gate artifacts travel as ONE tarball (a device call returns
 # at most 8 files). Usage on the GPU machine (commit passed in: the copied tree has no .git):
-#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|all bash scripts/gpu_run.sh
+#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|all [BENCHES="gemm attention ..."] bash scripts/gpu_run.sh
+# To run exactly a committed tree while the working tree is being edited, extract `git archive
+# HEAD` into an ignored folder, carry it and run this script from there.
 # Wheels the GPU image lacks: run scripts/fetch_gpu_wheels.sh here first and carry .whl.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -19,17 +21,20 @@ export PYTHONPATH="$PWD:/tmp/pp:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 MODE=${MODE:-all}
 if [ "$MODE" != rl ]; then
-python3 -m pytest -q -m gpu tests/kernels tests/engine -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"
+SECONDS=0
+python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels tests/engine} -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
+cp "$WORK/gpu_tests.log" "$OUT/"; SECONDS=0
 tail -3 "$WORK/gpu_tests.log"
 python3 -m isoexec.cli gates run --family dense --composition isoexec --arch sm90 --model dense_qwen3_0p6b \
-  --out "$WORK/gates" --json > "$WORK/gates_summary.json" 2> "$WORK/gates.log"; echo "gates rc=$?"
+  --out "$WORK/gates" --json > "$WORK/gates_summary.json" 2> "$WORK/gates.log"; echo "gates rc=$? (${SECONDS}s)"
 grep -E "PASS|FAIL|INCONCLUSIVE|gates passed" "$WORK/gates.log" | tail -60
 tar -C "$WORK" -czf "$OUT/gates.tgz" gates gates_summary.json gates.log gpu_tests.log
-for b in gemm attention rmsnorm logprob engine; do
-  python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1; echo "bench $b rc=$?"
+for b in ${BENCHES:-gemm attention rmsnorm logprob engine}; do
+  SECONDS=0
+  python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1; echo "bench $b rc=$? (${SECONDS}s)"
   tail -4 "$WORK/bench/$b.log"
+  tar -C "$WORK" -czf "$OUT/bench.tgz" bench  # after each bench: a run cut short still returns the finished ones
 done
-tar -C "$WORK" -czf "$OUT/bench.tgz" bench
 fi
 if [ "$MODE" != kernels ]; then
   # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU machine)

@@ -42,6 +42,7 @@ class ModelRunner:
                                    model.embed.dtype, self.device)
         self.sampler = Sampler()
         self.graphs: Optional[DecodeGraphs] = None
+        self.graph_replays = 0                      # decode steps served by a graph (gates check > 0)
         if cuda_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             max_pages = -(-max_model_len // page_size)
             sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
@@ -56,6 +57,7 @@ class ModelRunner:
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed for s in seqs]
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(len(seqs)) is not None:
+            self.graph_replays += 1
             return self.graphs.run(ids, tables, starts, self.page_size), case
         fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device)
         return self.model.hidden_states(ids, fb), case

@@ -128,5 +128,30 @@ def engine_preemption(model, contract, gen: torch.Generator, requests: int, max_
     return reports, {"requests": n, "preemptions": tight.scheduler.num_preemptions}
 
 
+def engine_graph_eager(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
+                       ) -> tuple[list[BitReport], dict]:
+    """The same staggered traffic with decode CUDA graphs on and off: tokens and logprobs equal.
+    Only meaningful where graphs exist (CUDA); ``GPU_ONLY_GATES`` keeps it off the CPU run."""
+    rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
+    prompts = _prompts(gen, requests, max_prompt, model.cfg.vocab_size)
+    params = _params(rng, requests, max_tokens)
+    reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+    graphed_engine = _engine(model, contract, cuda_graphs=True)
+    graphed = run_staggered(graphed_engine, reqs)
+    eager = run_staggered(_engine(model, contract, cuda_graphs=False), reqs)
+    reports = []
+    for i in range(requests):
+        reports.append(_tokens_report(eager[i].ids, graphed[i].ids))
+        if eager[i].ids == graphed[i].ids:
+            reports.append(compare_bits(graphed[i].logprobs, eager[i].logprobs))
+    replays = graphed_engine.runner.graph_replays
+    if replays == 0:
+        # graphs never replayed: the comparison would be vacuous, so it fails (GATES.md, hazards)
+        reports.append(BitReport(compared=1, differing=1, max_abs_diff="vacuous: no graph replay", max_ulp=0,
+                                 first_index=None, dtype="none"))
+    return reports, {"requests": requests, "graph_replays": replays}
+
+
 ENGINE_GATES = {"engine_generate_verify": engine_generate_verify, "engine_needle": engine_needle,
-                "engine_preemption": engine_preemption}
+                "engine_preemption": engine_preemption, "engine_graph_eager": engine_graph_eager}
+GPU_ONLY_GATES = frozenset({"engine_graph_eager"})

@@ -54,7 +54,7 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
                     log: Callable[[str], None]) -> list[GateResult]:
     """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
     from ..model import build_model
-    from .engine_gates import ENGINE_GATES
+    from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
     from .engine_gates import SIZES as ENGINE_SIZES
     from .model_gates import model_batch_invariance, model_case_parity
 
@@ -62,24 +62,27 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
     results = []
     runs = [(composition, "invariant", None)]
     if composition != "native" and arch in NEGATIVE_CONTROLS:
-        runs.append(("native", "variant", "model_case_parity"))
+        # the whole-model and the generate-then-verify pair must both fail under stock kernels
+        runs.append(("native", "variant", ("model_case_parity", "engine_generate_verify")))
     for comp, expect, of in runs:
         contract = build_contract(family, comp, arch, model)
         for dtype in DTYPES[arch]:
             m = build_model(family, cfg, dtype=dtype, device=DEVICE[arch]).init_random(seed)
             m.install(contract)
             t0 = time.time()
-            gates = [("model_case_parity", lambda g: model_case_parity(m, g, **MODEL_GATE_SIZES[arch]))]
-            if expect == "invariant":
-                gates.append(("model_batch_invariance",
-                              lambda g: model_batch_invariance(m, g, **MODEL_GATE_SIZES[arch])))
-                for gname, gfn in ENGINE_GATES.items():
+            gates = [("model_case_parity", lambda g: model_case_parity(m, g, **MODEL_GATE_SIZES[arch])),
+                     ("model_batch_invariance", lambda g: model_batch_invariance(m, g, **MODEL_GATE_SIZES[arch]))]
+            for gname, gfn in ENGINE_GATES.items():
+                if gname not in GPU_ONLY_GATES or arch != "cpu":
                     gates.append((gname, lambda g, gfn=gfn: gfn(m, contract, g, **ENGINE_SIZES[arch])))
+            if expect == "variant":
+                gates = [(name, fn) for name, fn in gates if name in of]
             for name, fn in gates:
                 gen = torch.Generator().manual_seed(seed + 1)
                 reports, info = fn(gen)
                 fam_name = "negative_control" if expect == "variant" else name
-                body = _model_body(contract, comp, fam_name, reports, info, dtype, seed, arch, expect, of)
+                body = _model_body(contract, comp, fam_name, reports, info, dtype, seed, arch, expect,
+                                   name if expect == "variant" else None)
                 gid, path = write_artifact(out_dir, body)
                 c = body["counts"]
                 r = GateResult(gid, path, fam_name, "model", f"composition:{comp}",
