@@ -35,8 +35,10 @@ def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: 
     from ..engine import Engine, EngineConfig, SamplingParams
 
     pages = len(prompts) * (-(-(len(prompts[0]) + max_tokens) // 16)) + 8
+    # max_model_len bounds the block-table width the decode graphs are captured with (the native
+    # attention gathers that many keys per sequence); the same for both compositions.
     cfg = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=len(prompts), num_pages=pages,
-                       cuda_graphs=graphs and device == "cuda")
+                       max_model_len=len(prompts[0]) + max_tokens + 16, cuda_graphs=graphs and device == "cuda")
     engine = Engine(model, contract, cfg, trainer_contract=contract)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.generate(prompts[:2], params)            # warm-up: compile kernels, capture graphs

@@ -70,10 +70,10 @@ def _tokens_report(a: list[int], b: list[int]) -> BitReport:
 
 def verify_engine_logprobs(model, results) -> BitReport:
     """Engine logprobs of every generated token vs score_logprobs over prompt + response."""
-    packed = PackedSequences.from_lists([r.prompt + r.ids for r in results])
+    packed = PackedSequences.from_lists([r.prompt + r.ids for r in results], device=model.embed.device)
     parts = packed.split(score_logprobs(model, packed))
     want = torch.cat([p[len(r.prompt) - 1:] for p, r in zip(parts, results)])
-    got = torch.cat([r.logprobs for r in results])
+    got = torch.cat([r.logprobs for r in results]).to(want.device)
     return compare_bits(got, want)
 
 
