@@ -1,0 +1,165 @@
+"""CPR per-layer latency: the Gated DeltaNet core of one layer, ours (CPR) vs the two stock
+compositions, in the same run on the same inputs (BENCHMARKS.md, seed table "CPR per-layer
+latency vs native mixed and recurrent-everywhere").
+
+Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chunk 64):
+  trainer_fwd_bwd   varlen forward + backward, 5 sequences x 2048 tokens (10,240 tokens)
+  prefill           engine prefill of 5 fresh sequences x 2048 tokens (state written)
+  decode            one token for each of 256 sequences that already hold context state (random
+                    chunk fill, so about 256/64 lanes resynchronise per step, as in steady state)
+
+Baselines (``kernels/gdn_core_native.py``):
+  native_mixed          chunk algorithm for trainer and prefill, fused recurrent step for decode
+  recurrent_everywhere  the per-token recurrence for every stage
+Ours: ``gdn_cpr_varlen`` / ``gdn_cpr_engine`` / ``gdn_cpr_decode``.
+
+Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
+fp32; projections, conv and norms are the same for every variant and left out). Decode runs
+under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. All three
+trainer paths share the backward (gradient of the torch chunk form), so the trainer row differs
+only by the forward. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
+``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
+(the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
+1.00x). ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on
+the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import print_rows, row, time_ms
+
+GDN_DIMS = dict(Hk=16, H=32, Dk=128, Dv=128, chunk=64)
+FULL = dict(train=(5, 2048), prefill=(5, 2048), decode=256)
+QUICK_DIMS = dict(Hk=2, H=4, Dk=16, Dv=16, chunk=16)
+QUICK = dict(train=(2, 48), prefill=(2, 48), decode=8)
+
+
+def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    T = sum(lens)
+    Hk, H, Dk, Dv = dims["Hk"], dims["H"], dims["Dk"], dims["Dv"]
+    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1)
+    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen), dim=-1) * Dk ** -0.5
+    v = torch.randn(T, H, Dv, generator=gen).to(v_dtype)
+    g = -torch.rand(T, H, generator=gen) * 0.3  # log decay
+    beta = torch.rand(T, H, generator=gen)
+    xs = [x.to(device).requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return xs, cu
+
+
+def _decode_state(B, dims, device, seed):
+    from isoexec_kernels.gdn_core import GDNState
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    C = dims["chunk"]
+    st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
+    for name in ("boundary", "running", "buf_k", "buf_v"):
+        t = getattr(st, name)
+        t.copy_((torch.randn(t.shape, generator=gen) * 0.05).to(device))
+    st.buf_g.copy_((-torch.rand(st.buf_g.shape, generator=gen) * 0.3).to(device))
+    st.buf_beta.copy_(torch.rand(st.buf_beta.shape, generator=gen).to(device))
+    st.fill.copy_(torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(device))
+    return st
+
+
+def _graphed(fn, device):
+    """On CUDA: capture ``fn`` in a CUDA graph (after a warm-up call) and return its replay."""
+    if device != "cuda":
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list[dict]:
+    """The rows of :func:`bench_cpr` (one per (stage, baseline))."""
+    from isoexec_kernels import gdn_core as cpr
+    from isoexec_kernels import gdn_core_native as nat
+
+    dims = QUICK_DIMS if quick else GDN_DIMS
+    sizes = QUICK if quick else FULL
+    C = dims["chunk"]
+    v_dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rep_ms = 30 if quick else 200
+    common = {"heads_qk": dims["Hk"], "heads_v": dims["H"], "head_dim": dims["Dk"], "chunk": C,
+              "v_dtype": str(v_dtype).replace("torch.", "")}
+    rows = []
+
+    def emit(fields, t_native, t_recurrent, t_ours):
+        for name, t in (("native_mixed", t_native), ("recurrent_everywhere", t_recurrent)):
+            r = row({**fields, **common}, name, t, t_ours)
+            r["overhead_vs_native"] = round(t_ours / t_native, 4) if t_native > 0 else None
+            rows.append(r)
+            print_rows([r], ["stage", "batch", "seqlen"], log)
+
+    # trainer forward + backward
+    b, L = sizes["train"]
+    xs, cu = _inputs([L] * b, dims, device, v_dtype, seed=1, requires_grad=True)
+    do = torch.randn(b * L, dims["H"], dims["Dv"], device=device)
+
+    def train(fn):
+        def run():
+            o = fn(*xs, cu, chunk=C)
+            torch.autograd.grad(o, xs, do)
+        return run
+
+    t = [time_ms(train(f), device, rep_ms=rep_ms)
+         for f in (nat.gdn_chunk_varlen, nat.gdn_recurrent_varlen, cpr.gdn_cpr_varlen)]
+    emit({"stage": "trainer_fwd_bwd", "batch": b, "seqlen": L, "tokens": b * L}, *t)
+    del xs, do
+
+    # rollout prefill of fresh sequences (after a multiple of C tokens a CPR slot is back on a
+    # boundary, so every repetition takes the same path; the native state just keeps evolving)
+    b, L = sizes["prefill"]
+    xs, cu = _inputs([L] * b, dims, device, v_dtype, seed=2)
+    slots = torch.arange(b, device=device)
+
+    def prefill(fn):
+        st = cpr.GDNState.allocate(b, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
+        return lambda: fn(*xs, cu, slots, st, chunk=C)
+
+    with torch.no_grad():
+        t = [time_ms(prefill(f), device, rep_ms=rep_ms)
+             for f in (nat.gdn_chunk_engine, nat.gdn_recurrent_engine, cpr.gdn_cpr_engine)]
+    emit({"stage": "prefill", "batch": b, "seqlen": L, "tokens": b * L}, *t)
+    del xs
+
+    # decode: one token for B sequences with context state
+    B = sizes["decode"]
+    xs, _ = _inputs([B], dims, device, v_dtype, seed=3)
+    slots = torch.arange(B, device=device)
+
+    def decode(fn):
+        st = _decode_state(B, dims, device, seed=4)
+        return _graphed(lambda: fn(*xs, slots, st, chunk=C), device)
+
+    with torch.no_grad():
+        t_native = time_ms(decode(nat.gdn_recurrent_decode), device, rep_ms=rep_ms)
+        t_ours = time_ms(decode(cpr.gdn_cpr_decode), device, rep_ms=rep_ms)
+    # both stock compositions decode with the same fused recurrent step: one measurement
+    emit({"stage": "decode", "batch": B, "seqlen": 1, "tokens": B, "graphs": device == "cuda"},
+         t_native, t_native, t_ours)
+    return rows
+
+
+def bench_cpr(quick: bool = False, device: str = "cuda", log=print) -> dict:
+    """Run the CPR per-layer benchmark; returns the BENCHMARKS.md result object
+    ``{"name": "cpr", "env": {...}, "rows": [...]}`` (the caller writes it to
+    ``results/<run>/bench/cpr.json``)."""
+    from ..envinfo import env_info
+
+    rows = bench_cpr_rows(device, quick, log)
+    env = env_info("cpu" if device == "cpu" else None)
+    env = {k: env[k] for k in ("device", "torch", "triton", "transformers", "commit", "date")}
+    return {"name": "cpr", "env": env, "rows": rows}
