@@ -74,6 +74,10 @@ NOT verified on a GPU by the author (no GPU access when written): the Triton ker
 in the Triton CPU interpreter (fp32). In particular: bitwise equality of varlen / engine split /
 decode on the H200 (the GPU tests in tests/kernels/test_gdn_core.py assert it), speed, register
 pressure of the prep/state kernels (num_warps 8), and CUDA-graph capture of the decode path.
+Known speed gap: the prep kernel inverts (I + A) by 63 row steps of masked reductions over the
+64 x 64 tile; a blocked inverse (16 x 16 diagonal blocks merged by ``tl.dot``, as stock chunk
+kernels do) should be faster. The native chunk baseline shares this prep kernel (with TF32), so
+a faster inverse must go into both or the benchmark flatters CPR.
 
 Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
 [chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]
