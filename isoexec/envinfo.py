@@ -11,10 +11,13 @@ from pathlib import Path
 
 @functools.lru_cache(maxsize=None)
 def git_commit() -> str:
-    """HEAD of the checkout ("-dirty" if tracked files changed); ``$ISOEXEC_COMMIT`` where there is
-    no git metadata (a copied working tree on a GPU machine)."""
+    """``$ISOEXEC_COMMIT`` when set (a copied or extracted tree on a GPU machine, whose enclosing
+    git metadata, if any, is not the code that runs), else HEAD of the checkout ("-dirty" if
+    tracked files changed)."""
     import os
 
+    if os.environ.get("ISOEXEC_COMMIT"):
+        return os.environ["ISOEXEC_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
@@ -24,7 +27,7 @@ def git_commit() -> str:
             return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("ISOEXEC_COMMIT", "unknown")
+    return "unknown"
 
 
 def _version(mod: str) -> str:
