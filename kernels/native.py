@@ -5,7 +5,8 @@ the invariant kernels, no promise about reduction order (stock cuBLAS / CPU BLAS
 reductions pick their algorithm by shape, so a row's bits can change with the batch).
 
   ``linear_native(x, weight, bias=None)``          torch.nn.functional.linear
-  ``rms_norm_native(x, weight, eps=1e-6)``         Qwen3RMSNorm's formula with torch.mean/rsqrt
+  ``rms_norm_native(x, weight, eps=1e-6, zero_centred=False)``  Qwen3RMSNorm's formula with
+                                                   torch.mean/rsqrt (Qwen3_5RMSNorm's if zero_centred)
   ``apply_rope_native(x, positions, cos_sin_cache=None, *, theta, rotary_dim=None)``  transformers' default RoPE
                                                    (fp32 phases, cos/sin cast to x.dtype,
                                                    arithmetic in x.dtype)
@@ -38,11 +39,14 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                    zero_centred: bool = False) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
     var = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(var + eps)
+    if zero_centred:  # Qwen3.5: (x_normed * (1 + w)) in fp32, one cast at the end
+        return (h * (1.0 + weight.float())).to(dtype)
     return weight * h.to(dtype)
 
 

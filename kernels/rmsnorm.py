@@ -26,6 +26,12 @@ Backward (straight-through the two casts, like torch autograd of the formula abo
   xhat = xf * rstd in fp32; dx = (g - xhat * c) * rstd -> x.dtype;
   dweight = sum over rows of fp32(dy) * fp32(y), rows summed by fixed 64-row leaves
   (halves tree inside a leaf, leaves left to right) -> weight.dtype.
+
+Zero-centred variant (``zero_centred=True``; Qwen3.5's ``Qwen3_5RMSNorm``, weights stored as
+offsets from 1): same ss / rstd, then out = round_to_x_dtype((xf * rstd) * (1 + fp32(weight))),
+all in fp32 with no intermediate rounding to x.dtype (``1 + w`` is one fp32 add). Backward: g =
+fp32(dy) * (1 + fp32(weight)), dx as above, dweight = fixed-leaf row sum of fp32(dy) * xhat.
+The default (``zero_centred=False``) path is unchanged, bit for bit.
 """
 
 from __future__ import annotations
@@ -79,35 +85,38 @@ def _row_sum_ref(t: torch.Tensor) -> torch.Tensor:
     return _ref.tree_sum0(t.t().contiguous())
 
 
-def _ref_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float):
+def _ref_fwd(x2: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool = False):
     R, H = x2.shape
     xf = x2.float()
     ss = _row_sum_ref(xf * xf) if R else xf.new_zeros(0)
     var = ss / H
     s = torch.sqrt(var + _eps32(eps))
     rstd = torch.div(torch.ones_like(s), s)
+    if zero_centred:
+        return ((xf * rstd[:, None]) * (1.0 + weight.float())).to(x2.dtype), rstd
     y = (xf * rstd[:, None]).to(x2.dtype)
     out = (weight.float() * y.float()).to(_out_dtype(x2, weight))
     return out, rstd
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm by the reference schedule (module docstring); forward only."""
     _check(x, weight)
     H = x.shape[-1]
-    out, _ = _ref_fwd(x.reshape(-1, H), weight, eps)
+    out, _ = _ref_fwd(x.reshape(-1, H), weight, eps, zero_centred)
     return out.reshape(x.shape)
 
 
-def rms_norm_backward_reference(dy, x, weight, rstd):
+def rms_norm_backward_reference(dy, x, weight, rstd, zero_centred: bool = False):
     """(dx, dweight) for 2-D ``dy, x`` [R, H] and the forward's fp32 ``rstd`` [R]."""
     R, H = x.shape
     xf = x.float()
     xhat = xf * rstd[:, None]
-    g = dy.float() * weight.float()
+    g = dy.float() * ((1.0 + weight.float()) if zero_centred else weight.float())
     c = _row_sum_ref(g * xhat) / H if R else xf.new_zeros(0)
     dx = ((g - xhat * c[:, None]) * rstd[:, None]).to(x.dtype)
-    y = xhat.to(x.dtype).float()
+    y = xhat if zero_centred else xhat.to(x.dtype).float()
     dw = _ref.blocked_sum(dy.float() * y, 0, DW_ROW_LEAF).to(weight.dtype)
     return dx, dw
 
@@ -125,7 +134,7 @@ def _warps_for(H: int) -> int:
 
 @jit
 def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -134,16 +143,19 @@ def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
     ss = tl.sum(xf * xf, axis=0)
     var = ss / H
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    y = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    out = (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    if ZERO_CENTRED:
+        out = ((xf * rstd) * (1.0 + w)).to(out_ptr.dtype.element_ty)
+    else:
+        y = (xf * rstd).to(x.dtype)
+        out = (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
     tl.store(rstd_ptr + row, rstd)
 
 
 @jit
 def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, H,
-                    stride_dy, stride_x, stride_dx, BLOCK_H: tl.constexpr):
+                    stride_dy, stride_x, stride_dx, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
@@ -151,6 +163,8 @@ def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, H,
     xf = x.to(tl.float32)
     dy = tl.load(dy_ptr + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = 1.0 + w
     rstd = tl.load(rstd_ptr + row)
     xhat = xf * rstd
     g = dy * w
@@ -158,7 +172,10 @@ def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, H,
     dx = (g - xhat * c) * rstd
     tl.store(dx_ptr + row * stride_dx + cols, dx.to(x.dtype), mask=ok)
     # per-row dweight terms; summed over rows afterwards in a fixed order
-    tl.store(dwp_ptr + row * H + cols, dy * xhat.to(x.dtype).to(tl.float32), mask=ok)
+    if ZERO_CENTRED:
+        tl.store(dwp_ptr + row * H + cols, dy * xhat, mask=ok)
+    else:
+        tl.store(dwp_ptr + row * H + cols, dy * xhat.to(x.dtype).to(tl.float32), mask=ok)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -167,25 +184,28 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def _triton_fwd(x2, weight, eps):
+def _triton_fwd(x2, weight, eps, zero_centred: bool = False):
     R, H = x2.shape
-    out = torch.empty((R, H), dtype=_out_dtype(x2, weight), device=x2.device)
+    out_dtype = x2.dtype if zero_centred else _out_dtype(x2, weight)
+    out = torch.empty((R, H), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R:
         _rms_fwd_kernel[(R,)](x2, weight.contiguous(), out, rstd, H, x2.stride(0), out.stride(0),
-                              _eps32(eps), BLOCK_H=next_pow2(H), num_warps=_warps_for(H))
+                              _eps32(eps), BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
+                              num_warps=_warps_for(H))
     return out, rstd
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    zero_centred: bool = False) -> torch.Tensor:
     """RMSNorm by the Triton schedule (module docstring); forward only. CUDA tensors, or CPU
     tensors under ``TRITON_INTERPRET=1``."""
     _check(x, weight)
-    out, _ = _triton_fwd(_rows(x), weight, eps)
+    out, _ = _triton_fwd(_rows(x), weight, eps, zero_centred)
     return out.reshape(x.shape)
 
 
-def rms_norm_backward_triton(dy, x, weight, rstd):
+def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False):
     """(dx, dweight) for 2-D row-contiguous ``dy, x`` [R, H]; Triton per-row kernel, then the
     fixed-leaf row sum for dweight."""
     R, H = x.shape
@@ -194,7 +214,7 @@ def rms_norm_backward_triton(dy, x, weight, rstd):
     if R:
         _rms_bwd_kernel[(R,)](dy, x, weight.contiguous(), rstd, dx, dwp, H,
                               dy.stride(0), x.stride(0), dx.stride(0),
-                              BLOCK_H=next_pow2(H), num_warps=_warps_for(H))
+                              BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred, num_warps=_warps_for(H))
     dw = _ref.blocked_sum(dwp, 0, DW_ROW_LEAF).to(weight.dtype)
     return dx, dw
 
@@ -206,14 +226,15 @@ def rms_norm_backward_triton(dy, x, weight, rstd):
 
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, zero_centred=False):
         x2 = _rows(x)
         if want_triton(x2):
-            out, rstd = _triton_fwd(x2, weight, eps)
+            out, rstd = _triton_fwd(x2, weight, eps, zero_centred)
         else:
-            out, rstd = _ref_fwd(x2, weight, eps)
+            out, rstd = _ref_fwd(x2, weight, eps, zero_centred)
         ctx.save_for_backward(x2, weight, rstd)
         ctx.x_shape = x.shape
+        ctx.zero_centred = zero_centred
         return out.reshape(x.shape)
 
     @staticmethod
@@ -221,21 +242,22 @@ class _RMSNormFn(torch.autograd.Function):
         x2, weight, rstd = ctx.saved_tensors
         dy2 = _rows(dy)
         if want_triton(x2):
-            dx, dw = rms_norm_backward_triton(dy2, x2, weight, rstd)
+            dx, dw = rms_norm_backward_triton(dy2, x2, weight, rstd, ctx.zero_centred)
         else:
-            dx, dw = rms_norm_backward_reference(dy2, x2, weight, rstd)
-        return dx.reshape(ctx.x_shape), dw, None
+            dx, dw = rms_norm_backward_reference(dy2, x2, weight, rstd, ctx.zero_centred)
+        return dx.reshape(ctx.x_shape), dw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_centred: bool = False) -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dim (Triton on CUDA, reference elsewhere);
-    differentiable. Rounding schedule: module docstring."""
+    differentiable. Rounding schedule: module docstring (``zero_centred``: weight is an offset
+    from 1, Qwen3.5 style)."""
     _check(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormFn.apply(x, weight, eps)
+        return _RMSNormFn.apply(x, weight, eps, zero_centred)
     x2 = _rows(x)
     if want_triton(x2):
-        out, _ = _triton_fwd(x2, weight, eps)
+        out, _ = _triton_fwd(x2, weight, eps, zero_centred)
     else:
-        out, _ = _ref_fwd(x2, weight, eps)
+        out, _ = _ref_fwd(x2, weight, eps, zero_centred)
     return out.reshape(x.shape)

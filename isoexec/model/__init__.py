@@ -1,11 +1,12 @@
 """The unified model: one definition for trainer and engine, arithmetic bound from a contract."""
 
 from .batch import ForwardBatch, KVCache
-from .config import DenseConfig, hf_config_from_dict
+from .config import DenseConfig, HybridConfig, hf_config_from_dict
 from .dense import DenseModel
-from .loading import CheckpointError, load_dense_checkpoint, load_from_hf_model
+from .hybrid import HybridModel
+from .loading import CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model, load_hybrid_checkpoint
 
-FAMILY_MODELS = {"dense": (DenseModel, DenseConfig)}
+FAMILY_MODELS = {"dense": (DenseModel, DenseConfig), "hybrid": (HybridModel, HybridConfig)}
 
 
 def build_model(family: str, hf_config: dict, dtype=None, device="cpu"):
@@ -20,5 +21,6 @@ def build_model(family: str, hf_config: dict, dtype=None, device="cpu"):
     return model_cls(cfg_cls.from_hf(hf_config), dtype=dtype or torch.float32, device=device)
 
 
-__all__ = ["DenseConfig", "DenseModel", "ForwardBatch", "KVCache", "CheckpointError", "build_model",
-           "hf_config_from_dict", "load_dense_checkpoint", "load_from_hf_model"]
+__all__ = ["DenseConfig", "DenseModel", "HybridConfig", "HybridModel", "ForwardBatch", "KVCache", "CheckpointError",
+           "build_model", "hf_config_from_dict", "load_checkpoint", "load_dense_checkpoint", "load_hybrid_checkpoint",
+           "load_from_hf_model"]

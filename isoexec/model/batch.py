@@ -3,12 +3,18 @@
 The trainer packs whole sequences (``cu_seqlens``: varlen attention over the pack); the engine
 runs new tokens of each sequence against a paged KV cache (``cu_seqlens_q``, ``context_lens``,
 ``block_table``, ``slot_mapping``). Positions are always absolute token positions.
+
+Families with recurrent layers (hybrid: Gated DeltaNet) also give the engine one state slot per
+sequence: ``state_slots[b]`` indexes, in every recurrent layer, the gated-delta-rule state
+``gdn_states[i]`` and the conv window ``conv_states[i]`` (i = ordinal of the recurrent layer). The
+model reads and advances them in place; a fresh sequence needs its slot reset first (zeros). The
+three fields stay None for dense models and for the trainer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -45,6 +51,9 @@ class ForwardBatch:
     context_lens: Optional[torch.Tensor] = None    # [B] int32 keys incl. the new tokens
     slot_mapping: Optional[torch.Tensor] = None    # [T] int64
     max_seqlen_q: int = 0
+    gdn_states: Optional[list[Any]] = None         # engine, recurrent layers: GDNState per layer
+    conv_states: Optional[list[torch.Tensor]] = None  # engine: [S, conv_dim, W-1] per recurrent layer
+    state_slots: Optional[torch.Tensor] = None     # engine: [B] int32 state slot of each sequence
 
     @property
     def is_engine(self) -> bool:
@@ -63,8 +72,11 @@ class ForwardBatch:
 
     @classmethod
     def paged(cls, case: str, kv: KVCache, block_tables: Sequence[Sequence[int]], starts: Sequence[int],
-              q_lens: Sequence[int], device) -> "ForwardBatch":
-        """An engine batch: sequence b has ``starts[b]`` tokens cached and ``q_lens[b]`` new ones."""
+              q_lens: Sequence[int], device, *, gdn_states: Optional[list[Any]] = None,
+              conv_states: Optional[list[torch.Tensor]] = None,
+              state_slots: Optional[Sequence[int]] = None) -> "ForwardBatch":
+        """An engine batch: sequence b has ``starts[b]`` tokens cached and ``q_lens[b]`` new ones
+        (recurrent families: and its recurrent state in slot ``state_slots[b]``)."""
         from isoexec_kernels.attention import compute_slot_mapping
 
         width = max((len(t) for t in block_tables), default=1) or 1
@@ -77,6 +89,8 @@ class ForwardBatch:
         ctx = torch.tensor([s + n for s, n in zip(starts, q_lens)], dtype=torch.int32)
         positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
         slots = compute_slot_mapping(bt, cu, ctx, kv.page_size)
+        sslots = None if state_slots is None else torch.tensor(list(state_slots), dtype=torch.int32).to(device)
         return cls(case=case, positions=positions.to(device), kv=kv, block_table=bt.to(device),
                    cu_seqlens_q=cu.to(device), context_lens=ctx.to(device), slot_mapping=slots.to(device),
-                   max_seqlen_q=int(max(q_lens, default=0)))
+                   max_seqlen_q=int(max(q_lens, default=0)), gdn_states=gdn_states, conv_states=conv_states,
+                   state_slots=sslots)

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from ..errors import IsoExecError
-from .config import DenseConfig
+from .config import DenseConfig, HybridConfig
 
 
 class CheckpointError(IsoExecError):
@@ -123,6 +123,8 @@ def load_dense_checkpoint(model, path: str | Path) -> None:
 
 def load_from_hf_model(model, hf_model) -> None:
     """Copy the weights of an in-memory transformers model (tests, conversions)."""
+    if isinstance(model.cfg, HybridConfig):
+        return load_hybrid_from_hf_model(model, hf_model)
     state = {k: v for k, v in hf_model.state_dict().items()}
     load_named_tensors(model, state, dense_name_map(model.cfg), type(hf_model).__name__,
                        ignore=_tied_extra(model.cfg))
@@ -130,12 +132,108 @@ def load_from_hf_model(model, hf_model) -> None:
 
 @torch.no_grad()
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under transformers' Qwen3 names (for the transformers reference)."""
+    """The model's weights under transformers' names (Qwen3, or Qwen3.5 for a hybrid model)."""
+    if isinstance(model.cfg, HybridConfig):
+        return _hybrid_to_hf(model)
     params = dict(model.named_parameters())
     out = {}
     for name, (target, start, rows) in dense_name_map(model.cfg).items():
         p = params[target]
         out[name] = p[start:start + rows].clone()
+    if model.cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ hybrid
+_HF_PREFIX = "model.language_model."   # Qwen3.5 multimodal checkpoints keep the text model here
+
+
+def hybrid_name_map(cfg: HybridConfig) -> dict[str, tuple[str, int, int]]:
+    """transformers ``Qwen3_5ForCausalLM`` name -> (unified parameter, first row, row count)."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed", 0, cfg.vocab_size),
+                                          "model.norm.weight": ("final_norm", 0, h)}
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = ("lm_head", 0, cfg.vocab_size)
+    for i, kind in enumerate(cfg.layer_types):
+        pre, to = f"model.layers.{i}.", f"layers.{i}."
+        m.update({
+            pre + "input_layernorm.weight": (to + "attn_norm", 0, h),
+            pre + "post_attention_layernorm.weight": (to + "mlp_norm", 0, h),
+            pre + "mlp.gate_proj.weight": (to + "gate_up_weight", 0, inter),
+            pre + "mlp.up_proj.weight": (to + "gate_up_weight", inter, inter),
+            pre + "mlp.down_proj.weight": (to + "down_weight", 0, h),
+        })
+        if kind == "full_attention":
+            q2, kv, a = 2 * cfg.q_size, cfg.kv_size, pre + "self_attn."
+            m.update({
+                a + "q_proj.weight": (to + "qkv_weight", 0, q2),
+                a + "k_proj.weight": (to + "qkv_weight", q2, kv),
+                a + "v_proj.weight": (to + "qkv_weight", q2 + kv, kv),
+                a + "q_norm.weight": (to + "q_norm", 0, cfg.head_dim),
+                a + "k_norm.weight": (to + "k_norm", 0, cfg.head_dim),
+                a + "o_proj.weight": (to + "o_weight", 0, h),
+            })
+        else:
+            c, v, hv, g = cfg.conv_dim, cfg.value_dim, cfg.linear_num_value_heads, pre + "linear_attn."
+            m.update({
+                g + "in_proj_qkv.weight": (to + "in_proj_weight", 0, c),
+                g + "in_proj_z.weight": (to + "in_proj_weight", c, v),
+                g + "in_proj_b.weight": (to + "in_proj_weight", c + v, hv),
+                g + "in_proj_a.weight": (to + "in_proj_weight", c + v + hv, hv),
+                g + "conv1d.weight": (to + "conv_weight", 0, c),
+                g + "A_log": (to + "A_log", 0, hv),
+                g + "dt_bias": (to + "dt_bias", 0, hv),
+                g + "norm.weight": (to + "out_norm", 0, cfg.linear_value_head_dim),
+                g + "out_proj.weight": (to + "out_weight", 0, h),
+            })
+    return m
+
+
+def _hybrid_tensors(items) -> Iterator[tuple[str, torch.Tensor]]:
+    """transformers names and layouts -> the unified model's: the multimodal checkpoints' text prefix
+    is dropped and conv1d weights [C, 1, W] become [C, W]."""
+    for name, t in items:
+        if name.startswith(_HF_PREFIX):
+            name = "model." + name[len(_HF_PREFIX):]
+        if name.endswith("linear_attn.conv1d.weight") and t.dim() == 3 and t.shape[1] == 1:
+            t = t[:, 0]
+        yield name, t
+
+
+def _hybrid_ignore(cfg: HybridConfig) -> Callable[[str], bool]:
+    # Tied checkpoints may still carry lm_head.weight; multimodal ones carry the vision tower and the
+    # multi-token-prediction head, which the text model does not use.
+    return lambda n: ((cfg.tie_word_embeddings and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq")
+                      or n.startswith(("model.visual.", "mtp.")))
+
+
+def load_checkpoint(model, path: str | Path) -> None:
+    """Load a transformers safetensors checkpoint into a unified model of any family."""
+    if isinstance(model.cfg, HybridConfig):
+        return load_hybrid_checkpoint(model, path)
+    return load_dense_checkpoint(model, path)
+
+
+def load_hybrid_checkpoint(model, path: str | Path) -> None:
+    """Load a Qwen3.5 (text or multimodal) safetensors checkpoint into a :class:`HybridModel`."""
+    load_named_tensors(model, _hybrid_tensors(iter_safetensors(path)), hybrid_name_map(model.cfg), str(path),
+                       ignore=_hybrid_ignore(model.cfg))
+
+
+def load_hybrid_from_hf_model(model, hf_model) -> None:
+    """Copy the weights of an in-memory transformers ``Qwen3_5ForCausalLM``."""
+    load_named_tensors(model, _hybrid_tensors(hf_model.state_dict().items()), hybrid_name_map(model.cfg),
+                       type(hf_model).__name__, ignore=_hybrid_ignore(model.cfg))
+
+
+def _hybrid_to_hf(model) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = {}
+    for name, (target, start, rows) in hybrid_name_map(model.cfg).items():
+        t = params[target][start:start + rows].detach().clone()
+        out[name] = t[:, None, :] if name.endswith("conv1d.weight") else t
     if model.cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

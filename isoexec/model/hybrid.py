@@ -1,0 +1,216 @@
+"""The hybrid family of the unified model (Qwen3.5 text architecture, ``qwen3_5_text``).
+
+Layers follow ``layer_types``: "linear_attention" layers are Gated DeltaNet token mixers,
+"full_attention" layers are gated GQA attention (the dense attention path: varlen in the trainer,
+paged KV in the engine); both are followed by the SwiGLU MLP. Every RMSNorm except the GDN output
+norm is zero-centred (``x_normed * (1 + w)``). As in the dense model, each op's implementation
+comes from the installed contract's plan for the case, so native vs IsoExec is one program.
+
+Weights are stored fused where regions may fuse: attention ``qkv_weight`` = [Wq+gate; Wk; Wv]
+(transformers' q_proj rows keep their per-head [query | gate] layout), GDN ``in_proj_weight`` =
+[W_qkv; W_z; W_b; W_a] (ops ``gdn_in_proj`` = qkv+z and ``gdn_ba_proj`` = b+a).
+
+Engine state: paged KV for the attention layers (KV cache i = i-th attention layer) and, per GDN
+layer, a gated-delta-rule state (``GDNState``) and a conv window, indexed by the sequence's state
+slot (``ForwardBatch.state_slots``); see :meth:`HybridModel.allocate_recurrent_state`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import BindingRefused
+from .batch import ForwardBatch
+from .config import HybridConfig
+from .dense import DenseModel
+
+
+def _params(module: nn.Module, dtype, device, **shapes) -> None:
+    for name, shape in shapes.items():
+        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
+
+
+class GatedAttentionLayer(nn.Module):
+    kind = "full_attention"
+
+    def __init__(self, cfg: HybridConfig, dtype, device):
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        _params(self, dtype, device, attn_norm=(h,), qkv_weight=(2 * cfg.q_size + 2 * cfg.kv_size, h),
+                q_norm=(hd,), k_norm=(hd,), o_weight=(h, cfg.q_size), mlp_norm=(h,),
+                gate_up_weight=(2 * cfg.intermediate_size, h), down_weight=(h, cfg.intermediate_size))
+
+
+class GatedDeltaNetLayer(nn.Module):
+    kind = "linear_attention"
+
+    def __init__(self, cfg: HybridConfig, dtype, device):
+        super().__init__()
+        h, hv = cfg.hidden_size, cfg.linear_num_value_heads
+        _params(self, dtype, device, attn_norm=(h,), in_proj_weight=(cfg.conv_dim + cfg.value_dim + 2 * hv, h),
+                conv_weight=(cfg.conv_dim, cfg.linear_conv_kernel_dim), A_log=(hv,), dt_bias=(hv,),
+                out_norm=(cfg.linear_value_head_dim,), out_weight=(h, cfg.value_dim), mlp_norm=(h,),
+                gate_up_weight=(2 * cfg.intermediate_size, h), down_weight=(h, cfg.intermediate_size))
+
+
+class HybridModel(DenseModel):
+    """Same public interface as :class:`DenseModel` (install, init_random, hidden_states, logits,
+    token_logprobs, logprobs_from_logits, rope_table, lm_head_weight)."""
+
+    family = "hybrid"
+
+    def __init__(self, cfg: HybridConfig, dtype=torch.float32, device="cpu"):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        layer_cls = {"full_attention": GatedAttentionLayer, "linear_attention": GatedDeltaNetLayer}
+        self.layers = nn.ModuleList(layer_cls[t](cfg, dtype, device) for t in cfg.layer_types)
+        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.plans = {}
+        self.contract = None
+        self._rope_tables: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "HybridModel":
+        """Random weights with the shapes' roles respected: zero-centred norm weights near 0, the
+        gated norm near 1, A_log = log(U(1, 16)), dt_bias near 1, conv taps ~ N(0, 0.2^2)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, prm in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "out_norm":
+                v = 1.0 + 0.05 * torch.randn(prm.shape, generator=g)
+            elif leaf == "A_log":
+                v = torch.log(1.0 + 15.0 * torch.rand(prm.shape, generator=g))
+            elif leaf == "dt_bias":
+                v = 1.0 + 0.1 * torch.randn(prm.shape, generator=g)
+            elif leaf == "conv_weight":
+                v = 0.2 * torch.randn(prm.shape, generator=g)
+            elif prm.dim() == 1:  # zero-centred RMSNorm weights
+                v = 0.05 * torch.randn(prm.shape, generator=g)
+            else:
+                v = torch.randn(prm.shape, generator=g) * std
+            prm.copy_(v)
+        return self
+
+    def rope_table(self) -> torch.Tensor:
+        """fp32 (cos | sin) rows of the first ``rotary_dim`` channels (partial rotary) for every
+        position, built once per device."""
+        dev = str(self.embed.device)
+        if dev not in self._rope_tables:
+            from isoexec_kernels.rope import rope_cache
+
+            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.rotary_dim,
+                                                self.cfg.rope_theta, self.embed.device)
+        return self._rope_tables[dev]
+
+    # ------------------------------------------------------------------------------ engine state
+    def _chunk(self) -> int:
+        """The gated-delta-rule chunk pinned by the installed contract (its state layout)."""
+        if self.contract is None:
+            raise BindingRefused("no contract installed; call model.install(contract) before allocating state")
+        for e in self.contract.composition:
+            if "gdn_core" in e.region and "CHUNK" in e.constants:
+                return int(e.constants["CHUNK"])
+        from isoexec_kernels.gdn_core import CHUNK
+
+        return CHUNK
+
+    def allocate_recurrent_state(self, num_slots: int, device=None) -> tuple[list, list[torch.Tensor]]:
+        """(gdn_states, conv_states) for ``num_slots`` sequences: one GDNState ([S, Hv, Dk, Dv] fp32
+        plus its partial-chunk buffers) and one conv window [S, conv_dim, W-1] (model dtype) per GDN
+        layer, all zero."""
+        from isoexec_kernels.gdn_core import GDNState
+
+        cfg = self.cfg
+        device = device or self.embed.device
+        chunk = self._chunk()
+        gdn = [GDNState.allocate(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                 cfg.linear_value_head_dim, device, chunk=chunk) for _ in cfg.gdn_layers]
+        conv = [torch.zeros((num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype=self.embed.dtype,
+                            device=device) for _ in cfg.gdn_layers]
+        return gdn, conv
+
+    @staticmethod
+    def reset_recurrent_state(gdn_states: list, conv_states: list[torch.Tensor], slots: torch.Tensor) -> None:
+        """Zero the recurrent state of ``slots`` (a sequence newly given a slot, or recomputed
+        after preemption)."""
+        idx = torch.as_tensor(slots, dtype=torch.long, device=conv_states[0].device if conv_states else None)
+        for st in gdn_states:
+            st.reset_(idx)
+        for c in conv_states:
+            c[idx] = 0
+
+    # ------------------------------------------------------------------------------ forward
+    def _gated_attention(self, plan, kv_layer: int, L: GatedAttentionLayer, n, batch: ForwardBatch, rope):
+        cfg = self.cfg
+        T = n.shape[0]
+        nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
+                           (2 * cfg.q_size, cfg.kv_size, cfg.kv_size))
+        qg, k, v = qkv.split((2 * cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        qg = qg.reshape(T, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, cfg.q_size)
+        q = plan["q_norm"](q, L.q_norm, eps, zero_centred=True)
+        k = plan["k_norm"](k.reshape(T, nkv, hd), L.k_norm, eps, zero_centred=True)
+        q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
+        a = self._attention(plan, kv_layer, q, k, v.reshape(T, nkv, hd), batch)
+        a = plan["attn_gate"](a.reshape(T, cfg.q_size), gate)
+        return plan["o_proj"](a, L.o_weight)
+
+    def _gated_deltanet(self, plan, gdn_layer: int, L: GatedDeltaNetLayer, n, batch: ForwardBatch):
+        cfg = self.cfg
+        T = n.shape[0]
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        proj = self._linear(plan, ("gdn_in_proj", "gdn_ba_proj"), n, L.in_proj_weight,
+                            (cfg.conv_dim + cfg.value_dim, 2 * hv))
+        qkv, z, b, a = proj.split((cfg.conv_dim, cfg.value_dim, hv, hv), dim=-1)
+        conv, core = plan["gdn_conv"], plan["gdn_core"]
+        if not batch.is_engine:
+            qkv = conv(qkv, L.conv_weight, batch.cu_seqlens)
+        else:
+            if batch.state_slots is None or batch.gdn_states is None or batch.conv_states is None:
+                raise BindingRefused("engine batch for a hybrid model needs state_slots, gdn_states and conv_states "
+                                     "(see HybridModel.allocate_recurrent_state)")
+            if batch.case == "engine_decode":
+                qkv = conv(qkv, L.conv_weight, batch.state_slots, batch.conv_states[gdn_layer])
+            else:
+                qkv = conv(qkv, L.conv_weight, batch.cu_seqlens_q, batch.state_slots, batch.conv_states[gdn_layer])
+        q, k, v = qkv.split((cfg.key_dim, cfg.key_dim, cfg.value_dim), dim=-1)
+        q, k, g, beta = plan["gdn_prep"](q.reshape(T, hk, dk), k.reshape(T, hk, dk), a, b, L.A_log, L.dt_bias)
+        v = v.reshape(T, hv, dv)
+        if not batch.is_engine:
+            o = core(q, k, v, g, beta, batch.cu_seqlens)
+        elif batch.case == "engine_decode":
+            o = core(q, k, v, g, beta, batch.state_slots, batch.gdn_states[gdn_layer])
+        else:
+            o = core(q, k, v, g, beta, batch.cu_seqlens_q, batch.state_slots, batch.gdn_states[gdn_layer])
+        # the core's fp32 output is rounded to the model dtype before the norm, as transformers does
+        o = plan["gdn_out_norm"](o.to(n.dtype), z.reshape(T, hv, dv), L.out_norm, cfg.rms_norm_eps)
+        return plan["gdn_out_proj"](o.reshape(T, cfg.value_dim), L.out_weight)
+
+    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
+        cfg, plan = self.cfg, self._plan(batch.case)
+        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+        x = plan["embed"](ids, self.embed)
+        rope = self.rope_table()
+        kv_layer = gdn_layer = 0
+        for L in self.layers:
+            n = plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True)
+            if L.kind == "full_attention":
+                x = x + self._gated_attention(plan, kv_layer, L, n, batch, rope)
+                kv_layer += 1
+            else:
+                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
+                gdn_layer += 1
+            n = plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True)
+            gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter))
+            g, u = gu.split((inter, inter), dim=-1)
+            x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
+        return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
