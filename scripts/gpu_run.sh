@@ -4,7 +4,7 @@
 # engine benchmarks.
 # Everything lands under $OUT; the gate artifacts travel as ONE tarball (a device call returns
 # at most 8 files). Usage on the GPU machine (commit passed in: the copied tree has no .git):
-#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|all [BENCHES="gemm attention ..."] bash scripts/gpu_run.sh
+#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|gdn|rl_gdn|all [BENCHES="gemm attention ..."] bash scripts/gpu_run.sh
 # To run exactly a committed tree while the working tree is being edited, extract `git archive
 # HEAD` into an ignored folder, carry it and run this script from there.
 # Wheels the GPU image lacks: run scripts/fetch_gpu_wheels.sh here first and carry .whl.
@@ -20,7 +20,7 @@ mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/isoexec_kernels
 export PYTHONPATH="$PWD:/tmp/pp:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 MODE=${MODE:-all}
-if [ "$MODE" != rl ]; then
+if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then
 SECONDS=0
 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels tests/engine} -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
 cp "$WORK/gpu_tests.log" "$OUT/"; SECONDS=0
@@ -36,7 +36,7 @@ for b in ${BENCHES:-gemm attention rmsnorm logprob engine}; do
   tar -C "$WORK" -czf "$OUT/bench.tgz" bench  # after each bench: a run cut short still returns the finished ones
 done
 fi
-if [ "$MODE" != kernels ]; then
+if [ "$MODE" = rl ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU machine)
   python3 - <<'PY'
 import yaml
@@ -45,9 +45,20 @@ rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), model=c["
 yaml.safe_dump({"rl": rl}, open("/tmp/step2/rl_h200.yaml", "w"))
 PY
   for comp in native isoexec; do
-    python3 -m isoexec.cli run --config /tmp/step2/rl_h200.yaml --composition $comp \
-      --out "$WORK/runs/dense/$comp/seed0" > "$WORK/rl_$comp.log" 2>&1; echo "rl $comp rc=$?"
+    SECONDS=0
+    timeout ${RL_TIMEOUT:-1800} python3 -m isoexec.cli run --config /tmp/step2/rl_h200.yaml --composition $comp \
+      --out "$WORK/runs/dense/$comp/seed0" > "$WORK/rl_$comp.log" 2>&1; echo "rl $comp rc=$? (${SECONDS}s)"
     tail -4 "$WORK/rl_$comp.log"
+    tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs $(cd "$WORK" && ls rl_*.log)
   done
-  tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs rl_native.log rl_isoexec.log
+fi
+if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
+  # hybrid family: GDN core GPU tests (CPR parity, graphs) and the CPR per-layer benchmark
+  SECONDS=0
+  timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu tests/kernels/test_gdn_core.py -p no:cacheprovider \
+    > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
+  cp "$WORK/gdn_tests.log" "$OUT/"; SECONDS=0
+  timeout ${CPR_TIMEOUT:-600} python3 -m isoexec.cli bench cpr --out "$WORK/bench/cpr.json" > "$WORK/bench/cpr.log" 2>&1
+  echo "bench cpr rc=$? (${SECONDS}s)"; tail -8 "$WORK/bench/cpr.log"
+  tar -C "$WORK" -czf "$OUT/cpr.tgz" bench/cpr.json bench/cpr.log 2>/dev/null
 fi

@@ -161,5 +161,11 @@ def _bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
     return bench_engine(device, quick, log)
 
 
+def _bench_cpr(device: str, quick: bool = False, log=print) -> list[dict]:
+    from .cpr import bench_cpr_rows
+
+    return bench_cpr_rows(device, quick, log)
+
+
 BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
-           "engine": _bench_engine}
+           "engine": _bench_engine, "cpr": _bench_cpr}

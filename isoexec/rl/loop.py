@@ -56,7 +56,7 @@ class RLConfig:
     max_refill_rounds: int = 2
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
-    checkpoint_every: int = 1
+    checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
     live_check: Optional[bool] = None       # None: on iff the contract claims tolerance 0
     dtype: str = "auto"                     # auto = bfloat16 on GPU, float32 on CPU
     train: dict = field(default_factory=dict)
@@ -73,6 +73,8 @@ class RLConfig:
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_response_tokens"):
             if getattr(cfg, name) < 1:
                 raise ConfigError(f"rl config: {name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.checkpoint_every < 0:
+            raise ConfigError(f"rl config: checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
         if cfg.prompt_style not in ("full", "compact"):
             raise ConfigError(f"rl config: prompt_style must be full or compact, got {cfg.prompt_style!r}")
         if cfg.overlong_cache >= cfg.max_response_tokens:
@@ -335,7 +337,8 @@ class RLRun:
         self.metrics.write(line)
         self.log(summary_line(line))
         self.step += 1
-        if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+        every = self.cfg.checkpoint_every
+        if every and (self.step % every == 0 or self.step == self.cfg.steps):
             self._save()
         return line
 
