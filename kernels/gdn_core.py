@@ -732,7 +732,9 @@ def launch_state(prep, init, starts, fin, fin2, chunk0, nchunk, init_idx, starts
             W, U, Kd, el, init, starts, fin, fin2, vnew if vnew is not None else U,
             chunk0, nchunk, init_idx, starts0, fin_idx, fin2_idx, H, Dk, Dv,
             C=chunk, DKP=tc["DKP"], BV=tc["BV"], PREC=prec, STORE_VNEW=vnew is not None,
-            num_warps=tc["state_warps"])
+            # the tf32 (native) variant's pipelined buffers overflow Hopper's 227 KB of shared
+            # memory at Dk = Dv = 128 (measured: 240 KB); 3 is Triton's default, kept for CPR
+            num_warps=tc["state_warps"], num_stages=3 if prec == "ieee" else 1)
 
 
 def launch_recurrent(q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep):

@@ -41,7 +41,9 @@ if [ "$MODE" = rl ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   python3 - <<'PY'
 import yaml
 c = yaml.safe_load(open("configs/h200.yaml"))
+import json, os
 rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), model=c["models"]["dense"], arch="sm90")
+rl.update(json.loads(os.environ.get("RL_OVERRIDES") or "{}"))   # e.g. a shorter run when device time is short
 yaml.safe_dump({"rl": rl}, open("/tmp/step2/rl_h200.yaml", "w"))
 PY
   for comp in native isoexec; do

@@ -67,6 +67,7 @@ def logprob_diff_stats(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.
     equal, total = 0, 0
     first = None
     for i, (r, t) in enumerate(zip(rollout, trainer)):
+        r, t = r.detach().cpu(), t.detach().cpu()   # engine results live on the host, trainer scores may not
         if r.shape != t.shape or r.dtype != t.dtype:
             raise ValueError(f"logprob_diff_stats: sequence {i}: rollout {tuple(r.shape)} {r.dtype} "
                              f"vs trainer {tuple(t.shape)} {t.dtype}")
