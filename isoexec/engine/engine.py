@@ -80,11 +80,15 @@ class Engine:
         self.config = replace(config, page_size=page_size, max_model_len=max_model_len)
         self.model = model
         self.contract = contract
-        self.block_manager = BlockManager(config.num_pages, page_size, config.num_state_slots)
+        # recurrent families need one state slot per running sequence: default to max_num_seqs
+        slots = config.num_state_slots or (config.max_num_seqs if hasattr(model, "allocate_recurrent_state") else 0)
+        self.config = replace(self.config, num_state_slots=slots)
+        self.block_manager = BlockManager(config.num_pages, page_size, slots)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.chunk_align, max_model_len)
         self.runner = ModelRunner(model, config.num_pages, page_size, max_model_len, config.max_num_seqs,
-                                  cuda_graphs=config.cuda_graphs, graph_batch_sizes=config.decode_buckets())
+                                  cuda_graphs=config.cuda_graphs, graph_batch_sizes=config.decode_buckets(),
+                                  num_state_slots=slots)
         self.handshake_result: Optional[HandshakeResult] = None
         self._trainer_offer: Optional[bytes] = None
         self.weight_version = 0
@@ -216,6 +220,7 @@ class Engine:
                 raise ValueError(f"update_weights: {name} has shape {tuple(src[name].shape)}, the model "
                                  f"{tuple(p.shape)}")
         self.scheduler.preempt_all()                     # KV (and recurrent state) are stale now
+        self.runner.reset_state(None)                    # every recurrent-state slot starts from zero
         for name, p in params.items():
             p.copy_(src[name])
         self.weight_version += 1

@@ -33,20 +33,28 @@ from .scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = ()):
+                 cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = (), num_state_slots: int = 0):
         self.model = model
         cfg = model.cfg
         self.device = model.embed.device
         self.page_size = page_size
-        self.kv = KVCache.allocate(cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                   model.embed.dtype, self.device)
+        # one KV cache per attention layer (hybrid families have fewer than num_layers)
+        self.kv = KVCache.allocate(getattr(cfg, "num_kv_layers", cfg.num_layers), num_pages, page_size,
+                                   cfg.num_kv_heads, cfg.head_dim, model.embed.dtype, self.device)
+        # Recurrent families: per-layer state slots, plus one scratch slot (index num_state_slots)
+        # that the padded lanes of a decode graph read and write, so real slots stay untouched.
+        self.recurrent = hasattr(model, "allocate_recurrent_state")
+        self.gdn_states, self.conv_states = (model.allocate_recurrent_state(num_state_slots + 1)
+                                             if self.recurrent else (None, None))
+        self.scratch_slot = num_state_slots
         self.sampler = Sampler()
         self.graphs: Optional[DecodeGraphs] = None
         self.graph_replays = 0                      # decode steps served by a graph (gates check > 0)
         if cuda_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             max_pages = -(-max_model_len // page_size)
             sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
-            self.graphs = DecodeGraphs(model, self.kv, sizes, max_pages)
+            self.graphs = DecodeGraphs(model, self.kv, sizes, max_pages, self.gdn_states, self.conv_states,
+                                       self.scratch_slot)
 
     def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, str]:
         """Hidden rows [T, H] of the step's new tokens and the case they ran under."""
@@ -56,11 +64,24 @@ class ModelRunner:
                            dtype=torch.int64, device=self.device)
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed for s in seqs]
+        state = {}
+        if self.recurrent:
+            fresh = [s.state_slot for s in seqs if s.num_computed == 0]
+            if fresh:   # a newly admitted sequence, or one recomputed after preemption: zero state
+                self.reset_state(fresh)
+            state = dict(gdn_states=self.gdn_states, conv_states=self.conv_states,
+                         state_slots=[s.state_slot for s in seqs])
         if self.graphs is not None and batch.is_decode and self.graphs.bucket(len(seqs)) is not None:
             self.graph_replays += 1
-            return self.graphs.run(ids, tables, starts, self.page_size), case
-        fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device)
+            return self.graphs.run(ids, tables, starts, self.page_size, state.get("state_slots")), case
+        fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device, **state)
         return self.model.hidden_states(ids, fb), case
+
+    def reset_state(self, slots) -> None:
+        """Zero the recurrent state of ``slots`` (all slots if None); a no-op for attention-only models."""
+        if self.recurrent:
+            idx = torch.arange(self.scratch_slot + 1) if slots is None else torch.tensor(list(slots))
+            self.model.reset_recurrent_state(self.gdn_states, self.conv_states, idx)
 
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Optional[SampleOutput]:
@@ -87,9 +108,11 @@ class DecodeGraphs:
     lanes == eager) must pass on the GPU before a composition claims it.
     """
 
-    def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int):
+    def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int,
+                 gdn_states=None, conv_states=None, scratch_slot: int = 0):
         self.model = model
         self.kv = kv
+        self.gdn_states, self.conv_states, self.scratch_slot = gdn_states, conv_states, scratch_slot
         dev = model.embed.device
         self.sizes = tuple(sorted(batch_sizes))
         top = self.sizes[-1]
@@ -99,6 +122,8 @@ class DecodeGraphs:
         self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=dev)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        # recurrent families: padded lanes use the scratch slot (their state updates land there)
+        self.state_slots = torch.full((top,), scratch_slot, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -123,12 +148,14 @@ class DecodeGraphs:
         return ForwardBatch(case="engine_decode", positions=self.positions[:bs], kv=self.kv,
                             block_table=self.block_table[:bs], cu_seqlens_q=self.cu_seqlens_q[:bs + 1],
                             context_lens=self.context_lens[:bs], slot_mapping=self.slot_mapping[:bs],
-                            max_seqlen_q=1)
+                            max_seqlen_q=1, gdn_states=self.gdn_states, conv_states=self.conv_states,
+                            state_slots=self.state_slots[:bs] if self.gdn_states is not None else None)
 
     def bucket(self, n: int) -> Optional[int]:
         return next((b for b in self.sizes if b >= n), None)
 
-    def run(self, ids: torch.Tensor, tables: list[list[int]], starts: list[int], page_size: int) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, tables: list[list[int]], starts: list[int], page_size: int,
+            state_slots: Optional[list[int]] = None) -> torch.Tensor:
         n = len(tables)
         bs = self.bucket(n)
         width = self.block_table.shape[1]
@@ -148,5 +175,9 @@ class DecodeGraphs:
         self.block_table[:bs].copy_(bt)
         self.context_lens[:bs].copy_(ctx)
         self.slot_mapping[:bs].copy_(slots)
+        if state_slots is not None:
+            lanes = torch.full((bs,), self.scratch_slot, dtype=torch.int32)
+            lanes[:n] = torch.tensor(state_slots, dtype=torch.int32)
+            self.state_slots[:bs].copy_(lanes)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

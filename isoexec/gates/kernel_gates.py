@@ -48,6 +48,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 def gate_families_for(entry: Entry) -> tuple[str, ...]:
     from .. import registry
+    from . import gdn_gates  # noqa: F401  (registers the Gated DeltaNet gate families)
 
     return GATE_FAMILIES.get(registry.OPS[entry.region[0]].kind, ())
 
@@ -441,3 +442,4 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
 
 GATE_RUNNERS.update({"rope": gate_rope, "activation": gate_activation, "embed": gate_embed,
                      "attention": gate_attention})
+

@@ -40,8 +40,13 @@ def engine_logprobs_reference(model, seqs: Sequence[Sequence[int]], prompt_lens:
     for n in pages:
         tables.append(perm[at:at + n])
         at += n
-    kv = KVCache.allocate(cfg.num_layers, sum(pages), page_size, cfg.num_kv_heads, cfg.head_dim,
-                          model.embed.dtype, device)
+    kv = KVCache.allocate(getattr(cfg, "num_kv_layers", cfg.num_layers), sum(pages), page_size, cfg.num_kv_heads,
+                          cfg.head_dim, model.embed.dtype, device)
+    state = {}
+    if hasattr(model, "allocate_recurrent_state"):   # recurrent layers: one state slot per sequence, shuffled
+        gdn, conv = model.allocate_recurrent_state(n_seq + 2)
+        slot_of = torch.randperm(n_seq + 2, generator=gen)[:n_seq].tolist()
+        state = dict(gdn_states=gdn, conv_states=conv)
     arrival = [int(torch.randint(0, max_arrival + 1, (1,), generator=gen)) for _ in seqs]
     done = [0] * n_seq
     rows: list[list[torch.Tensor]] = [[] for _ in seqs]
@@ -66,8 +71,10 @@ def engine_logprobs_reference(model, seqs: Sequence[Sequence[int]], prompt_lens:
             case = "engine_prefill" if prefill else "engine_decode"
             ids = torch.tensor([t for b, q in zip(active, q_lens) for t in seqs[b][done[b]:done[b] + q]],
                                dtype=torch.int64, device=device)
+            if state:
+                state["state_slots"] = [slot_of[b] for b in active]
             batch = ForwardBatch.paged(case, kv, [tables[b] for b in active], [done[b] for b in active], q_lens,
-                                       device)
+                                       device, **state)
             hidden = model.hidden_states(ids, batch)
             targets = torch.tensor([t for b, q in zip(active, q_lens) for t in seqs[b][done[b] + 1:done[b] + q + 1]
                                     + ([0] if done[b] + q >= len(seqs[b]) else [])], dtype=torch.int64,

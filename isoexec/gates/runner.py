@@ -21,6 +21,7 @@ from ..contract import Entry, ImplRef
 from ..envinfo import env_info
 from .artifacts import write_artifact
 from .compare import merge
+from .gdn_gates import SEQUENCE_KINDS
 from .kernel_gates import GATE_FAMILIES, GATE_RUNNERS, NEGATIVE_CONTROLS, GateOutcome, entry_with_impl
 from ..enforce import bind
 
@@ -28,7 +29,7 @@ BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "sm90": (torch.bfloat16,)}
 DEVICE = {"cpu": "cpu", "sm90": "cuda"}
-MODEL_FAMILIES = ("dense",)
+MODEL_FAMILIES = ("dense", "hybrid")
 # Whole-model gate sizes: CPU runs the fixed-order torch twins (slow), so sequences are short.
 MODEL_GATE_SIZES = {"cpu": dict(batch_sizes=(1, 4, 17, 64), max_len=40),
                     "sm90": dict(batch_sizes=(1, 8, 64), max_len=128)}
@@ -144,7 +145,7 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
     fn = bind(entry, entry.cases[0] if "trainer_score" not in entry.cases else "trainer_score")
     gen = torch.Generator().manual_seed(seed)
     extra = {}
-    if kind == "attention":
+    if kind in SEQUENCE_KINDS:
         extra["binds"] = {c: bind(entry, c) for c in entry.cases}
     outcome = GATE_RUNNERS[kind](fn, entry.region, cfg, of or family, dtype, DEVICE[arch], gen, BATCH_SIZES[arch],
                                  spec.hazards, dict(entry.constants), **extra)
