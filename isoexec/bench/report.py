@@ -88,3 +88,41 @@ def render(paths, md_out: str, csv_out: str, run: str, log: str) -> None:
     """The workflow's kernels_table job."""
     n = write_bench_report(paths, md_out, csv_out, run)
     Path(log).write_text(f"{n} benchmark rows rendered\n")
+
+
+# The seed's CPR table (BENCHMARKS.md): per-layer latency relative to native mixed.
+_CPR_STAGES = (("trainer_fwd_bwd", "trainer fwd+bwd"), ("prefill", "rollout prefill"), ("decode", "decode"))
+_CPR_PUBLISHED = {"trainer_fwd_bwd": (1.43, 4.42), "prefill": (1.67, 4.31), "decode": (1.38, 1.00)}
+
+
+def write_cpr_table(path: str | Path, md_out: str | Path, run: str) -> int:
+    """``paper_figures/<run>/cpr.md`` from ``bench/cpr.json``: one row per stage, columns native
+    mixed / recurrent everywhere / CPR in ms and the cost of each relative to native mixed (the
+    seed's layout, its published ratios beside ours)."""
+    obj = load(path)
+    by = {(r["stage"], r["baseline"]): r for r in obj["rows"]}
+    env = obj["env"]
+    lines = [f"# CPR Gated DeltaNet per-layer latency ({run})", "",
+             f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
+             f"commit {env.get('commit', '?')}, {env.get('date', '?')}) by `isoexec bench cpr`. Cost = time / native "
+             "mixed time (1.00 = parity; lower is better). Published: the seed's IsoExec CPR and recurrent-"
+             "everywhere costs.", "",
+             "| stage | shape | native mixed ms | recurrent everywhere ms | CPR ms | CPR cost | recurrent cost | "
+             "published CPR | published recurrent |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    n = 0
+    for stage, label in _CPR_STAGES:
+        nat, rec = by.get((stage, "native_mixed")), by.get((stage, "recurrent_everywhere"))
+        if nat is None or rec is None:
+            continue
+        ours = nat["ours_ms"]
+        shape = f"{nat.get('batch', '?')}×{nat.get('seqlen', '?')}"
+        pub = _CPR_PUBLISHED[stage]
+        lines.append(f"| {label} | {shape} | {_fmt(nat['baseline_ms'])} | {_fmt(rec['baseline_ms'])} | {_fmt(ours)} | "
+                     f"{ours / nat['baseline_ms']:.2f}× | {rec['baseline_ms'] / nat['baseline_ms']:.2f}× | "
+                     f"{pub[0]:.2f}× | {pub[1]:.2f}× |")
+        n += 1
+    if n == 0:
+        raise ValueError(f"{path}: no (stage, baseline) rows of the CPR benchmark")
+    atomic_write(md_out, "\n".join(lines) + "\n")
+    return n

@@ -13,11 +13,15 @@ batch sizes; a step of n sequences uses the smallest bucket >= n, and the extra 
 (slot -1: they never write the cache; context length 1 on page 0: they only read; their outputs
 are dropped). Only the model body is captured; logits and sampling run eagerly on the real rows.
 Parameters are updated in place by ``Engine.update_weights``, so captured graphs stay valid.
-This path cannot run on the CPU development machine and is switched off there; it is opt-in
-(``EngineConfig.cuda_graphs``) until the graph-parity gate passes on the GPU. Known blocker: the
-dense model calls the rope region with ``theta=`` only, and ``rope_cos_sin`` then builds the
-cos/sin rows on the host from the positions (a device-to-host copy, forbidden while capturing,
-and baked in at capture time if it were not); the model must pass a device ``rope_cache``.
+Graphs are opt-in (``EngineConfig.cuda_graphs``); on the H200 the graph == eager gate
+(``engine_graph_eager``) passed with 0 differing logprobs for the dense family. Every op of the
+decode forward stays on the device (rope from the model's device table, attention grids from
+static sizes), which capture requires.
+
+Recurrent (hybrid) families: each running sequence owns a state slot holding, per GDN layer, its
+delta-rule state, open chunk and conv window; the runner zeroes a slot when its sequence starts
+from token 0 (admission, recompute after preemption) and every slot on a weight update. One extra
+scratch slot takes the state updates of padded graph lanes.
 """
 
 from __future__ import annotations
@@ -103,10 +107,7 @@ class ModelRunner:
 
 class DecodeGraphs:
     """CUDA-graph capture and replay of ``engine_decode`` steps, one graph per batch bucket.
-
-    Untested on the CPU development machine; GATES.md family 4 (graph parity: replay with padded
-    lanes == eager) must pass on the GPU before a composition claims it.
-    """
+    CUDA only; GATES.md family 4 (replay with padded lanes == eager) checks it on the GPU."""
 
     def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int,
                  gdn_states=None, conv_states=None, scratch_slot: int = 0):

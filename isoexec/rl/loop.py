@@ -120,9 +120,9 @@ class RLRun:
         self.trainer_model = build_model(cfg.family, hf_cfg, dtype=dtype, device=device)
         self.engine_model = build_model(cfg.family, hf_cfg, dtype=dtype, device=device)
         if cfg.checkpoint:
-            from ..model import load_dense_checkpoint
+            from ..model import load_checkpoint
 
-            load_dense_checkpoint(self.trainer_model, cfg.checkpoint)
+            load_checkpoint(self.trainer_model, cfg.checkpoint)      # dispatches on the model's family
         else:
             self.trainer_model.init_random(cfg.seed)
         for m in (self.trainer_model, self.engine_model):

@@ -13,7 +13,7 @@ rule bench:
         device="cpu" if ARCH == "cpu" else "cuda",
         quick=BENCH_QUICK,
     wildcard_constraints:
-        name="gemm|attention|rmsnorm|logprob|engine",
+        name="gemm|attention|rmsnorm|logprob|engine|cpr",
     resources:
         gpu=GATE_GPUS,
         runtime=30,
@@ -34,3 +34,18 @@ rule kernels_table:
     localrule: True
     run:
         isobench.render(input, output.md, output.csv, params.run, log[0])
+
+
+rule cpr_table:
+    input:
+        bench_path("cpr"),
+    output:
+        report(f"{FIG}/cpr.md", category="Benchmarks"),
+    log:
+        f"{LOGS}/cpr_table.log",
+    params:
+        run=RUN,
+    localrule: True
+    run:
+        n = isobench.write_cpr_table(input[0], output[0], params.run)
+        Path(log[0]).write_text(f"{n} CPR stages rendered\n")

@@ -145,6 +145,8 @@ def final_targets():
     out = [f"{FIG}/gates.md", f"{FIG}/gates.csv", f"{FIG}/contracts.md", f"{FIG}/contracts.csv"]
     if BENCHES:
         out += [f"{FIG}/kernels.md", f"{FIG}/kernels.csv"]
+    if "cpr" in BENCHES:
+        out += [f"{FIG}/cpr.md"]
     if RL_ON:
         out += [f"{FIG}/logprob_diff.md", f"{FIG}/step_time.md", f"{FIG}/runs.csv", f"{FIG}/logprob_diff.png",
                 f"{FIG}/step_time.png"]
