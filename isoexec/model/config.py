@@ -25,8 +25,24 @@ def hf_config_from_dict(d: dict) -> Any:
         raise ConfigError(f"model config ({model_type}): {exc}") from None
 
 
+class _AttentionSizes:
+    """Projection widths of the (GQA) attention layers, shared by the families' configs."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
 @dataclass(frozen=True)
-class DenseConfig:
+class DenseConfig(_AttentionSizes):
     """The dense family (Qwen3 architecture): GQA attention with q/k RMSNorm, SwiGLU MLP."""
 
     vocab_size: int
@@ -69,14 +85,6 @@ class DenseConfig:
         )
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
     def num_kv_layers(self) -> int:
         """Layers that keep a paged KV cache (every layer of a dense model)."""
         return self.num_layers
@@ -86,7 +94,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(_AttentionSizes):
     """The hybrid family (Qwen3.5 text architecture, ``qwen3_5_text``): per ``layer_types``, Gated
     DeltaNet layers ("linear_attention") or gated GQA attention with zero-centred q/k norm and
     partial rotary ("full_attention"); SwiGLU MLP after both; zero-centred RMSNorms."""
@@ -159,14 +167,6 @@ class HybridConfig:
         )
 
     # attention layers
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     @property
     def attention_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
