@@ -4,7 +4,7 @@
 # engine benchmarks.
 # Everything lands under $OUT; the gate artifacts travel as ONE tarball (a device call returns
 # at most 8 files). Usage on the GPU machine (commit passed in: the copied tree has no .git):
-#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|gdn|rl_gdn|all [BENCHES="gemm attention ..."] bash scripts/gpu_run.sh
+#   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|gdn|rl_gdn|all [BENCHES="gemm attention ..."] [RL_FAMILIES="dense hybrid"] bash scripts/gpu_run.sh
 # To run exactly a committed tree while the working tree is being edited, extract `git archive
 # HEAD` into an ignored folder, carry it and run this script from there.
 # Wheels the GPU image lacks: run scripts/fetch_gpu_wheels.sh here first and carry .whl.
@@ -37,30 +37,44 @@ for b in ${BENCHES:-gemm attention rmsnorm logprob engine}; do
 done
 fi
 if [ "$MODE" = rl ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
-  # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU machine)
-  python3 - <<'PY'
+  # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU
+  # machine), for each family in RL_FAMILIES (default: dense)
+  for fam in ${RL_FAMILIES:-dense}; do
+    FAM=$fam python3 - <<'PY'
+import json, os
 import yaml
 c = yaml.safe_load(open("configs/h200.yaml"))
-import json, os
-rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), model=c["models"]["dense"], arch="sm90")
+fam = os.environ["FAM"]
+rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fam, model=c["models"][fam], arch="sm90")
 rl.update(json.loads(os.environ.get("RL_OVERRIDES") or "{}"))   # e.g. a shorter run when device time is short
-yaml.safe_dump({"rl": rl}, open("/tmp/step2/rl_h200.yaml", "w"))
+yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_h200_{fam}.yaml", "w"))
 PY
-  for comp in native isoexec; do
-    SECONDS=0
-    timeout ${RL_TIMEOUT:-1800} python3 -m isoexec.cli run --config /tmp/step2/rl_h200.yaml --composition $comp \
-      --out "$WORK/runs/dense/$comp/seed0" > "$WORK/rl_$comp.log" 2>&1; echo "rl $comp rc=$? (${SECONDS}s)"
-    tail -4 "$WORK/rl_$comp.log"
-    tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs $(cd "$WORK" && ls rl_*.log)
+    for comp in native isoexec; do
+      SECONDS=0
+      timeout ${RL_TIMEOUT:-1800} python3 -m isoexec.cli run --config /tmp/step2/rl_h200_$fam.yaml --composition $comp \
+        --out "$WORK/runs/$fam/$comp/seed0" > "$WORK/rl_${fam}_$comp.log" 2>&1; echo "rl $fam $comp rc=$? (${SECONDS}s)"
+      tail -4 "$WORK/rl_${fam}_$comp.log"
+      tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs $(cd "$WORK" && ls rl_*.log)
+    done
   done
 fi
 if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
-  # hybrid family: GDN core GPU tests (CPR parity, graphs) and the CPR per-layer benchmark
+  # hybrid family: GDN GPU tests (CPR parity, conv/prep/norm kernels, hybrid engine graphs), the
+  # CPR per-layer benchmark, then the hybrid gates at Qwen3.5-9B layer dimensions
   SECONDS=0
-  timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu tests/kernels/test_gdn_core.py -p no:cacheprovider \
-    > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
+  timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu tests/kernels/test_gdn_core.py tests/kernels/test_gdn_conv.py \
+    tests/kernels/test_gdn_prep.py tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py \
+    -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
   cp "$WORK/gdn_tests.log" "$OUT/"; SECONDS=0
   timeout ${CPR_TIMEOUT:-600} python3 -m isoexec.cli bench cpr --out "$WORK/bench/cpr.json" > "$WORK/bench/cpr.log" 2>&1
   echo "bench cpr rc=$? (${SECONDS}s)"; tail -8 "$WORK/bench/cpr.log"
   tar -C "$WORK" -czf "$OUT/cpr.tgz" bench/cpr.json bench/cpr.log 2>/dev/null
+  if [ -n "${HYBRID_GATES:-1}" ] && [ "${HYBRID_GATES:-1}" != 0 ]; then
+    SECONDS=0; mkdir -p "$WORK/gates_hybrid"
+    timeout ${HYBRID_GATES_TIMEOUT:-900} python3 -m isoexec.cli gates run --family hybrid --composition isoexec --arch sm90 \
+      --model hybrid_qwen3p5_9b_dims --out "$WORK/gates_hybrid" --json > "$WORK/gates_hybrid_summary.json" \
+      2> "$WORK/gates_hybrid.log"; echo "hybrid gates rc=$? (${SECONDS}s)"
+    grep -E "FAIL|gates passed" "$WORK/gates_hybrid.log" | tail -20
+    tar -C "$WORK" -czf "$OUT/gates_hybrid.tgz" gates_hybrid gates_hybrid_summary.json gates_hybrid.log
+  fi
 fi
