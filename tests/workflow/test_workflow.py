@@ -21,9 +21,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-EXPECTED_JOBS = {"contract_draft": 2, "gates": 1, "contract_admit": 2, "contract_show": 2, "contract_verify": 2,
-                 "gates_table": 1, "contracts_table": 1, "bench": 5, "kernels_table": 1, "synthetic_data": 1, "rl_run": 2, "rl_tables": 1,
-                 "all": 1}
+# the embedded default: two families (dense, hybrid) x two compositions, six benchmarks
+EXPECTED_JOBS = {"contract_draft": 4, "gates": 2, "contract_admit": 4, "contract_show": 4, "contract_verify": 4,
+                 "gates_table": 1, "contracts_table": 1, "bench": 6, "kernels_table": 1, "cpr_table": 1,
+                 "synthetic_data": 1, "rl_run": 4, "rl_tables": 1, "all": 1}
 
 
 def copy_workflow(dst: Path) -> Path:
@@ -135,9 +136,9 @@ def test_schema_refuses_a_bad_arch(wf):
 
 
 def test_a_family_without_a_model_config_is_refused(wf):
-    bad = write_config(wf / "bad.yaml", "families: [dense, hybrid]\n")
+    bad = write_config(wf / "bad.yaml", "families: [dense, mla_moe]\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
-    assert r.returncode != 0 and "`models` has no entry for family hybrid" in r.stdout + r.stderr
+    assert r.returncode != 0 and "`models` has no entry for family mla_moe" in r.stdout + r.stderr
 
 
 def test_schema_fills_defaults(wf):
@@ -268,16 +269,23 @@ def test_default_run_renders_tables_and_report(wf, tmp_path):
     m = re.search(r"\| dense \| isoexec \| (\d+) \| claimed \| (admitted|not admitted) \|", contracts_md)
     assert m and int(m.group(1)) > 0
     assert re.search(r"\| dense \| native \| \d+ \| not claimed \| n\.a\. \|", contracts_md)
-    assert len(re.findall(r"`[0-9a-f]{64}`", contracts_md)) == 6  # 3 digests x 2 compositions
+    assert len(re.findall(r"`[0-9a-f]{64}`", contracts_md)) == 12  # 3 digests x 2 compositions x 2 families
+    assert re.search(r"\| hybrid \| isoexec \| (\d+) \| claimed \| admitted \|", contracts_md)
     csv_lines = (wf / "figs/e2e/gates.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("family,gate,region") and len(csv_lines) == n_artifacts + 1
+    n_hybrid = len(list((wf / "res/e2e/gates/hybrid").glob("*.json")))
+    assert n_hybrid > 0 and len([ln for ln in gates_md.splitlines() if ln.startswith("| hybrid |") and "`" in ln]) == n_hybrid
+    assert "| gdn_core |" in gates_md
+    assert csv_lines[0].startswith("family,gate,region") and len(csv_lines) == n_artifacts + n_hybrid + 1
     # the RL runs: IsoExec exactly 0 on every step, native measurably not; tables and figures exist
     lp = (wf / "figs/e2e/logprob_diff.md").read_text()
-    row = next(ln for ln in lp.splitlines() if ln.startswith("| dense |"))
-    cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[5] == "0" and cells[7] == "0" and cells[8] == "1", row      # IsoExec mean, max, equal
-    assert cells[3] not in ("0", "–"), row                                   # native max
-    assert "| dense | full step |" in (wf / "figs/e2e/step_time.md").read_text()
+    for family in ("dense", "hybrid"):
+        row = next(ln for ln in lp.splitlines() if ln.startswith(f"| {family} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[5] == "0" and cells[7] == "0" and cells[8] == "1", row      # IsoExec mean, max, equal
+        assert cells[3] not in ("0", "–"), row                                   # native max
+        assert f"| {family} | full step |" in (wf / "figs/e2e/step_time.md").read_text()
+    cpr = (wf / "figs/e2e/cpr.md").read_text()
+    assert all(f"| {stage} |" in cpr for stage in ("trainer fwd+bwd", "rollout prefill", "decode"))
     for name in ("logprob_diff.png", "step_time.png", "kernels.md"):
         assert (wf / "figs/e2e" / name).stat().st_size > 500
 
