@@ -167,5 +167,11 @@ def _bench_cpr(device: str, quick: bool = False, log=print) -> list[dict]:
     return bench_cpr_rows(device, quick, log)
 
 
+def _bench_train(device: str, quick: bool = False, log=print) -> list[dict]:
+    from .train import bench_train
+
+    return bench_train(device, quick, log)
+
+
 BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
-           "engine": _bench_engine, "cpr": _bench_cpr}
+           "engine": _bench_engine, "cpr": _bench_cpr, "train": _bench_train}

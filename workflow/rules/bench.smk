@@ -13,7 +13,7 @@ rule bench:
         device="cpu" if ARCH == "cpu" else "cuda",
         quick=BENCH_QUICK,
     wildcard_constraints:
-        name="gemm|attention|rmsnorm|logprob|engine|cpr",
+        name="gemm|attention|rmsnorm|logprob|engine|cpr|train",
     resources:
         gpu=GATE_GPUS,
         runtime=30,
