@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One device call on an H200: GPU tests (kernels, engine CUDA graphs), sm90 gates at Qwen3-0.6B
-# dimensions (kernel, whole-model and engine gates, native negative controls), and the kernel and
-# engine benchmarks.
-# Everything lands under $OUT; the gate artifacts travel as ONE tarball (a device call returns
-# at most 8 files). Usage on the GPU machine (commit passed in: the copied tree has no .git):
+# One device call on an H200, by MODE:
+#   kernels  GPU tests (kernels, engine CUDA graphs), dense gates at Qwen3-0.6B dimensions (kernel,
+#            whole-model and engine gates, native negative controls), the benchmarks in BENCHES
+#   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES (configs/h200.yaml settings)
+#   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
+#   rl_gdn / all   both / everything
+# Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
+# the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
 #   OUT=/some/dir ISOEXEC_COMMIT=<sha> MODE=kernels|rl|gdn|rl_gdn|all [BENCHES="gemm attention ..."] [RL_FAMILIES="dense hybrid"] bash scripts/gpu_run.sh
 # To run exactly a committed tree while the working tree is being edited, extract `git archive
 # HEAD` into an ignored folder, carry it and run this script from there.
