@@ -107,7 +107,7 @@ def bench_train_model(device: str, quick: bool, log=print) -> list[dict]:
     for comp in ("native", "isoexec"):
         m = build_model("dense", cfg, dtype=dtype, device=device).init_random(0)
         m.install(build_contract("dense", comp, arch, name))
-        params = [p for p in m.parameters()]
+        params = list(m.parameters())
         batch = ForwardBatch.packed(lens, "trainer_fwd", device)
 
         def step():

@@ -105,6 +105,22 @@ def engine_needle(model, contract, gen: torch.Generator, requests: int, max_prom
     return reports, {"requests": requests, "needle_prompt": len(needle), "needle_tokens": len(alone.ids)}
 
 
+def _results_reports(want, got) -> list[BitReport]:
+    """Request by request: tokens equal, and where they are, logprobs bitwise equal."""
+    reports = []
+    for a, b in zip(want, got):
+        reports.append(_tokens_report(a.ids, b.ids))
+        if a.ids == b.ids:
+            reports.append(compare_bits(b.logprobs, a.logprobs))
+    return reports
+
+
+def _vacuous(what: str) -> BitReport:
+    """A failing report for a gate whose hazard never occurred (GATES.md, hazards)."""
+    return BitReport(compared=1, differing=1, max_abs_diff=f"vacuous: {what}", max_ulp=0, first_index=None,
+                     dtype="none")
+
+
 def engine_preemption(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
                       ) -> tuple[list[BitReport], dict]:
     rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
@@ -116,15 +132,9 @@ def engine_preemption(model, contract, gen: torch.Generator, requests: int, max_
     pages = -(-longest // 4) + 2          # room for the longest request alone, not for all of them
     tight = _engine(model, contract, num_pages=pages, page_size=4, chunk_align=4, max_num_batched_tokens=32)
     squeezed = tight.generate(prompts, params)
-    reports = []
-    for a, b in zip(free, squeezed):
-        reports.append(_tokens_report(a.ids, b.ids))
-        if a.ids == b.ids:
-            reports.append(compare_bits(b.logprobs, a.logprobs))
+    reports = _results_reports(free, squeezed)
     if tight.scheduler.num_preemptions == 0:
-        # no preemption happened: the gate would be vacuous, so it fails (GATES.md, hazards)
-        reports.append(BitReport(compared=1, differing=1, max_abs_diff="vacuous: no preemption", max_ulp=0,
-                                 first_index=None, dtype="none"))
+        reports.append(_vacuous("no preemption"))
     return reports, {"requests": n, "preemptions": tight.scheduler.num_preemptions}
 
 
@@ -139,16 +149,10 @@ def engine_graph_eager(model, contract, gen: torch.Generator, requests: int, max
     graphed_engine = _engine(model, contract, cuda_graphs=True)
     graphed = run_staggered(graphed_engine, reqs)
     eager = run_staggered(_engine(model, contract, cuda_graphs=False), reqs)
-    reports = []
-    for i in range(requests):
-        reports.append(_tokens_report(eager[i].ids, graphed[i].ids))
-        if eager[i].ids == graphed[i].ids:
-            reports.append(compare_bits(graphed[i].logprobs, eager[i].logprobs))
+    reports = _results_reports([eager[i] for i in range(requests)], [graphed[i] for i in range(requests)])
     replays = graphed_engine.runner.graph_replays
     if replays == 0:
-        # graphs never replayed: the comparison would be vacuous, so it fails (GATES.md, hazards)
-        reports.append(BitReport(compared=1, differing=1, max_abs_diff="vacuous: no graph replay", max_ulp=0,
-                                 first_index=None, dtype="none"))
+        reports.append(_vacuous("no graph replay"))
     return reports, {"requests": requests, "graph_replays": replays}
 
 

@@ -16,6 +16,8 @@ from isoexec.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 
+from engine_fixtures import same_results  # noqa: E402
+
 CFG = load_model_config("hybrid_tiny")["hf_config"]
 
 
@@ -70,9 +72,7 @@ def test_hybrid_preemption_by_recompute_is_bitwise():
                                       max_num_batched_tokens=32))
     squeezed = tight.generate(ps, params(len(ps), 16))
     assert tight.scheduler.num_preemptions > 0
-    for a, b in zip(free, squeezed):
-        assert a.ids == b.ids
-        assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
+    same_results(free, squeezed)
 
 
 def test_hybrid_weight_update_resets_state_and_matches_a_fresh_engine():
@@ -113,7 +113,5 @@ def test_hybrid_decode_graph_replay_with_padded_lanes_equals_eager_bitwise():
     graphed_engine = Engine(m, c, EngineConfig(cuda_graphs=True, **cfg))
     graphed = graphed_engine.generate(ps, params(len(ps)))
     assert graphed_engine.runner.graph_replays > 0
-    for a, b in zip(eager, graphed):
-        assert a.ids == b.ids
-        assert torch.equal(a.logprobs.view(torch.int32), b.logprobs.view(torch.int32))
+    same_results(eager, graphed)
     assert verify_engine_logprobs(m, eager).differing == 0
