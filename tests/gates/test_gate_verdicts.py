@@ -56,3 +56,25 @@ def test_vacuous_hazard_gate_fails():
 def test_wrong_kernel_fails_correctness_even_if_invariant():
     out = GateOutcome("batch_invariance", {}, "float32", [], float("nan"), 1e-4, {})
     assert out.verdict() == "fail"
+
+
+def test_model_negative_controls_whole_model_must_fail_generate_verify_may_be_inconclusive():
+    """A stock engine found invariant on one small draw is inconclusive; the whole-model case-parity
+    control finding the stock composition invariant fails."""
+    import torch
+
+    from isoexec.compose import build_contract
+    from isoexec.gates.compare import compare_bits
+    from isoexec.gates.runner import _model_body
+
+    c = build_contract("dense", "native", "cpu")
+    same = [compare_bits(torch.ones(4), torch.ones(4))]
+    differs = [compare_bits(torch.ones(4), torch.tensor([1.0, 1.0, 1.0, 2.0]))]
+
+    def verdict(reports, of):
+        return _model_body(c, "native", "negative_control", reports, {}, torch.bfloat16, 0, "cpu", "variant",
+                           of)["verdict"]
+
+    assert verdict(same, "engine_generate_verify") == "inconclusive"
+    assert verdict(same, "model_case_parity") == "fail"
+    assert verdict(differs, "engine_generate_verify") == "pass"
