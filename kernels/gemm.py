@@ -31,9 +31,11 @@ worst at 0.41-0.53x). Eager calls add ~20-60 us of Python/Triton launch overhead
 dominates at small M: decode should run under CUDA graphs.
 
 The reference and the Triton kernel are different implementations (different bits); each is
-invariant on its own. Autograd: ``grad_x = grad @ W`` and ``grad_W = grad^T @ x`` run through
-the same invariant kernel (the latter reduces over tokens, BLOCK_K over M), ``grad_b`` is a
-fixed-leaf tree sum over tokens.
+invariant on its own. Autograd (deterministic, not batch invariant: only forward bits must match
+between trainer and engine): on CUDA ``grad_x = grad @ W`` and ``grad_W = grad^T @ x`` are cuBLAS
+products (the same algorithm and bits for the same shapes on every run) and ``grad_b`` a torch
+sum over tokens; on CPU they run through the reference kernel (``grad_W`` reduces over tokens,
+BLOCK_K over M) and ``grad_b`` is a fixed-leaf tree sum over tokens.
 """
 
 from __future__ import annotations
@@ -403,6 +405,18 @@ class _LinearFn(torch.autograd.Function):
         N = w.shape[0]
         g2 = grad.reshape(-1, N).to(w.dtype)
         gx = gw = gb = None
+        if x2.is_cuda:
+            # Only forward bits must match trainer and engine; the backward needs to be
+            # deterministic, not batch invariant. cuBLAS is: for fixed shapes, dtypes and GPU it
+            # picks the same algorithm and gives the same bits on every run (no split-K atomics
+            # on one stream), at stock speed.
+            if ctx.needs_input_grad[0]:
+                gx = torch.mm(g2, w).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                gw = torch.mm(g2.t(), x2)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = g2.float().sum(0).to(w.dtype)
+            return gx, gw, gb
         if ctx.needs_input_grad[0]:
             # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
             gx = _linear_2d(g2, w.t(), None).reshape(ctx.x_shape)

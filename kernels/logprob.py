@@ -24,10 +24,14 @@ Rounding schedule (per row, z = fp32(logits))
       logprob_t = (z_t - m) - log(s). log_softmax does a second pass writing (z_j - m) - log(s).
   Masked vocabulary entries may be -inf; a row that is entirely -inf gives NaN.
 
-Backward (reference and CUDA alike, torch ops on fp32, elementwise per row):
+Backward (deterministic, not batch invariant; only forward bits must match trainer and engine):
   d logits = (onehot(target) - softmax) * dy  for token_logprobs,
   d logits = dy - softmax * sum_j(dy_j)      for log_softmax (sum by the fixed leaf tree);
-  softmax = exp(log_softmax) via ``_ref.exp64``; rounded to the logits dtype.
+  rounded once to the logits dtype.
+  * token_logprobs on CUDA: the forward kernel also stores each row's (m, log s); the backward is
+    one elementwise fp32 Triton pass, softmax_j = exp((z_j - m) - log s) with Triton's exp (no
+    float64, no [T, V] fp32 temporaries).
+  * reference (CPU) and log_softmax: softmax = exp(log_softmax) via ``_ref.exp64`` in torch ops.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from . import _ref
-from ._triton_util import jit, tl, want_triton
+from ._triton_util import jit, tl, triton, want_triton
 
 __all__ = [
     "token_logprobs",
@@ -121,8 +125,9 @@ def log_softmax_reference(logits: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _logprob_kernel(z_ptr, tgt_ptr, lp_ptr, ls_ptr, V, stride_z, stride_ls,
-                    WANT_TOKEN: tl.constexpr, WANT_FULL: tl.constexpr, BLOCK: tl.constexpr):
+def _logprob_kernel(z_ptr, tgt_ptr, lp_ptr, ls_ptr, stats_ptr, V, stride_z, stride_ls,
+                    WANT_TOKEN: tl.constexpr, WANT_FULL: tl.constexpr, WANT_STATS: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = z_ptr + row * stride_z
     offs = tl.arange(0, BLOCK)
@@ -138,6 +143,10 @@ def _logprob_kernel(z_ptr, tgt_ptr, lp_ptr, ls_ptr, V, stride_z, stride_ls,
         s = s * tl.exp(m - shift) + tl.sum(e, axis=0)
         m = m_new
     log_s = tl.log(s)
+    if WANT_STATS:
+        # (m, log s) for the backward; storing them changes nothing in the forward's bits
+        tl.store(stats_ptr + 2 * row, m)
+        tl.store(stats_ptr + 2 * row + 1, log_s)
     if WANT_TOKEN:
         t = tl.load(tgt_ptr + row).to(tl.int64)
         zt = tl.load(base + t).to(tl.float32)
@@ -150,16 +159,49 @@ def _logprob_kernel(z_ptr, tgt_ptr, lp_ptr, ls_ptr, V, stride_z, stride_ls,
             tl.store(obase + v0 + offs, (z - m) - log_s, mask=ok)
 
 
-def _triton_launch(z2, targets, want_token, want_full):
+@jit
+def _logprob_bwd_kernel(z_ptr, tgt_ptr, stats_ptr, dy_ptr, dz_ptr, V, stride_z, stride_dz,
+                        BLOCK: tl.constexpr):
+    # d logits[row, j] = (onehot(j == target) - exp((z_j - m) - log s)) * dy[row], fp32, one
+    # rounding to the logits dtype. Program (row, chunk): elementwise, no reduction at all.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    m = tl.load(stats_ptr + 2 * row)
+    log_s = tl.load(stats_ptr + 2 * row + 1)
+    dy = tl.load(dy_ptr + row)
+    t = tl.load(tgt_ptr + row).to(tl.int64)
+    zr = tl.load(z_ptr + row * stride_z + cols, mask=ok, other=0.0)
+    p = tl.exp((zr.to(tl.float32) - m) - log_s)
+    g = (tl.where(cols == t, 1.0, 0.0) - p) * dy
+    tl.store(dz_ptr + row * stride_dz + cols, g.to(zr.dtype), mask=ok)
+
+
+def _triton_launch(z2, targets, want_token, want_full, want_stats=False):
     R, V = z2.shape
     lp = torch.empty(R if want_token else 1, dtype=torch.float32, device=z2.device)
     ls = torch.empty((R, V) if want_full else (1, 1), dtype=torch.float32, device=z2.device)
+    stats = torch.empty((R, 2) if want_stats else (1, 2), dtype=torch.float32, device=z2.device)
     tg = targets if want_token else lp
     if R:
-        _logprob_kernel[(R,)](z2, tg, lp, ls, V, z2.stride(0), ls.stride(0),
-                              WANT_TOKEN=want_token, WANT_FULL=want_full, BLOCK=BLOCK_V,
-                              num_warps=_NUM_WARPS)
-    return lp, ls
+        _logprob_kernel[(R,)](z2, tg, lp, ls, stats, V, z2.stride(0), ls.stride(0),
+                              WANT_TOKEN=want_token, WANT_FULL=want_full, WANT_STATS=want_stats,
+                              BLOCK=BLOCK_V, num_warps=_NUM_WARPS)
+    return lp, ls, stats
+
+
+_BWD_BLOCK = 2048
+
+
+def _token_logprobs_backward_triton(z2, tg, stats, dy):
+    """d logits [R, V] (logits dtype) from the forward's per-row (m, log s): one elementwise pass."""
+    R, V = z2.shape
+    dz = torch.empty((R, V), dtype=z2.dtype, device=z2.device)
+    if R and V:
+        _logprob_bwd_kernel[(R, triton.cdiv(V, _BWD_BLOCK))](
+            z2, tg, stats, dy.float().contiguous(), dz, V, z2.stride(0), dz.stride(0),
+            BLOCK=_BWD_BLOCK, num_warps=4)
+    return dz
 
 
 def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -168,14 +210,14 @@ def token_logprobs_triton(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     tg = targets.reshape(-1).contiguous()
     if tg.shape[0] != z2.shape[0]:
         raise ValueError(f"token_logprobs: {z2.shape[0]} logit rows but {tg.shape[0]} targets")
-    lp, _ = _triton_launch(z2, tg, True, False)
+    lp, _, _ = _triton_launch(z2, tg, True, False)
     return lp[: z2.shape[0]].reshape(targets.shape)
 
 
 def log_softmax_triton(logits: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax by the Triton schedule. CUDA, or CPU under the interpreter."""
     z2 = _rows(logits)
-    _, ls = _triton_launch(z2, None, False, True)
+    _, ls, _ = _triton_launch(z2, None, False, True)
     return ls.reshape(logits.shape)
 
 
@@ -191,13 +233,24 @@ def _softmax_from_log(ls: torch.Tensor) -> torch.Tensor:
 class _TokenLogprobFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets):
-        ctx.save_for_backward(logits, targets)
         if want_triton(logits):
-            return token_logprobs_triton(logits, targets)
+            z2 = _rows(logits)
+            tg = targets.reshape(-1).contiguous()
+            if tg.shape[0] != z2.shape[0]:
+                raise ValueError(f"token_logprobs: {z2.shape[0]} logit rows but {tg.shape[0]} targets")
+            lp, _, stats = _triton_launch(z2, tg, True, False, want_stats=True)
+            ctx.save_for_backward(z2, tg, stats)
+            ctx.shape = logits.shape
+            return lp[: z2.shape[0]].reshape(targets.shape)
+        ctx.save_for_backward(logits, targets)
+        ctx.shape = None
         return token_logprobs_reference(logits, targets)
 
     @staticmethod
     def backward(ctx, dy):
+        if ctx.shape is not None:  # Triton: one fp32 elementwise pass from the saved (m, log s)
+            z2, tg, stats = ctx.saved_tensors
+            return _token_logprobs_backward_triton(z2, tg, stats, dy.reshape(-1)).reshape(ctx.shape), None
         logits, targets = ctx.saved_tensors
         p = _softmax_from_log(log_softmax(logits.detach()))
         onehot = torch.zeros_like(p)

@@ -24,8 +24,12 @@ Rounding schedule (per row of H elements; identical for every row position and b
 Backward (straight-through the two casts, like torch autograd of the formula above):
   g = fp32(dy) * fp32(weight); c = sum(g * xhat) / H (same fixed order as forward), with
   xhat = xf * rstd in fp32; dx = (g - xhat * c) * rstd -> x.dtype;
-  dweight = sum over rows of fp32(dy) * fp32(y), rows summed by fixed 64-row leaves
-  (halves tree inside a leaf, leaves left to right) -> weight.dtype.
+  dweight = sum over rows of fp32(dy) * fp32(y) -> weight.dtype. The reference sums rows by
+  fixed 64-row leaves (halves tree inside a leaf, leaves left to right); the Triton backward is
+  one fused pass (dx and a per-program dweight partial over a fixed row range, tiles in row
+  order), the partials then summed over programs by ``torch.sum``. Both are deterministic for a
+  given shape; dweight is a sum over the batch and is not batch invariant (only forward bits
+  must match between trainer and engine, ``docs/variance_sources.md``).
 
 Zero-centred variant (``zero_centred=True``; Qwen3.5's ``Qwen3_5RMSNorm``, weights stored as
 offsets from 1): same ss / rstd, then out = round_to_x_dtype((xf * rstd) * (1 + fp32(weight))),
@@ -154,28 +158,50 @@ def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
 
 
 @jit
-def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, H,
-                    stride_dy, stride_x, stride_dx, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, R, H, rows_per_prog,
+                    stride_dy, stride_x, stride_dx, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    ZERO_CENTRED: tl.constexpr):
+    # Program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog): it writes their dx and
+    # one fp32 partial of dweight, accumulated tile after tile in row order (fixed order, no
+    # atomics). The partials are summed afterwards in program order.
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    ok = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    xf = x.to(tl.float32)
-    dy = tl.load(dy_ptr + row * stride_dy + cols, mask=ok, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    cok = cols < H
+    w = tl.load(w_ptr + cols, mask=cok, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = 1.0 + w
-    rstd = tl.load(rstd_ptr + row)
-    xhat = xf * rstd
-    g = dy * w
-    c = tl.sum(g * xhat, axis=0) / H
-    dx = (g - xhat * c) * rstd
-    tl.store(dx_ptr + row * stride_dx + cols, dx.to(x.dtype), mask=ok)
-    # per-row dweight terms; summed over rows afterwards in a fixed order
-    if ZERO_CENTRED:
-        tl.store(dwp_ptr + row * H + cols, dy * xhat, mask=ok)
-    else:
-        tl.store(dwp_ptr + row * H + cols, dy * xhat.to(x.dtype).to(tl.float32), mask=ok)
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    r_first = pid * rows_per_prog
+    r_end = tl.minimum(r_first + rows_per_prog, R)
+    for r0 in range(r_first, r_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rok = rows < r_end
+        ok = rok[:, None] & cok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rok, other=0.0)
+        xhat = xf * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / H
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(x.dtype), mask=ok)
+        if ZERO_CENTRED:
+            acc += tl.sum(dy * xhat, axis=0)
+        else:
+            acc += tl.sum(dy * xhat.to(x.dtype).to(tl.float32), axis=0)
+    tl.store(dwp_ptr + pid * H + cols, acc, mask=cok)
+
+
+def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
+    """(BLOCK_R, rows_per_prog, programs) of the Triton backward, a function of (R, H) only: a
+    tile of about 4096 elements, and about 512 programs (4 per SM of an H200) so that the dweight
+    partials stay small while every SM has work."""
+    block_h = next_pow2(H)
+    block_r = max(1, min(64, 4096 // block_h))
+    per = max(block_r, -(-R // 512))
+    per = -(-per // block_r) * block_r
+    return block_r, per, -(-R // per)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -206,16 +232,21 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False):
-    """(dx, dweight) for 2-D row-contiguous ``dy, x`` [R, H]; Triton per-row kernel, then the
-    fixed-leaf row sum for dweight."""
+    """(dx, dweight) for 2-D row-contiguous ``dy, x`` [R, H]: one fused Triton pass writes dx
+    and a fixed-order dweight partial per program; the partials are summed over programs by
+    torch (deterministic for a given shape). Not batch invariant in dweight, which is a sum over
+    the batch (only forward bits must match trainer and engine)."""
     R, H = x.shape
     dx = torch.empty((R, H), dtype=x.dtype, device=x.device)
-    dwp = torch.empty((R, H), dtype=torch.float32, device=x.device)
-    if R:
-        _rms_bwd_kernel[(R,)](dy, x, weight.contiguous(), rstd, dx, dwp, H,
-                              dy.stride(0), x.stride(0), dx.stride(0),
-                              BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred, num_warps=_warps_for(H))
-    dw = _ref.blocked_sum(dwp, 0, DW_ROW_LEAF).to(weight.dtype)
+    if not R:
+        return dx, torch.zeros_like(weight)
+    block_r, per, programs = _bwd_launch(R, H)
+    dwp = torch.empty((programs, H), dtype=torch.float32, device=x.device)
+    _rms_bwd_kernel[(programs,)](dy, x, weight.contiguous(), rstd, dx, dwp, R, H, per,
+                                 dy.stride(0), x.stride(0), dx.stride(0), BLOCK_R=block_r,
+                                 BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
+                                 num_warps=_warps_for(H))
+    dw = dwp.sum(0).to(weight.dtype)
     return dx, dw
 
 

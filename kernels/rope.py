@@ -23,6 +23,9 @@ Rounding schedule
   The Triton kernel is compiled with ``enable_fp_fusion=False`` so it performs the same
   correctly rounded fp32 operations as the reference: both give the same bits
   (impl ``rope_fp32``; checked under the interpreter here and on the GPU by the gates).
+  Backward (Triton path): the transposed rotation, dx1 = dy1*cos + dy2*sin, dx2 = dy2*cos -
+  dy1*sin, by the same kernel with sin negated (exact), fp32 and one rounding; channels past R
+  pass dy through. Reference path: torch autograd of the formula.
   Difference from transformers: it rounds cos/sin to x.dtype and each op to x.dtype; here
   the arithmetic stays in fp32 with a single final rounding.
 """
@@ -120,7 +123,7 @@ def apply_rope_reference(x: torch.Tensor, positions: torch.Tensor,
 @jit
 def _rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, NH, stride_xt, stride_xh, stride_ot,
                  stride_oh, stride_c, HALF: tl.constexpr, BLOCK_NH: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr):
+                 BLOCK_HALF: tl.constexpr, TRANSPOSE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_NH)
     cols = tl.arange(0, BLOCK_HALF)
@@ -128,6 +131,9 @@ def _rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, NH, stride_xt, stride_xh, s
     pos = tl.load(pos_ptr + t).to(tl.int64)
     cos = tl.load(cache_ptr + pos * stride_c + cols, mask=cols < HALF, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_c + HALF + cols, mask=cols < HALF, other=0.0)
+    if TRANSPOSE:
+        # the backward applies the transposed rotation (sin -> -sin; negation is exact)
+        sin = -sin
     base = x_ptr + t * stride_xt + heads[:, None] * stride_xh + cols[None, :]
     x1r = tl.load(base, mask=ok, other=0.0)
     x2r = tl.load(base + HALF, mask=ok, other=0.0)
@@ -140,11 +146,8 @@ def _rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, NH, stride_xt, stride_xh, s
     tl.store(obase + HALF, o2.to(x1r.dtype), mask=ok)
 
 
-def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor,
-                      cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """RoPE by the same fp32 schedule in Triton (no FMA contraction): one program per token,
-    all heads of that token in one block. CUDA tensors, or CPU under TRITON_INTERPRET=1."""
-    _check(x, positions, cos_sin_cache)
+def _rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 transpose: bool) -> torch.Tensor:
     T = x.shape[0]
     D = x.shape[-1]
     R = cos_sin_cache.shape[1]
@@ -160,10 +163,34 @@ def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor,
         _rope_kernel[(T,)](
             x3, positions.contiguous(), cache, out, NH, x3.stride(0), x3.stride(1),
             out.stride(0), out.stride(1), cache.stride(0), HALF=R // 2,
-            BLOCK_NH=next_pow2(NH), BLOCK_HALF=next_pow2(R // 2), num_warps=4,
-            enable_fp_fusion=False,
+            BLOCK_NH=next_pow2(NH), BLOCK_HALF=next_pow2(R // 2), TRANSPOSE=transpose,
+            num_warps=4, enable_fp_fusion=False,
         )
     return out.reshape(x.shape)
+
+
+def apply_rope_triton(x: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE by the same fp32 schedule in Triton (no FMA contraction): one program per token,
+    all heads of that token in one block. CUDA tensors, or CPU under TRITON_INTERPRET=1."""
+    _check(x, positions, cos_sin_cache)
+    return _rope_triton(x, positions, cos_sin_cache, transpose=False)
+
+
+class _RopeFn(torch.autograd.Function):
+    """Triton RoPE with a Triton backward: the gradient of a rotation is the transposed rotation
+    (dx1 = dy1*cos + dy2*sin, dx2 = dy2*cos - dy1*sin, fp32, one rounding), one pass; channels
+    past rotary_dim pass the gradient through."""
+
+    @staticmethod
+    def forward(ctx, x, positions, cos_sin_cache):
+        ctx.save_for_backward(positions, cos_sin_cache)
+        return _rope_triton(x, positions, cos_sin_cache, transpose=False)
+
+    @staticmethod
+    def backward(ctx, dy):
+        positions, cache = ctx.saved_tensors
+        return _rope_triton(dy, positions, cache, transpose=True), None, None
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor | None = None,
@@ -172,14 +199,17 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Te
 
     Pass a table from :func:`rope_cache` (preferred; keep it on x's device), or ``theta`` (and
     optionally ``rotary_dim``, default D) to build the rows for these positions on the fly.
-    Not an autograd op of its own: the reference path is differentiable through torch; the
-    Triton path is for inference (engine) and forward scoring."""
+    Differentiable: the reference path through torch autograd, the Triton path by
+    :class:`_RopeFn` (Triton forward, transposed-rotation Triton backward)."""
     if cos_sin_cache is None:
         if theta is None:
             raise ValueError("apply_rope: pass cos_sin_cache or theta")
         R = rotary_dim or x.shape[-1]
         cos_sin_cache = rope_cos_sin(positions, R, theta).to(x.device)
         positions = torch.arange(x.shape[0], device=x.device)
-    if want_triton(x) and not (torch.is_grad_enabled() and x.requires_grad):
-        return apply_rope_triton(x, positions, cos_sin_cache)
+    if want_triton(x):
+        _check(x, positions, cos_sin_cache)
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _RopeFn.apply(x, positions, cos_sin_cache)
+        return _rope_triton(x, positions, cos_sin_cache, transpose=False)
     return apply_rope_reference(x, positions, cos_sin_cache)

@@ -157,6 +157,21 @@ def interp_case_logprob_hazards_masked_and_signed_zero(kb):
     assert abs(lp[1].item() - torch.log_softmax(z[1].double(), 0)[4100].item()) < 1e-5
 
 
+def interp_case_logprob_triton_backward_matches_float64_and_is_deterministic(kb):
+    g = torch.Generator().manual_seed(12)
+    V = 5000  # a full backward block and a partial one
+    z = torch.randn(4, V, generator=g) * 3
+    t = torch.randint(0, V, (4,), generator=g)
+    dy = torch.randn(4, generator=g)
+    lp, _, stats = logprob._triton_launch(z, t, True, False, want_stats=True)
+    kb.assert_bitwise(lp, logprob.token_logprobs_triton(z, t), "forward with stats vs without")
+    dz = logprob._token_logprobs_backward_triton(z, t, stats, dy)
+    z64 = z.double().requires_grad_()
+    (_f64_logprobs(z64, t) * dy.double()).sum().backward()
+    assert kb.rel_l2(dz, z64.grad) < 1e-6
+    kb.assert_bitwise(logprob._token_logprobs_backward_triton(z, t, stats, dy), dz, "run to run")
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_logprob_triton_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_logprob", case)
@@ -181,3 +196,23 @@ def test_logprob_cuda_row_alone_equals_row_in_batch_bitwise(kb, V):
     assert (lp.cpu().double() - _f64_logprobs(batch, tb)).abs().max() < 1e-4
     full = logprob.log_softmax(batch.cuda())
     kb.assert_bitwise(full.gather(1, tb.cuda()[:, None])[:, 0], lp, "token vs full")
+
+
+@pytest.mark.gpu
+def test_logprob_cuda_backward_matches_float64_and_is_deterministic(kb):
+    g = torch.Generator().manual_seed(13)
+    V = 151936
+    z = (torch.randn(33, V, generator=g) * 3).bfloat16()
+    t = torch.randint(0, V, (33,), generator=g)
+    dy = torch.randn(33, generator=g)
+
+    def grad():
+        zc = z.cuda().requires_grad_()
+        logprob.token_logprobs(zc, t.cuda()).backward(dy.cuda())
+        return zc.grad
+
+    first = grad()
+    z64 = z.double().requires_grad_()
+    (_f64_logprobs(z64, t) * dy.double()).sum().backward()
+    assert kb.rel_l2(first, z64.grad) < kb.TOL[torch.bfloat16]
+    kb.assert_bitwise(grad(), first, "cuda backward run to run")

@@ -194,3 +194,26 @@ def test_rms_norm_cuda_backward_matches_float64(kb):
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     _f64(x64, w64).backward(dy.double())
     assert kb.rel_l2(x.grad, x64.grad) < 1e-5 and kb.rel_l2(w.grad, w64.grad) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(8192, 1024), (65536, 128), (5, 3000)])
+def test_rms_norm_cuda_backward_bf16_matches_float64_and_is_deterministic(kb, shape):
+    g = torch.Generator().manual_seed(14)
+    R, H = shape
+    x = torch.randn(R, H, generator=g).bfloat16()
+    w = _weight(H, torch.bfloat16, g)
+    dy = torch.randn(R, H, generator=g).bfloat16()
+
+    def grads():
+        xc, wc = x.cuda().requires_grad_(), w.cuda().requires_grad_()
+        rmsnorm.rms_norm(xc, wc, EPS).backward(dy.cuda())
+        return xc.grad, wc.grad
+
+    dx, dw = grads()
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    _f64(x64, w64).backward(dy.double())
+    assert kb.rel_l2(dx, x64.grad) < kb.TOL[torch.bfloat16] and kb.rel_l2(dw, w64.grad) < kb.TOL[torch.bfloat16]
+    dx2, dw2 = grads()
+    kb.assert_bitwise(dx2, dx, "dx run to run")
+    kb.assert_bitwise(dw2, dw, "dw run to run")

@@ -133,6 +133,24 @@ def interp_case_rope_triton_equals_reference_bitwise(kb):
                               rope.apply_rope_reference(x, pos, cache), f"{dtype} D={D} R={R}")
 
 
+def interp_case_rope_triton_backward_is_the_transposed_rotation(kb):
+    for D, R in ((64, 64), (48, 16)):
+        g = torch.Generator().manual_seed(7 * D + R)
+        T, NH = 9, 3
+        x = torch.randn(T, NH, D, generator=g)
+        dy = torch.randn(T, NH, D, generator=g)
+        pos = torch.randint(0, 1000, (T,), generator=g)
+        cache = rope.rope_cache(1000, R, THETA)
+        dx = rope._rope_triton(dy, pos, cache, transpose=True)
+        x64 = x.double().requires_grad_()
+        _f64_rope(x64, pos, R).backward(dy.double())
+        assert kb.rel_l2(dx, x64.grad) < 1e-6
+        kb.assert_bitwise(dx[..., R:], dy[..., R:], "pass-through channels")
+        # the transposed rotation undoes the rotation (to fp32 rounding)
+        back = rope._rope_triton(rope.apply_rope_triton(x, pos, cache), pos, cache, transpose=True)
+        assert kb.rel_l2(back, x) < 1e-6
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_rope_triton_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_rope", case)
@@ -152,6 +170,12 @@ def test_rope_cuda_triton_equals_cpu_reference_bitwise(kb, dtype):
     want = rope.apply_rope_reference(x, pos, cache)
     got = rope.apply_rope(x.cuda(), pos.cuda(), cache.cuda())
     kb.assert_bitwise(got, want, "cuda triton vs cpu reference")
-    # the autograd path on CUDA (torch ops) gives the same bits as the Triton kernel
+    # the autograd path on CUDA (Triton forward of _RopeFn) gives the same bits
     xg = x.cuda().requires_grad_()
-    kb.assert_bitwise(rope.apply_rope(xg, pos.cuda(), cache.cuda()), got, "cuda grad path")
+    out = rope.apply_rope(xg, pos.cuda(), cache.cuda())
+    kb.assert_bitwise(out, got, "cuda grad path")
+    dy = torch.randn(T, NH, D, generator=g).to(dtype)
+    out.backward(dy.cuda())
+    x64 = x.double().requires_grad_()
+    _f64_rope(x64, pos, D).backward(dy.double())
+    assert kb.rel_l2(xg.grad, x64.grad) < kb.TOL[dtype]
