@@ -13,6 +13,10 @@ Gates (GATES.md families 1 and 2 at model level):
   sequences, batch sizes 1..64, random prompt/split points.
 - ``model_batch_invariance``: one sequence scored alone == the same sequence inside a batch of
   random neighbours (trainer_score and engine driver).
+- ``backward_determinism``: the same trainer step twice (forward with autograd, token logprobs,
+  a random per-token weighting, backward) gives the same gradient bits for every parameter. The
+  backward need not be batch invariant (only forward bits must match between trainer and engine),
+  but it must be deterministic: bit-identical resume and reproducible runs depend on it.
 """
 
 from __future__ import annotations
@@ -134,3 +138,37 @@ def model_batch_invariance(model, gen: torch.Generator, batch_sizes=(2, 9, 33, 6
         reports += [compare_bits(inside_t, alone_t), compare_bits(inside_e, alone_e), compare_bits(inside_e,
                                                                                                    alone_t)]
     return reports, {"batch_sizes": list(batch_sizes), "needle_len": len(needle[0])}
+
+
+def backward_determinism(model, gen: torch.Generator, batch_sizes=(1, 8, 64), max_len: int = 96
+                         ) -> tuple[list[BitReport], dict]:
+    """Two identical trainer steps per batch size; one comparison per parameter gradient.
+
+    ``info["sanity_failures"]`` lists what would make the comparison vacuous (a gradient that is
+    all zeros or not finite); the gate fails if it is not empty."""
+    device = model.embed.device
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
+    reports: list[BitReport] = []
+    info = {"batch_sizes": list(batch_sizes), "max_len": max_len, "params": len(params), "tokens": 0,
+            "gradient_elements": 0, "sanity_failures": []}
+    for bs in batch_sizes:
+        seqs, _ = random_sequences(gen, bs, model.cfg.vocab_size, max_len=max_len)
+        packed = PackedSequences.from_lists(seqs, device)
+        n_scored = sum(n - 1 for n in packed.lengths)
+        weight = torch.randn(n_scored, generator=gen).to(device)
+
+        def grads():
+            lp = score_logprobs(model, packed, grad=True)
+            return torch.autograd.grad((lp * weight).sum(), params)
+
+        first, second = grads(), grads()
+        for name, a, b in zip(names, first, second):
+            reports.append(compare_bits(a, b))
+            if not bool(torch.isfinite(a).all()):
+                info["sanity_failures"].append(f"batch {bs}: gradient of {name} is not finite")
+            elif not bool((a != 0).any()):
+                info["sanity_failures"].append(f"batch {bs}: gradient of {name} is all zeros")
+            info["gradient_elements"] += a.numel()
+        info["tokens"] += n_scored
+    return reports, info
