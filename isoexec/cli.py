@@ -164,8 +164,10 @@ def cmd_bench(args) -> int:
     device = args.device or default_device()
     arch = "cpu" if device == "cpu" else "sm90"
     print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
-    rows = BENCHES[args.name](device, quick=args.quick)
-    path = write_result(args.name, rows, args.out, arch)
+    res = BENCHES[args.name](device, quick=args.quick)
+    # a benchmark returns its rows, or (rows, extra fields of the result such as a profile)
+    rows, extra = res if isinstance(res, tuple) else (res, None)
+    path = write_result(args.name, rows, args.out, arch, extra)
     ratios = [r["speed_ratio"] for r in rows if r.get("speed_ratio")]
     print(f"wrote {path} ({len(rows)} rows; speed_ratio min {min(ratios):.3f}, max {max(ratios):.3f})")
     return EXIT_OK

@@ -4,6 +4,8 @@
 #            whole-model and engine gates, native negative controls), the benchmarks in BENCHES
 #   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES (configs/h200.yaml settings)
 #   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
+#   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
+#            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -23,6 +25,24 @@ mkdir -p /tmp/pp && ln -sfn "$PWD/kernels" /tmp/pp/isoexec_kernels
 export PYTHONPATH="$PWD:/tmp/pp:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))"
 MODE=${MODE:-all}
+if [ "$MODE" = speed ]; then
+  SECONDS=0
+  python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels/test_rmsnorm.py tests/kernels/test_logprob.py \
+    tests/kernels/test_rope.py tests/kernels/test_gemm_backward.py tests/kernels/test_embedding.py} \
+    -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
+  tail -15 "$WORK/gpu_tests.log"; cp "$WORK/gpu_tests.log" "$OUT/"
+  for b in ${BENCHES:-train gemm}; do
+    SECONDS=0
+    python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1; echo "bench $b rc=$? (${SECONDS}s)"
+    tail -${BENCH_TAIL:-30} "$WORK/bench/$b.log"
+    tar -C "$WORK" -czf "$OUT/bench.tgz" bench
+  done
+  if [ "${SWEEP:-0}" = 1 ]; then
+    SECONDS=0
+    python3 scripts/gemm_tile_sweep.py ${SWEEP_ARGS:-} --out "$OUT/gemm_sweep.json" > "$WORK/sweep.log" 2>&1
+    echo "gemm sweep rc=$? (${SECONDS}s)"; cp "$WORK/sweep.log" "$OUT/"; grep -v "^ " "$WORK/sweep.log" | tail -50
+  fi
+fi
 if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then
 SECONDS=0
 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels tests/engine} -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"

@@ -20,8 +20,12 @@ from ..envinfo import env_info
 from ..paths import atomic_write
 
 
-def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: float = 120) -> float:
-    """Median milliseconds of ``fn()``: triton's do_bench on CUDA, perf_counter on CPU."""
+def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: float = 120,
+            min_reps: int = 5) -> float:
+    """Median milliseconds of ``fn()``: triton's do_bench on CUDA, perf_counter on CPU (one
+    warm-up call, then at least ``min_reps`` timed calls and more while ``rep_ms`` lasts)."""
+    if device == "cuda-graph":
+        return graph_time_ms(fn, rep_ms)
     if device == "cuda":
         import triton.testing
 
@@ -29,11 +33,22 @@ def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms
     fn()
     times = []
     deadline = time.perf_counter() + rep_ms / 1000
-    while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 200):
+    while len(times) < min_reps or (time.perf_counter() < deadline and len(times) < 200):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
+
+
+def graph_time_ms(fn: Callable[[], object], rep_ms: float = 120) -> float:
+    """Median milliseconds of ``fn()`` replayed from a CUDA graph (triton's do_bench_cudagraph):
+    the device time of the kernels without the host's launch overhead, as the engine's decode
+    graphs run them. ``fn`` is captured once per replay batch, so it must be capturable."""
+    import triton.testing
+
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+    return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
 
 
 def rotating(make: Callable[[], tuple], count: int) -> Callable[[], tuple]:

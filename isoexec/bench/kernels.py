@@ -26,11 +26,15 @@ GEMM_M = [1, 64, 256, 2048, 4096, 10240]
 
 
 def bench_gemm(device: str, quick: bool = False, log=print) -> list[dict]:
+    """Ours vs cuBLAS per (shape, M). On CUDA both are timed as CUDA-graph replays (kernel time, as
+    the engine's decode graphs and a busy trainer step see it; eager timing of a 10 us kernel
+    measures Python launch overhead) and, for reference, eagerly (``eager_*`` fields)."""
     from isoexec_kernels.gemm import linear
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = GEMM_SHAPES if device == "cuda" and not quick else [("tiny.qkv", 64, 128), ("tiny.down", 128, 64)]
     ms = GEMM_M if device == "cuda" and not quick else [1, 64, 256]
+    timer = "cuda-graph" if device == "cuda" else device
     rows = []
     for name, k, n in shapes:
         w = torch.randn(n, k, device=device, dtype=dtype) / k ** 0.5
@@ -39,11 +43,17 @@ def bench_gemm(device: str, quick: bool = False, log=print) -> list[dict]:
                 continue
             nxt = rotating(lambda: (torch.randn(m, k, device=device, dtype=dtype),), 4)
             with torch.no_grad():
-                base = time_ms(lambda: F.linear(nxt()[0], w), device)
-                ours = time_ms(lambda: linear(nxt()[0], w), device)
+                base = time_ms(lambda: F.linear(nxt()[0], w), timer)
+                ours = time_ms(lambda: linear(nxt()[0], w), timer)
+                extra = {}
+                if device == "cuda":
+                    extra = {"timing": "cuda_graph",
+                             "eager_baseline_ms": round(time_ms(lambda: F.linear(nxt()[0], w), device), 6),
+                             "eager_ours_ms": round(time_ms(lambda: linear(nxt()[0], w), device), 6)}
             tflops = 2 * m * n * k / (ours * 1e-3) / 1e12
             r = row({"shape": name, "M": m, "K": k, "N": n, "dtype": str(dtype).replace("torch.", ""),
-                     "ours_tflops": round(tflops, 2)}, "cublas" if device == "cuda" else "torch_cpu", base, ours)
+                     "ours_tflops": round(tflops, 2), **extra}, "cublas" if device == "cuda" else "torch_cpu",
+                    base, ours)
             rows.append(r)
             print_rows([r], ["shape", "M", "K", "N"], log)
     return rows
@@ -167,7 +177,7 @@ def _bench_cpr(device: str, quick: bool = False, log=print) -> list[dict]:
     return bench_cpr_rows(device, quick, log)
 
 
-def _bench_train(device: str, quick: bool = False, log=print) -> list[dict]:
+def _bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict], dict]:
     from .train import bench_train
 
     return bench_train(device, quick, log)

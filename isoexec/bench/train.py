@@ -1,15 +1,23 @@
 """``isoexec bench train``: where the training step's time goes, ours vs stock, forward + backward.
 
-The H200 DAPO run showed IsoExec's policy-training time at about 3x native while generation and
-scoring were at parity or faster. This benchmark splits a training step into its regions at
-training shapes (packed tokens of the Qwen3-0.6B dimensions): each projection GEMM, varlen
-attention, RMSNorm and the fp32 token logprob over the vocabulary, each timed forward + backward
-(``torch.autograd.grad`` with a fixed upstream gradient), plus the whole model's trainer step
-(forward with autograd, token logprobs, backward) under the IsoExec and the native composition.
-Rows follow BENCHMARKS.md: ``baseline`` is the stock path, ``speed_ratio = baseline_ms / ours_ms``.
+Three parts, all at training shapes (packed tokens of the Qwen3-0.6B dimensions on a GPU, tiny
+shapes on a CPU or with ``--quick``):
+
+* **regions**: every region of the dense model timed forward + backward (``torch.autograd.grad``
+  with a fixed upstream gradient): each projection GEMM, the model norm and the per-head q/k
+  norm, RoPE on q and k, varlen attention, SiLU-and-mul, the embedding gather and the fp32
+  token logprob over the vocabulary. Rows follow BENCHMARKS.md: ``baseline`` is the stock path,
+  ``speed_ratio = baseline_ms / ours_ms``.
+* **model.trainer_step**: the whole trainer step (forward with autograd, token logprobs,
+  backward to every parameter) under the native and the IsoExec composition.
+* **profile**: one trainer step of each composition under ``torch.profiler``: the step's host
+  (wall) time, the device time, and the kernels that took the most device time (name, calls,
+  total ms), so the next regression is found in one run (returned as the result's ``profile``).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -19,6 +27,7 @@ from .common import print_rows, rotating, row, time_ms
 _LINEARS = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),
             "lm_head": (1024, 151936)}
 _TINY_LINEARS = {"qkv": (64, 128), "o": (64, 64), "lm_head": (64, 512)}
+_TOP_KERNELS = 15
 
 
 def _fwd_bwd(fn, inputs: tuple, grad_out: torch.Tensor):
@@ -34,49 +43,79 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
+    from isoexec_kernels.activation import silu_and_mul
     from isoexec_kernels.attention import varlen_attention
     from isoexec_kernels.attention_native import attention_native_varlen
+    from isoexec_kernels.embedding import embedding
     from isoexec_kernels.gemm import linear
     from isoexec_kernels.logprob import token_logprobs
-    from isoexec_kernels.native import linear_native, rms_norm_native, token_logprobs_native
+    from isoexec_kernels.native import (apply_rope_native, embedding_native, linear_native, rms_norm_native,
+                                        silu_and_mul_native, token_logprobs_native)
     from isoexec_kernels.rmsnorm import rms_norm
+    from isoexec_kernels.rope import apply_rope, rope_cache
 
     big = device == "cuda" and not quick
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     T = 8192 if big else 64
     rows = []
 
+    def rnd(*shape, scale=1.0, dt=dtype):
+        return torch.randn(*shape, device=device, dtype=dt) * scale
+
+    # quick runs are format checks: one timed call after one warm-up
+    reps = dict(rep_ms=0, min_reps=1) if quick else {}
+
     def timed(stage: str, fields: dict, ours, base):
-        r = row({"stage": stage, "pass": "fwd+bwd", **fields}, "torch", time_ms(base, device), time_ms(ours, device))
+        r = row({"stage": stage, "pass": "fwd+bwd", **fields}, "torch", time_ms(base, device, **reps),
+                time_ms(ours, device, **reps))
         rows.append(r)
         print_rows([r], ["stage", "T", "K", "N", "V"], log)
 
     for name, (K, N) in (_LINEARS if big else _TINY_LINEARS).items():
-        x, w = _leaf(torch.randn(T, K, device=device, dtype=dtype)), _leaf(torch.randn(N, K, device=device, dtype=dtype) * 0.02)
-        g = torch.randn(T, N, device=device, dtype=dtype)
+        x, w = _leaf(rnd(T, K)), _leaf(rnd(N, K, scale=0.02))
+        g = rnd(T, N)
         timed(f"linear.{name}", {"T": T, "K": K, "N": N}, _fwd_bwd(linear, (x, w), g), _fwd_bwd(linear_native, (x, w), g))
 
     H = 1024 if big else 64
-    x, w = _leaf(torch.randn(T, H, device=device, dtype=dtype)), _leaf(torch.ones(H, device=device, dtype=dtype))
-    g = torch.randn(T, H, device=device, dtype=dtype)
+    nh, nkv, hd, seqs = (16, 8, 128, 8) if big else (4, 2, 16, 4)
+    x, w = _leaf(rnd(T, H)), _leaf(torch.ones(H, device=device, dtype=dtype))
+    g = rnd(T, H)
     timed("rmsnorm", {"T": T, "K": H}, _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
           _fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
+    # q/k norm: the same op over [T, heads, head_dim] (many short rows)
+    x, w = _leaf(rnd(T, nh, hd)), _leaf(torch.ones(hd, device=device, dtype=dtype))
+    g = rnd(T, nh, hd)
+    timed("rmsnorm.qk_head", {"T": T, "heads": nh, "K": hd}, _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
+          _fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
 
-    nh, nkv, hd, seqs = (16, 8, 128, 8) if big else (4, 2, 16, 4)
+    pos = torch.arange(T, device=device) % (T // seqs)
+    table = rope_cache(T, hd, 1e6, device)
+    x, g = _leaf(rnd(T, nh, hd)), rnd(T, nh, hd)
+    timed("rope", {"T": T, "heads": nh, "head_dim": hd},
+          _fwd_bwd(lambda a: apply_rope(a, pos, table), (x,), g),
+          _fwd_bwd(lambda a: apply_rope_native(a, pos, theta=1e6), (x,), g))
+
     lens = [T // seqs] * seqs
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(seqs)], dtype=torch.int32, device=device)
-    q = _leaf(torch.randn(T, nh, hd, device=device, dtype=dtype))
-    k, v = (_leaf(torch.randn(T, nkv, hd, device=device, dtype=dtype)) for _ in range(2))
-    g = torch.randn(T, nh, hd, device=device, dtype=dtype)
+    q, k, v = _leaf(rnd(T, nh, hd)), _leaf(rnd(T, nkv, hd)), _leaf(rnd(T, nkv, hd))
+    g = rnd(T, nh, hd)
     scale = hd ** -0.5
     timed("attention.varlen", {"T": T, "seqs": seqs, "heads": nh, "kv_heads": nkv, "head_dim": hd},
           _fwd_bwd(lambda a, b, c: varlen_attention(a, b, c, cu, max(lens), scale), (q, k, v), g),
           _fwd_bwd(lambda a, b, c: attention_native_varlen(a, b, c, cu, max(lens), scale), (q, k, v), g))
 
+    inter = 3072 if big else 96
+    gu, g = _leaf(rnd(T, 2 * inter)), rnd(T, inter)
+    timed("act.silu_mul", {"T": T, "N": inter}, _fwd_bwd(silu_and_mul, (gu,), g), _fwd_bwd(silu_and_mul_native, (gu,), g))
+
     V = 151936 if big else 512
+    ids = torch.randint(0, V, (T,), device=device)
+    table_e, g = _leaf(rnd(V, H, scale=0.02)), rnd(T, H)
+    timed("embed", {"T": T, "V": V, "K": H}, _fwd_bwd(lambda t: embedding(ids, t), (table_e,), g),
+          _fwd_bwd(lambda t: embedding_native(ids, t), (table_e,), g))
+
     Tl = 2048 if big else 64
-    nxt = rotating(lambda: (_leaf(torch.randn(Tl, V, device=device, dtype=dtype) * 3),
-                            torch.randint(0, V, (Tl,), device=device)), 2)
+    nxt = rotating(lambda: (_leaf(rnd(Tl, V, scale=3.0)), torch.randint(0, V, (Tl,), device=device)), 2)
     g = torch.randn(Tl, device=device, dtype=torch.float32)
 
     def lp(fn):
@@ -89,8 +128,8 @@ def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
     return rows
 
 
-def bench_train_model(device: str, quick: bool, log=print) -> list[dict]:
-    """The whole trainer step (forward with autograd, token logprobs, backward to every parameter)."""
+def _model_steps(device: str, quick: bool):
+    """(name, T, seqs, {composition: step function}) for the whole trainer step."""
     from ..compose import build_contract, load_model_config
     from ..envinfo import runtime_arch
     from ..model import ForwardBatch, build_model
@@ -99,12 +138,12 @@ def bench_train_model(device: str, quick: bool, log=print) -> list[dict]:
     arch = "cpu" if device == "cpu" else runtime_arch()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = load_model_config(name)["hf_config"]
-    lens = [512] * 8 if name == "dense_qwen3_0p6b" else [24] * 3
+    lens = [512] * 8 if name == "dense_qwen3_0p6b" else [12] * 2
     T = sum(lens)
     ids = torch.randint(0, cfg["vocab_size"], (T,), device=device)
     targets = torch.roll(ids, -1)
-    times = {}
-    for comp in ("native", "isoexec"):
+
+    def make(comp: str):
         m = build_model("dense", cfg, dtype=dtype, device=device).init_random(0)
         m.install(build_contract("dense", comp, arch, name))
         params = list(m.parameters())
@@ -114,13 +153,77 @@ def bench_train_model(device: str, quick: bool, log=print) -> list[dict]:
             lp = m.token_logprobs(m.hidden_states(ids, batch), targets, "trainer_fwd")
             torch.autograd.grad(lp.sum(), params)
 
-        times[comp] = time_ms(step, device, warmup_ms=200, rep_ms=1000)
-        del m, params
-    r = row({"stage": "model.trainer_step", "pass": "fwd+bwd", "model": name, "T": T, "seqs": len(lens)},
+        return step
+
+    return name, T, len(lens), make
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def profile_step(step, device: str, top: int = _TOP_KERNELS, warmup: bool = True) -> dict:
+    """One step under torch.profiler (after one warm-up step unless ``warmup`` is False): host
+    time of the step (until the last launch returns), wall time (until the device is done), total
+    device time, and the ``top`` kernels by device time (on a CPU: ops by self CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if warmup:
+        step()
+    _sync(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        step()
+        host_ms = (time.perf_counter() - t0) * 1000
+        _sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1000
+    events = prof.key_averages()
+    if device == "cuda":
+        # device-side events are the kernels (and memcpy/memset); host ops have no self device time
+        kernels = [e for e in events if getattr(e, "device_type", None) is not None
+                   and str(e.device_type).endswith("CUDA") and e.self_device_time_total > 0]
+        key = "self_device_time_total"
+    else:
+        kernels = [e for e in events if e.self_cpu_time_total > 0]
+        key = "self_cpu_time_total"
+    total = sum(getattr(e, key) for e in kernels) / 1000
+    kernels.sort(key=lambda e: -getattr(e, key))
+    return {
+        "host_ms": round(host_ms, 3),
+        "wall_ms": round(wall_ms, 3),
+        "device_ms": round(total, 3) if device == "cuda" else None,
+        "kernel_launches": int(sum(e.count for e in kernels)) if device == "cuda" else None,
+        "top": [{"name": e.key[:160], "calls": int(e.count), "total_ms": round(getattr(e, key) / 1000, 4)}
+                for e in kernels[:top]],
+    }
+
+
+def bench_train_model(device: str, quick: bool, log=print) -> tuple[list[dict], dict]:
+    """The whole trainer step (forward with autograd, token logprobs, backward to every parameter),
+    timed and profiled under each composition."""
+    name, T, seqs, make = _model_steps(device, quick)
+    times, profiles = {}, {}
+    for comp in ("native", "isoexec"):
+        step = make(comp)
+        # quick runs are format checks: one timed step (the CPU reference path is slow)
+        times[comp] = time_ms(step, device, warmup_ms=200, rep_ms=0 if quick else 1000, min_reps=1 if quick else 5)
+        profiles[comp] = profile_step(step, device, warmup=False)  # time_ms warmed it up
+        p = profiles[comp]
+        log(f"profile {comp}: host {p['host_ms']:.1f} ms, wall {p['wall_ms']:.1f} ms"
+            + (f", device {p['device_ms']:.1f} ms in {p['kernel_launches']} launches" if p["device_ms"] is not None else ""))
+        for k in p["top"][:5]:
+            log(f"    {k['total_ms']:9.3f} ms  x{k['calls']:<6} {k['name'][:90]}")
+        del step
+    r = row({"stage": "model.trainer_step", "pass": "fwd+bwd", "model": name, "T": T, "seqs": seqs},
             "native_composition", times["native"], times["isoexec"])
     print_rows([r], ["stage", "model", "T"], log)
-    return [r]
+    return [r], {"model": name, "T": T, "compositions": profiles}
 
 
-def bench_train(device: str, quick: bool = False, log=print) -> list[dict]:
-    return bench_train_regions(device, quick, log) + bench_train_model(device, quick, log)
+def bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict], dict]:
+    """(rows, extra): the region rows and the whole-step row, and ``{"profile": ...}``."""
+    rows = bench_train_regions(device, quick, log)
+    model_rows, prof = bench_train_model(device, quick, log)
+    return rows + model_rows, {"profile": prof}

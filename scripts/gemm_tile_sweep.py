@@ -1,0 +1,111 @@
+"""Tile sweep for the invariant GEMM on a GPU (a tuning tool, not a benchmark of record).
+
+For each dense-family projection shape and M, times every candidate launch (kernel path, BLOCK_M,
+BLOCK_N, warps, stages, warp specialisation) of ``isoexec_kernels.gemm.linear_triton`` and cuBLAS
+as CUDA-graph replays, checks that every candidate gives the same bits as the current table's
+choice (BLOCK_K and the K order never change, so they must), and writes one JSON with every
+timing and the best candidate per (shape, M). Usage on the GPU machine:
+
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_sweep.json [--small] [--large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from isoexec.bench.common import graph_time_ms
+from isoexec_kernels.gemm import linear_triton, tile_for_m
+
+LARGE_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("0.6b.qkv", 1024, 4096),
+                ("0.6b.gate_up", 1024, 6144)]
+SMALL_SHAPES = LARGE_SHAPES + [("8b.qkv", 4096, 6144), ("8b.o", 4096, 4096), ("8b.gate_up", 4096, 24576),
+                               ("8b.down", 12288, 4096)]
+LARGE_M = [2048, 4096, 8192]
+SMALL_M = [1, 16, 64, 256]
+
+
+def _cfg(path, bm, bn, warps, stages, ws=False):
+    return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, warp_specialize=ws)
+
+
+LARGE_CANDIDATES = [_cfg("tma", bm, bn, w, s, ws)
+                    for bm, bn, w in ((64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (64, 256, 8),
+                                      (128, 256, 8), (64, 64, 4))
+                    for s in (3, 4) for ws in (False, True)]
+SMALL_CANDIDATES = ([_cfg("pointer", bm, bn, w, s) for bm, bn, w, s in
+                     ((16, 32, 4, 4), (16, 64, 4, 6), (16, 128, 4, 4), (32, 32, 4, 4), (32, 64, 4, 4),
+                      (64, 32, 4, 8), (64, 64, 4, 4), (64, 128, 4, 4), (16, 16, 2, 6))]
+                    + [_cfg("tma", bm, bn, w, s) for bm, bn, w, s in
+                       ((64, 32, 4, 8), (64, 64, 4, 4), (64, 128, 4, 4), (128, 128, 8, 4))])
+
+
+def _bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+def sweep(shapes, ms, candidates, log):
+    out = []
+    for name, K, N in shapes:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        for M in ms:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            it = {"i": 0}
+
+            def nxt():
+                it["i"] = (it["i"] + 1) % 4
+                return xs[it["i"]]
+
+            with torch.no_grad():
+                ref = linear_triton(xs[0], w)
+                cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
+                current = tile_for_m(M, torch.bfloat16, N)
+                rows = []
+                for c in candidates:
+                    tile = {k: v for k, v in c.items() if k != "path"}
+                    try:
+                        got = linear_triton(xs[0], w, impl=c["path"], tile=tile)
+                        same = bool(torch.equal(_bits(got), _bits(ref)))
+                        ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=c["path"], tile=tile), 60)
+                    except Exception as exc:  # noqa: BLE001 - a candidate may not fit (shared memory)
+                        rows.append({**c, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                        continue
+                    rows.append({**c, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same})
+                ok = [r for r in rows if "ms" in r]
+                best = min(ok, key=lambda r: r["ms"]) if ok else None
+                cur = next((r for r in ok if all(r[k] == current[k] for k in current if k in r)), None)
+                out.append({"shape": name, "M": M, "K": K, "N": N, "cublas_ms": round(cublas, 5), "current": current,
+                            "current_ratio": cur["ratio"] if cur else None, "best": best, "candidates": rows,
+                            "all_same_bits": all(r["same_bits"] for r in ok)})
+                log(f"{name:<13} M={M:<5} cublas {cublas * 1000:7.1f} us  current "
+                    f"{(cur['ratio'] if cur else float('nan')):.3f}  best {best['ratio'] if best else float('nan'):.3f} "
+                    f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages', 'warp_specialize')} if best else ''}"
+                    f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--large", action="store_true")
+    a = ap.parse_args()
+    both = not (a.small or a.large)
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if a.large or both:
+        res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print)
+    if a.small or both:
+        res["small"] = sweep(SMALL_SHAPES, SMALL_M, SMALL_CANDIDATES, print)
+    res["seconds"] = round(time.time() - t0, 1)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {a.out} in {res['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()
