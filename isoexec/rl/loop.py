@@ -199,10 +199,18 @@ class RLRun:
         shown = f"NLL {nll[0]:.3f} -> {nll[-1]:.3f}" if nll else str(stats)
         self.log(f"warm-up SFT: {self.cfg.warmup_sft_steps} steps in {time.time() - t0:.1f}s, {shown}")
 
+    def _clock(self) -> float:
+        """Seconds on a monotonic clock, after the device has finished the work queued so far: a
+        stage boundary must not bill one stage's asynchronous GPU work to the next stage."""
+        dev = next(self.trainer_model.parameters()).device
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
     def _sync_weights(self) -> float:
-        t0 = time.time()
+        t0 = self._clock()
         self.engine.update_weights(self.trainer_model, trainer_contract=self.contract)
-        return time.time() - t0
+        return self._clock() - t0
 
     def _prompt_text(self, problem) -> str:
         """The prompt string. ``compact`` keeps only the expression of a synthetic problem
@@ -258,14 +266,14 @@ class RLRun:
         from .reward import reward
 
         cfg, step = self.cfg, self.step
-        t_step = time.time()
+        t_step = self._clock()
         groups, generated, t_gen, rounds, dropped = [], [], 0.0, 0, 0
         while len(groups) < cfg.prompts_per_step and rounds <= cfg.max_refill_rounds:
             need = cfg.prompts_per_step - len(groups)
             problems = self.stream.next_batch(need)
-            t0 = time.time()
+            t0 = self._clock()
             results, owners = self._generate(problems, step, rounds)
-            t_gen += time.time() - t0
+            t_gen += self._clock() - t0
             rs = []
             for r, owner in zip(results, owners):
                 total, correct = reward(self._decode(r.ids), problems[owner].ground_truth, len(r.ids),
@@ -288,9 +296,9 @@ class RLRun:
         all_seqs = [r.prompt + r.ids for r, _ in generated]
         all_plens = [len(r.prompt) for r, _ in generated]
         all_rollout = [r.logprobs for r, _ in generated]
-        t0 = time.time()
+        t0 = self._clock()
         all_trainer = self.trainer.score(all_seqs, all_plens)
-        t_score = time.time() - t0
+        t_score = self._clock() - t0
         stats = logprob_diff_stats(all_rollout, all_trainer)
         if self.live_check and stats.get("bitwise_equal_frac", 1.0) < 1.0:
             first = stats.get("first_differing")
@@ -307,16 +315,17 @@ class RLRun:
         rollout_lp = [all_rollout[i] for i in kept]
         trainer_lp = [all_trainer[i] for i in kept]
         all_rewards = [x[1][0] for x in generated]
-        t0 = time.time()
+        t0 = self._clock()
         train_stats = {}
         if kept:
             batch = TrainBatch(sequences=sequences, prompt_lens=prompt_lens, advantages=adv,
                                rollout_logprobs=rollout_lp)
             old = trainer_lp if self.trainer.config.pi_old == "recompute" else rollout_lp
             train_stats = self.trainer.train(batch, old, cfg.mini_batch_size)
-        t_train = time.time() - t0
+        t_train = self._clock() - t0
         t_sync = self._sync_weights()
         lengths = [len(r.ids) for r, _ in generated]
+        gen_tokens = sum(lengths)
         line = {
             "step": step,
             "logprob_abs_diff_mean": stats.get("logprob_abs_diff_mean", 0.0),
@@ -331,8 +340,14 @@ class RLRun:
             "response_length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
             "groups_kept": len(groups), "groups_dropped": dropped, "generation_rounds": rounds,
             **{f"train_{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))},
+            # time_training_s is the mini-batch updates alone (verl's "policy training"); scoring
+            # is its own stage. A step that kept no group trained nothing: "trained" is False and
+            # the tables keep it out of the training means.
+            "trained": bool(kept), "tokens_generated": gen_tokens,
             "time_generation_s": t_gen, "time_scoring_s": t_score, "time_training_s": t_train,
-            "time_weight_sync_s": t_sync, "time_step_s": time.time() - t_step,
+            "time_weight_sync_s": t_sync,
+            "time_generation_per_1k_tokens_s": t_gen / gen_tokens * 1000 if gen_tokens else None,
+            "time_step_s": self._clock() - t_step,
         }
         self.metrics.write(line)
         self.log(summary_line(line))

@@ -4,8 +4,12 @@ Reads ``results/<run>/runs/<family>/<composition>/seed<k>/metrics.jsonl`` (one J
 RL step) and renders, in the seed's layout:
 - ``logprob_diff.md/.csv``: rollout-vs-trainer |Δlogprob| per family, native vs IsoExec: mean of
   the per-step means, mean of the per-step stds, the largest per-step max, bitwise-equal fraction;
-- ``step_time.md/.csv``: generation, policy training (scoring + updates) and full-step seconds,
-  native vs IsoExec, with the overhead in percent;
+- ``step_time.md/.csv``: generation (seconds per step and per 1k generated tokens, since paired
+  runs generate different lengths), pre-update scoring, policy training (the mini-batch updates,
+  as verl counts it) and full-step seconds, native vs IsoExec, with the overhead in percent. Step 0
+  (compilation, CUDA-graph capture) is shown on its own and kept out of the means; a step that
+  trained nothing (every group dropped) is kept out of the training and full-step means and
+  counted in the table;
 - ``logprob_diff.png``: per-step mean |Δlogprob| on a log scale (an exact 0 cannot sit on a log
   axis: it is drawn at a floor line labelled "exactly 0");
 - ``step_time.png``: step-time bars per family and stage.
@@ -58,26 +62,52 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def _trained(x: dict) -> bool:
+    """Whether a step ran mini-batch updates (older metrics lack "trained": use responses_trained)."""
+    if "trained" in x:
+        return bool(x["trained"])
+    return x.get("responses_trained", 1) > 0
+
+
+def _per_1k(x: dict):
+    if x.get("time_generation_per_1k_tokens_s") is not None:
+        return x["time_generation_per_1k_tokens_s"]
+    tok = x.get("tokens_generated")
+    return x["time_generation_s"] / tok * 1000 if tok else None
+
+
 def summarize(run: dict) -> dict:
+    """Per-run means. Timing means cover steps >= 1 (step 0 compiles and captures graphs; it is
+    reported as ``t_step0``); training and full-step means cover only steps that trained."""
     s = run["steps"]
-    gen = _mean([x["time_generation_s"] for x in s])
-    train = _mean([x["time_scoring_s"] + x["time_training_s"] for x in s])
+    warm = [x for x in s if x["step"] >= 1] or s
+    trained = [x for x in warm if _trained(x)]
+    step0 = next((x for x in s if x["step"] == 0), None)
     return {"family": run["family"], "composition": run["composition"], "seed": run["seed"], "steps": len(s),
             "dlp_mean": _mean([x["logprob_abs_diff_mean"] for x in s]),
             "dlp_std": _mean([x["logprob_abs_diff_std"] for x in s]),
             "dlp_max": max((x["logprob_abs_diff_max"] for x in s), default=float("nan")),
             "equal_frac": _mean([x["bitwise_equal_frac"] for x in s]),
             "reward": _mean([x["reward_mean"] for x in s]),
-            "t_gen": gen, "t_train": train, "t_step": _mean([x["time_step_s"] for x in s])}
+            "t_gen": _mean([x["time_generation_s"] for x in warm]),
+            "t_gen_1k": _mean([_per_1k(x) for x in warm]),
+            "t_score": _mean([x["time_scoring_s"] for x in warm]),
+            "t_train": _mean([x["time_training_s"] for x in trained]),
+            "t_step": _mean([x["time_step_s"] for x in trained]),
+            "t_step0": step0["time_step_s"] if step0 else float("nan"),
+            "timed_steps": len(warm), "trained_steps": len(trained),
+            "untrained_steps": sum(not _trained(x) for x in warm)}
 
 
 def _pool(rows: list[dict]) -> dict:
     """Seeds of one (family, composition) pooled: means of means, max of maxes."""
     out = dict(rows[0])
-    for k in ("dlp_mean", "dlp_std", "equal_frac", "reward", "t_gen", "t_train", "t_step"):
+    for k in ("dlp_mean", "dlp_std", "equal_frac", "reward", "t_gen", "t_gen_1k", "t_score", "t_train", "t_step",
+              "t_step0"):
         out[k] = _mean([r[k] for r in rows])
     out["dlp_max"] = max(r["dlp_max"] for r in rows)
-    out["steps"] = sum(r["steps"] for r in rows)
+    for k in ("steps", "timed_steps", "trained_steps", "untrained_steps"):
+        out[k] = sum(r[k] for r in rows)
     out["seeds"] = len(rows)
     return out
 
@@ -115,13 +145,19 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
           "| family | native mean | native std | native max | native equal | IsoExec mean | IsoExec std | "
           "IsoExec max | IsoExec equal | steps (native/IsoExec) |", "|" + "---|" * 10]
     st = [f"# Step time, native vs IsoExec ({run_name})", "",
-          "Mean seconds per RL step. Policy training = pre-update scoring + mini-batch updates. Anchor (seed "
+          "Mean seconds per RL step over steps ≥ 1 (step 0 compiles kernels and captures CUDA graphs; it is "
+          "shown on its own row and kept out of the means). Policy training = the mini-batch updates (as verl "
+          "counts it); pre-update scoring is its own row. Policy training and full step average only the steps "
+          "that trained (a step whose groups were all dropped by dynamic sampling trains nothing); the last "
+          "row counts those steps. Generation is also given per 1k generated tokens, since paired runs "
+          "generate different lengths. The device is synchronised at every stage boundary. Anchor (seed "
           "paper): IsoExec +31.3% generation, +18.6% training, +25.3% full step.", "",
           "| family | stage | native s | IsoExec s | overhead |", "|---|---|---|---|---|"]
     buf = io.StringIO()
     w = csv.writer(buf)
     w.writerow(["family", "composition", "seeds", "steps", "dlp_mean", "dlp_std", "dlp_max", "equal_frac",
-                "reward", "t_gen", "t_train", "t_step"])
+                "reward", "t_gen", "t_gen_1k", "t_score", "t_train", "t_step", "t_step0", "trained_steps",
+                "untrained_steps"])
     for f in families:
         n, i = P.get((f, "native")), P.get((f, "isoexec"))
         def cell(x, k):
@@ -129,13 +165,19 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
         lp.append(f"| {f} | {cell(n, 'dlp_mean')} | {cell(n, 'dlp_std')} | {cell(n, 'dlp_max')} | "
                   f"{cell(n, 'equal_frac')} | {cell(i, 'dlp_mean')} | {cell(i, 'dlp_std')} | {cell(i, 'dlp_max')} | "
                   f"{cell(i, 'equal_frac')} | {n['steps'] if n else 0}/{i['steps'] if i else 0} |")
-        for stage, k in (("generation", "t_gen"), ("policy training", "t_train"), ("full step", "t_step")):
+        for stage, k in (("generation", "t_gen"), ("generation per 1k tokens", "t_gen_1k"),
+                         ("pre-update scoring", "t_score"), ("policy training", "t_train"), ("full step", "t_step"),
+                         ("step 0 (compile, capture)", "t_step0")):
             st.append(f"| {f} | {stage} | {cell(n, k)} | {cell(i, k)} | "
                       f"{_overhead(n[k], i[k]) if n and i else '–'} |")
+        def counts(x):
+            return f"{x['trained_steps']}/{x['timed_steps']}" if x else "–"
+        st.append(f"| {f} | steps that trained / timed steps (≥ 1) | {counts(n)} | {counts(i)} | |")
         for x in (n, i):
             if x:
                 w.writerow([f, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
-                            x["equal_frac"], x["reward"], x["t_gen"], x["t_train"], x["t_step"]])
+                            x["equal_frac"], x["reward"], x["t_gen"], x["t_gen_1k"], x["t_score"], x["t_train"],
+                            x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"]])
     atomic_write(out_dir / "logprob_diff.md", "\n".join(lp) + "\n")
     atomic_write(out_dir / "step_time.md", "\n".join(st) + "\n")
     atomic_write(out_dir / "runs.csv", buf.getvalue())
@@ -167,7 +209,7 @@ def render_figures(runs: list[dict], P: dict, out_dir: Path) -> None:
 
     fams = sorted({f for f, _ in P})
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    stages = (("generation", "t_gen"), ("training", "t_train"), ("full step", "t_step"))
+    stages = (("generation", "t_gen"), ("scoring", "t_score"), ("training", "t_train"), ("full step", "t_step"))
     width = 0.8 / (2 * len(fams) or 1)
     for fi, f in enumerate(fams):
         for ci, comp in enumerate(("native", "isoexec")):

@@ -33,6 +33,32 @@ def test_tables_show_native_vs_isoexec_and_overhead(tmp_path):
     st = (out / "step_time.md").read_text()
     assert "| dense | generation | 2 | 2.2 | +10.0% |" in st
     assert "| dense | full step | 4 | 4.4 | +10.0% |" in st
+    assert "| dense | pre-update scoring | 0.5 | 0.5 | +0.0% |" in st
+    assert "| dense | policy training | 1.5 | 1.5 | +0.0% |" in st
+    assert "| dense | steps that trained / timed steps (≥ 1) | 2/2 | 2/2 | |" in st
     for png in ("logprob_diff.png", "step_time.png"):
         assert (out / png).stat().st_size > 1000
     assert len((out / "runs.csv").read_text().splitlines()) == 3
+
+
+def test_step_time_keeps_step_0_and_untrained_steps_out_of_the_means(tmp_path):
+    d = tmp_path / "runs" / "dense" / "isoexec" / "seed0"
+    d.mkdir(parents=True)
+    base = {"logprob_abs_diff_mean": 0.0, "logprob_abs_diff_std": 0.0, "logprob_abs_diff_max": 0.0,
+            "bitwise_equal_frac": 1.0, "reward_mean": 0.0, "time_scoring_s": 0.5, "time_generation_s": 2.0}
+    steps = [  # step 0: compile + capture, slow; step 2 kept no group and trained nothing
+        dict(base, step=0, trained=True, tokens_generated=1000, time_training_s=9.0, time_step_s=20.0),
+        dict(base, step=1, trained=True, tokens_generated=500, time_training_s=1.0, time_step_s=4.0),
+        dict(base, step=2, trained=False, tokens_generated=400, time_training_s=0.0, time_step_s=2.5),
+        dict(base, step=3, trained=True, tokens_generated=2000, time_training_s=2.0, time_step_s=5.0),
+    ]
+    with open(d / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in steps)
+    P = render_tables(find_runs(tmp_path / "runs"), tmp_path / "fig", "cpu")
+    x = P[("dense", "isoexec")]
+    assert x["t_train"] == 1.5 and x["t_step"] == 4.5 and x["t_step0"] == 20.0
+    assert x["t_gen"] == 2.0 and abs(x["t_gen_1k"] - (4.0 + 5.0 + 1.0) / 3) < 1e-12
+    assert x["trained_steps"] == 2 and x["timed_steps"] == 3 and x["untrained_steps"] == 1
+    st = (tmp_path / "fig" / "step_time.md").read_text()
+    assert "| dense | steps that trained / timed steps (≥ 1) | – | 2/3 | |" in st
+    assert "| dense | step 0 (compile, capture) | – | 20 | – |" in st
