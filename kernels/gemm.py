@@ -5,7 +5,7 @@ Public API
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
-  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``tile_for_m(M, dtype, N)``,
+  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
   ``gemm_path(N, K, dtype, device, M)``, ``IMPL_REFERENCE``, ``IMPL_TRITON``
 
 Rounding schedule (every output element, whatever M, the row's position or its neighbours)
@@ -24,11 +24,9 @@ Rounding schedule (every output element, whatever M, the row's position or its n
     (:func:`tile_for_m`); BLOCK_K and the sequential K order never change, and on the H200
     all tiles and both kernels gave identical bits (gated per bucket on each GPU).
 
-Measured on one H200 (torch 2.11, triton 3.6, bf16, kernel time via CUDA-graph replay, ratio =
-cuBLAS time / ours): M >= 2048 with N >= 4096: 0.96-1.03x; N <= 2048 (K 3072-6144) at M 2048-4096:
-0.62-0.67x, M = 10240: 0.86-0.90x; M <= 256: 0.41-1.02x (lm-head N=151936 ~1.0x, 2048x6144
-worst at 0.41-0.53x). Eager calls add ~20-60 us of Python/Triton launch overhead per call, which
-dominates at small M: decode should run under CUDA graphs.
+Speed: see :func:`tile_for_m` (per-entry ratios to cuBLAS on an H200, CUDA-graph replay) and
+``results/h200/bench/gemm.json``. Eager calls add ~20-60 us of Python/Triton launch overhead per
+call, which dominates at small M: decode should run under CUDA graphs.
 
 The reference and the Triton kernel are different implementations (different bits); each is
 invariant on its own. Autograd (deterministic, not batch invariant: only forward bits must match
@@ -88,16 +86,17 @@ def block_k_for(N: int, K: int) -> int:
     return BLOCK_K
 
 
-def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096) -> dict:
-    """Triton launch for a batch of M rows against a weight with N rows:
+def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096) -> dict:
+    """Triton launch for a batch of M rows against a weight [N, K]:
     ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize}``.
 
-    Only scheduling changes between buckets: BLOCK_K (64) and the sequential K order are the
-    same everywhere. On the H200 every tile of this table (and BM 16..128 x BN 16..256, the
-    pointer and the TMA kernel, warp specialisation on or off) gave bit-identical outputs for
-    bf16 (sweep over M in 1..10240 and four weight shapes); the per-bucket gates
-    (``test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket``) re-check it on
-    each GPU. Buckets were picked from the measured speed (ratio to cuBLAS in comments).
+    Only scheduling changes between entries: BLOCK_K (64) and the sequential K order are the
+    same everywhere, so every entry gives the same bits (on the H200 every candidate of the tile
+    sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for the dense-family shapes
+    at M 1..8192; the per-bucket gates
+    ``test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket`` re-check it on each
+    GPU). Entries are keyed on the M bucket and the weight shape (N, K) and were picked from that
+    sweep's CUDA-graph timings (ratio to cuBLAS in comments, H200, torch 2.11, triton 3.6).
     fp32 inputs use one small tile for all M (the fp32 ``ieee`` dot is an FMA chain)."""
     if dtype == torch.float32:
         return dict(path="tma", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2,
@@ -107,29 +106,41 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096) -> di
         return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                     warp_specialize=ws)
 
-    if M <= 16:  # decode: weight-bandwidth bound, many thin tiles (0.7-1.0x)
-        return cfg("pointer", 16, 64, 4, 6)
+    if M <= 16:  # decode: weight-bandwidth bound, many thin tiles, deep pipelines for long K
+        if N > 16384:
+            return cfg("pointer", 16, 64, 4, 6)          # lm_head ~1.0x
+        if K >= 8192:
+            return cfg("pointer", 64, 32, 4, 8)          # 8B down 0.81-0.90x
+        if K >= 4096 and N > 4096:
+            return cfg("pointer", 16, 16, 2, 6)          # 8B qkv 0.86-0.90x
+        return cfg("pointer", 16, 32, 4, 4)              # 0.68-0.92x (0.6B o/down 0.68-0.76x)
     if M <= 64:
+        if N > 16384:
+            return cfg("pointer", 64, 64, 4, 6)          # lm_head 0.94x, 8B gate_up 0.95x
         if N <= 2048:
-            return cfg("tma", 64, 128, 4, 4)
-        if N <= 16384:
-            return cfg("tma", 64, 32, 4, 8)
-        return cfg("pointer", 64, 64, 4, 6)
+            return cfg("pointer", 16, 32, 4, 4)          # 0.6B o/down 0.73x
+        if K <= 1024 and N > 4096:
+            return cfg("pointer", 64, 64, 4, 4)          # 0.6B gate_up 0.86x
+        return cfg("pointer", 64, 32, 4, 8)              # 0.61-0.86x
     if M <= 256:
+        if N > 16384:
+            return cfg("tma", 128, 128, 8, 4)            # lm_head 0.90x, 8B gate_up 0.91x
         if N <= 2048:
-            return cfg("pointer", 64, 32, 4, 8)
-        if N <= 16384:
-            return cfg("pointer", 64, 128, 4, 4)
-        return cfg("tma", 128, 128, 8, 4)
+            return cfg("pointer", 64, 32, 4, 8)          # 0.6B o/down 0.66-0.78x
+        if K <= 1024:
+            return cfg("pointer", 64, 64, 4, 4)          # 0.6B qkv/gate_up 0.70x
+        if N > 4096:
+            return cfg("tma", 128, 128, 8, 4)            # 8B qkv 0.76x
+        return cfg("tma", 64, 128, 4, 4)                 # 8B o/down 0.75-0.84x
     if M <= 1024:
         if N <= 2048:
             return cfg("tma", 64, 128, 4, 4)
         return cfg("tma", 128, 128, 8, 4, ws=True)
     if N <= 2048:
-        if M <= 4096:
-            return cfg("tma", 64, 128, 4, 4)
-        return cfg("tma", 128, 128, 8, 4, ws=True)
-    return cfg("tma", 128, 256, 8, 3, ws=True)  # 0.92-0.99x cuBLAS at M >= 2048
+        if M <= 2048:
+            return cfg("tma", 128, 128, 4, 4)            # 0.6B o/down 0.91-0.95x
+        return cfg("tma", 128, 256, 8, 3, ws=True)       # 0.94-0.98x
+    return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,7 +166,7 @@ def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int =
     aligned contiguous buffer when needed, so its layout never picks the path. The two kernels
     run the same K loop and gave identical bits on the H200 (see :func:`tile_for_m`)."""
     es = dtype.itemsize
-    if tile_for_m(M, dtype, N)["path"] != "tma":
+    if tile_for_m(M, dtype, N, K)["path"] != "tma":
         return "pointer"
     if _tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:
         return "tma"
@@ -329,7 +340,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None):
         if bias is not None:
             out.copy_((out.float() + bias.float()).to(out.dtype))
         return out
-    cfg = dict(tile_for_m(M, x2.dtype, N), **(tile or {}))
+    cfg = dict(tile_for_m(M, x2.dtype, N, K), **(tile or {}))
     path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     bk = block_k_for(N, K)

@@ -63,7 +63,7 @@ def sweep(shapes, ms, candidates, log):
             with torch.no_grad():
                 ref = linear_triton(xs[0], w)
                 cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
-                current = tile_for_m(M, torch.bfloat16, N)
+                current = tile_for_m(M, torch.bfloat16, N, K)
                 rows = []
                 for c in candidates:
                     tile = {k: v for k, v in c.items() if k != "path"}
