@@ -140,13 +140,20 @@ def cmd_contract_diff(args) -> int:
 # ------------------------------------------------------------------------------------ gates
 def cmd_gates_run(args) -> int:
     from .envinfo import runtime_arch
-    from .gates.runner import run_gates
+    from .gates.runner import gate_names, run_gates
 
+    only = None
+    if args.only:
+        only = frozenset(x.strip() for x in args.only.split(",") if x.strip())
+        unknown = sorted(only - gate_names())
+        if unknown or not only:
+            raise IsoExecError(f"--only: unknown gate name(s) {', '.join(unknown) or '(none given)'}; known: "
+                               f"{', '.join(sorted(gate_names()))}")
     arch = args.arch or ("sm90" if runtime_arch() == "sm90" else "cpu")
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
     skipped: list[dict] = []
     results = run_gates(args.family, args.composition, arch, args.out, seed=args.seed, model=args.model, log=log,
-                        skipped=skipped)
+                        skipped=skipped, only=only)
     ok = bool(results) and all(r.ok for r in results)
     if args.json:
         print(json.dumps({"passed": ok, "skipped": skipped, "gates": [{"id": r.id, "family": r.family, "region": r.region,
@@ -269,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", help="model config (default <family>_tiny)")
     r.add_argument("--out", required=True, help="folder for the artifacts")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--only", help="comma-separated gate names to run (e.g. backward_determinism,model_case_parity)")
     r.add_argument("--json", action="store_true", help="print a JSON summary (progress goes to stderr)")
     r.set_defaults(func=cmd_gates_run)
 

@@ -61,8 +61,20 @@ def _model_body(contract, composition: str, family: str, reports, info: dict, dt
             "correctness": {"rel_err": "n/a", "tolerance": "n/a"}, "hazards_exercised": {}, "env": env_info(arch)}
 
 
+MODEL_GATE_NAMES = ("model_case_parity", "model_batch_invariance", "backward_determinism")
+
+
+def gate_names() -> frozenset:
+    """Every gate name ``--only`` accepts: kernel gate families, model and engine gates, and
+    ``negative_control``."""
+    from .engine_gates import ENGINE_GATES
+
+    kernel = {f for fams in GATE_FAMILIES.values() for f in fams}
+    return frozenset(kernel | set(MODEL_GATE_NAMES) | set(ENGINE_GATES) | {"negative_control"})
+
+
 def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
-                    log: Callable[[str], None]) -> list[GateResult]:
+                    log: Callable[[str], None], only: frozenset | None = None) -> list[GateResult]:
     """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
     from ..model import build_model
     from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
@@ -72,7 +84,7 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
     cfg = load_model_config(model or default_model_name(family))["hf_config"]
     results = []
     runs = [(composition, "invariant", None)]
-    if composition != "native" and arch in NEGATIVE_CONTROLS:
+    if composition != "native" and arch in NEGATIVE_CONTROLS and (not only or "negative_control" in only):
         # the whole-model and the generate-then-verify pair must both fail under stock kernels
         runs.append(("native", "variant", ("model_case_parity", "engine_generate_verify")))
     for comp, expect, of in runs:
@@ -89,6 +101,8 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
                     gates.append((gname, lambda g, gfn=gfn: gfn(m, contract, g, **ENGINE_SIZES[arch])))
             if expect == "variant":
                 gates = [(name, fn) for name, fn in gates if name in of]
+            elif only:
+                gates = [(name, fn) for name, fn in gates if name in only]
             for name, fn in gates:
                 gen = torch.Generator().manual_seed(seed + 1)
                 reports, info = fn(gen)
@@ -169,8 +183,9 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
 
 def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, seed: int = 0,
               model: str | None = None, log: Callable[[str], None] = print,
-              skipped: list[dict] | None = None) -> list[GateResult]:
-    """Run the gates; gates that have no runner yet are appended to ``skipped`` (if given)."""
+              skipped: list[dict] | None = None, only: frozenset | None = None) -> list[GateResult]:
+    """Run the gates; gates that have no runner yet are appended to ``skipped`` (if given).
+    ``only``: run just these gate names (see :func:`gate_names`), e.g. to re-check one gate."""
     contract = build_contract(family, composition, arch, model)
     cfg = load_model_config(model or default_model_name(family))["hf_config"]
     results: list[GateResult] = []
@@ -184,6 +199,8 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
         kind = registry.OPS[e.region[0]].kind
         spec = registry.impl_by_ref(e.impl.id, e.impl.version, e.impl.arch)
         for fam in GATE_FAMILIES.get(kind, ()):
+            if only and fam not in only:
+                continue
             if kind not in GATE_RUNNERS:
                 log(f"SKIP {fam:<17} {e.region_name:<28} {e.impl.id:<22} (no {kind} {fam} gate yet)")
                 skipped.append({"family": fam, "region": e.region_name, "impl": e.impl.id,
@@ -200,7 +217,8 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
                 results.append(r)
                 log(r.line())
         # negative control: the stock kernel for this region must NOT be invariant here
-        if kind in NEGATIVE_CONTROLS.get(arch, ()) and not spec.native and kind in GATE_RUNNERS:
+        if (kind in NEGATIVE_CONTROLS.get(arch, ()) and not spec.native and kind in GATE_RUNNERS
+                and (not only or "negative_control" in only)):
             native = registry.native_counterpart(kind, arch)
             if native is not None:
                 ne = entry_with_impl(e, ImplRef(native.id, native.version, arch))
@@ -214,7 +232,7 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
                     results.append(r)
                     log(r.line())
     if family in MODEL_FAMILIES:
-        results += run_model_gates(family, composition, arch, out_dir, seed, model, log)
+        results += run_model_gates(family, composition, arch, out_dir, seed, model, log, only)
     n_inc = sum(r.verdict == "inconclusive" for r in results)
     log(f"{sum(r.verdict == 'pass' for r in results)}/{len(results)} gates passed"
         + (f", {n_inc} negative control(s) inconclusive" if n_inc else "") + f"  in {time.time() - t0:.1f}s "

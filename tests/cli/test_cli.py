@@ -113,3 +113,16 @@ def test_usage_error_is_exit_2():
     assert run("contract", "build", "--family", "dense").returncode == 2
     assert run("contract", "build", "--family", "nope", "--composition", "isoexec", "--arch", "cpu",
                "--out", "x").returncode == 2
+
+
+def test_gates_only_runs_the_named_gates_and_refuses_unknown_names(tmp_path):
+    bad = run("gates", "run", "--family", "dense", "--composition", "isoexec", "--out", str(tmp_path / "bad"),
+              "--only", "backward_determinism,no_such_gate")
+    assert bad.returncode == 2 and not (tmp_path / "bad").exists()
+    assert bad.stderr.count("\n") == 1 and "no_such_gate" in bad.stderr and "Traceback" not in bad.stderr
+    ok = run("gates", "run", "--family", "dense", "--composition", "isoexec", "--out", str(tmp_path / "g"),
+             "--only", "backward_determinism", "--json")
+    assert ok.returncode == 0, ok.stderr
+    gates = json.loads(ok.stdout)["gates"]
+    assert gates and {g["family"] for g in gates} == {"backward_determinism"}
+    assert all(g["verdict"] == "pass" and g["differing"] == 0 and g["compared"] > 0 for g in gates)
