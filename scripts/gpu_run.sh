@@ -5,6 +5,7 @@
 #   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES (configs/h200.yaml settings)
 #   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
+#            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
 #            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
@@ -31,6 +32,13 @@ if [ "$MODE" = speed ]; then
     tests/kernels/test_rope.py tests/kernels/test_gemm_backward.py tests/kernels/test_embedding.py} \
     -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
   tail -15 "$WORK/gpu_tests.log"; cp "$WORK/gpu_tests.log" "$OUT/"
+  if [ -n "${GATES_ONLY:-}" ]; then
+    SECONDS=0
+    python3 -m isoexec.cli gates run --family dense --composition isoexec --arch sm90 --model dense_qwen3_0p6b \
+      --only "$GATES_ONLY" --out "$WORK/gates" --json > "$WORK/gates_summary.json" 2> "$WORK/gates.log"
+    echo "gates ($GATES_ONLY) rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed" "$WORK/gates.log"
+    tar -C "$WORK" -czf "$OUT/gates.tgz" gates gates_summary.json gates.log gpu_tests.log
+  fi
   for b in ${BENCHES:-train gemm}; do
     SECONDS=0
     python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1; echo "bench $b rc=$? (${SECONDS}s)"

@@ -48,8 +48,15 @@ def run_from_folder(seed_dir: str | Path) -> dict:
     """One run folder ``.../runs/<family>/<composition>/seed<k>`` as {family, composition, seed, steps}."""
     seed_dir = Path(seed_dir)
     p = seed_dir / "metrics.jsonl"
+    settings = {}
+    cfg = seed_dir / "rl_config.json"
+    if cfg.exists():  # the run's settings, where the runner recorded them
+        try:
+            settings = json.loads(cfg.read_text())
+        except ValueError:
+            settings = {}
     return {"family": seed_dir.parent.parent.name, "composition": seed_dir.parent.name,
-            "seed": int(seed_dir.name[4:]), "path": str(p), "steps": read_metrics(p)}
+            "seed": int(seed_dir.name[4:]), "path": str(p), "steps": read_metrics(p), "settings": settings}
 
 
 def find_runs(runs_dir: str | Path) -> list[dict]:
@@ -178,6 +185,11 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
                 w.writerow([f, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
                             x["equal_frac"], x["reward"], x["t_gen"], x["t_gen_1k"], x["t_score"], x["t_train"],
                             x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"]])
+    ds = sorted({str(r.get("settings", {}).get("dynamic_sampling")) for r in runs if "dynamic_sampling" in
+                 r.get("settings", {})})
+    if ds:
+        st += ["", "Dynamic sampling in these runs: " + ", ".join({"True": "on", "False": "off (every step trains "
+                                                                  "every group)"}.get(x, x) for x in ds) + "."]
     atomic_write(out_dir / "logprob_diff.md", "\n".join(lp) + "\n")
     atomic_write(out_dir / "step_time.md", "\n".join(st) + "\n")
     atomic_write(out_dir / "runs.csv", buf.getvalue())
