@@ -2,7 +2,8 @@
 # One device call on an H200, by MODE:
 #   kernels  GPU tests (kernels, engine CUDA graphs), dense gates at Qwen3-0.6B dimensions (kernel,
 #            whole-model and engine gates, native negative controls), the benchmarks in BENCHES
-#   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES (configs/h200.yaml settings)
+#   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES and composition in RL_COMPS
+#            (configs/h200.yaml settings)
 #   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
@@ -80,7 +81,7 @@ rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fa
 rl.update(json.loads(os.environ.get("RL_OVERRIDES") or "{}"))   # e.g. a shorter run when device time is short
 yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_h200_{fam}.yaml", "w"))
 PY
-    for comp in native isoexec; do
+    for comp in ${RL_COMPS:-native isoexec}; do
       SECONDS=0
       timeout ${RL_TIMEOUT:-1800} python3 -m isoexec.cli run --config /tmp/step2/rl_h200_$fam.yaml --composition $comp \
         --out "$WORK/runs/$fam/$comp/seed0" > "$WORK/rl_${fam}_$comp.log" 2>&1; echo "rl $fam $comp rc=$? (${SECONDS}s)"
