@@ -35,7 +35,8 @@ def _fmt(v) -> str:
 
 def section(obj: dict) -> list[str]:
     rows = obj["rows"]
-    shape_keys = [k for k in rows[0] if k not in TIME_FIELDS] if rows else []
+    # rows of one benchmark may carry different shape fields (bench train's regions): union, in order
+    shape_keys = list(dict.fromkeys(k for r in rows for k in r if k not in TIME_FIELDS))
     env = obj["env"]
     ratios = [r["speed_ratio"] for r in rows if isinstance(r.get("speed_ratio"), (int, float))]
     lines = [f"## {obj['name']}", "",
@@ -50,6 +51,21 @@ def section(obj: dict) -> list[str]:
     lines.append("|" + "---|" * len(header))
     for r in rows:
         lines.append("| " + " | ".join(_fmt(r.get(k, "")) for k in header) + " |")
+    return lines + [""] + _profile_lines(obj.get("profile"))
+
+
+def _profile_lines(prof) -> list[str]:
+    """bench train's whole-step profile: per composition, host/device time and the top kernels."""
+    if not isinstance(prof, dict) or not prof.get("compositions"):
+        return []
+    lines = [f"Profile of one trainer step ({prof.get('model', '?')}, T={prof.get('T', '?')}, torch.profiler): "
+             "host = time until the last launch returned, wall = until the device finished.", "",
+             "| composition | host ms | wall ms | device ms | launches | top kernels (device ms, calls) |",
+             "|---|---|---|---|---|---|"]
+    for comp, p in prof["compositions"].items():
+        top = "; ".join(f"{k['name'][:48]} {k['total_ms']:.2f} (x{k['calls']})" for k in p.get("top", [])[:5])
+        lines.append(f"| {comp} | {_fmt(p.get('host_ms'))} | {_fmt(p.get('wall_ms'))} | {_fmt(p.get('device_ms'))} | "
+                     f"{_fmt(p.get('kernel_launches'))} | {top.replace('|', '/')} |")
     return lines + [""]
 
 
