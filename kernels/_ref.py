@@ -37,6 +37,7 @@ __all__ = [
     "log64",
     "sincos64",
     "rows_per_chunk",
+    "batch_sum0",
 ]
 
 
@@ -86,6 +87,16 @@ def blocked_sum(t: torch.Tensor, dim: int, leaf: int) -> torch.Tensor:
     for k0 in range(0, n, leaf):
         acc = acc + tree_sum0(t[k0:k0 + leaf].contiguous())
     return acc
+
+
+def batch_sum0(t: torch.Tensor, leaf: int) -> torch.Tensor:
+    """Sum over dim 0 for a backward's reduction over the batch (a weight gradient): on CUDA one
+    ``torch.sum`` (deterministic for a given shape, one kernel), elsewhere :func:`blocked_sum`.
+    Such sums need to be deterministic, not batch invariant (docs/variance_sources.md), and a
+    Python loop of leaf sums has no place on the GPU path."""
+    if t.is_cuda:
+        return t.sum(0)
+    return blocked_sum(t, 0, leaf)
 
 
 def rows_per_chunk(elems_per_row: int, budget: int = 1 << 20) -> int:

@@ -143,7 +143,7 @@ class _GatedNormFn(torch.autograd.Function):
         s = gf * sig
         dwn = dyf * s
         dgate = dyf * wn * sig * (1.0 + gf * (1.0 - sig))
-        dw = _ref.blocked_sum(dwn * n, 0, _ROW_LEAF)
+        dw = _ref.batch_sum0(dwn * n, _ROW_LEAF)
         dxhat = dwn * wf
         c = (dxhat * xhat).sum(-1, keepdim=True) / H
         dx = (dxhat - xhat * c) * rstd[:, None]

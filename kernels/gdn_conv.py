@@ -245,7 +245,9 @@ class _ConvVarlenFn(torch.autograd.Function):
         acc = _acc_ref(xw, weight)
         s = _sigmoid_ref(acc)
         dacc = dy.float() * s * (1.0 + acc * (1.0 - s))
-        dw = torch.stack([_ref.blocked_sum(dacc * xw[:, j], 0, _GRAD_ROW_LEAF) for j in range(W)], dim=1)
+        # dw [D, W]: a sum over tokens (deterministic, not batch invariant; one kernel on CUDA)
+        dw = (dacc[:, None, :] * xw).sum(0).t() if x.is_cuda else torch.stack(
+            [_ref.blocked_sum(dacc * xw[:, j], 0, _GRAD_ROW_LEAF) for j in range(W)], dim=1)
         # dx[u] = sum_j w[:, j] * dacc[u + W-1-j], only where u + W-1-j is in u's sequence
         cu64 = cu.to(torch.int64)
         t = torch.arange(T, device=x.device)

@@ -255,9 +255,9 @@ class _PrepFn(torch.autograd.Function):
             if ctx.needs_input_grad[2]:
                 da = du.to(a.dtype)
             if ctx.needs_input_grad[4]:
-                dA = _ref.blocked_sum(dg.float() * g, 0, _ROW_LEAF).to(A_log.dtype)
+                dA = _ref.batch_sum0(dg.float() * g, _ROW_LEAF).to(A_log.dtype)
             if ctx.needs_input_grad[5]:
-                ddt = _ref.blocked_sum(du, 0, _ROW_LEAF).to(dt_bias.dtype)
+                ddt = _ref.batch_sum0(du, _ROW_LEAF).to(dt_bias.dtype)
         if dbeta is not None and ctx.needs_input_grad[3]:
             db = (dbeta.float() * beta * (1.0 - beta)).to(ctx.b_dtype)
         return dq_in, dk_in, da, db, dA, ddt, None

@@ -426,7 +426,7 @@ class _LinearFn(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 gw = torch.mm(g2.t(), x2)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = g2.float().sum(0).to(w.dtype)
+                gb = _ref.batch_sum0(g2.float(), _GRAD_BIAS_LEAF).to(w.dtype)
             return gx, gw, gb
         if ctx.needs_input_grad[0]:
             # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
