@@ -4,6 +4,17 @@ weights as a third reference (BENCHMARKS.md: "engine throughput, IsoExec vs nati
 
 Greedy decoding with ``min == max`` new tokens keeps the work identical across the three (random
 weights rarely emit EOS, and EOS is not used as a stop token here).
+
+Two absolute yardsticks besides the ratio:
+* **decode roofline**: each batch row also reports the decode-only throughput (the same run with
+  one new token gives the prefill time, subtracted) and the HBM roofline of decode at that batch:
+  every decode step must read all weights once plus each sequence's KV cache, so
+  ``roofline tok/s = batch / ((weight bytes + mean KV bytes per step) / HBM_BYTES_PER_S)``;
+  ``decode_roofline_frac`` = decode tok/s / roofline tok/s.
+* **staggered arrivals**: requests with random prompts (1..300 tokens) and random lengths arrive
+  over the steps (``Engine.add_request`` + ``Engine.step``, chunked prefill, top-p sampling), at
+  most 64 running; the row reports tok/s and the host's share of each ``Engine.step`` (time until
+  the step's launches returned vs until the device finished).
 """
 
 from __future__ import annotations
@@ -17,6 +28,10 @@ from .common import row
 
 SIZES = {"cuda": dict(model="dense_qwen3_0p6b", requests=64, prompt_len=256, max_tokens=128),
          "cpu": dict(model="dense_tiny", requests=8, prompt_len=32, max_tokens=16)}
+STAGGERED = {"cuda": dict(requests=192, max_prompt=300, min_tokens=16, max_tokens=256, max_num_seqs=64, arrivals=4),
+             "cpu": dict(requests=12, max_prompt=40, min_tokens=2, max_tokens=12, max_num_seqs=4, arrivals=2)}
+HBM_BYTES_PER_S = 4.3e12
+"""H200 device-to-device copy bandwidth measured on this workplace's machines (read + write)."""
 
 
 def _model(name: str, composition: str, device: str, dtype):
@@ -51,6 +66,58 @@ def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: 
     return (time.perf_counter() - t0) * 1000, sum(len(r.ids) for r in results)
 
 
+def decode_roofline_tok_s(model, batch: int, mean_context: float) -> float:
+    """HBM roofline of one decode step at ``batch`` sequences of ``mean_context`` tokens: all
+    weights read once plus every sequence's K and V for each layer (module docstring)."""
+    cfg = model.cfg
+    es = model.embed.element_size()
+    weight_bytes = sum(p.numel() for p in model.parameters()) * es
+    if model.lm_head is None:   # tied: the embedding table is read again as the lm_head
+        weight_bytes += model.embed.numel() * es
+    kv_bytes = batch * mean_context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * es
+    return batch / ((weight_bytes + kv_bytes) / HBM_BYTES_PER_S)
+
+
+def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab: int, seed: int = 0) -> dict:
+    """Random-traffic workload (module docstring): tok/s and the host share of Engine.step."""
+    import random
+
+    from ..engine import Engine, EngineConfig, SamplingParams
+
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(size["requests"]):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, size["max_prompt"]))]
+        params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=rng.randint(size["min_tokens"], size["max_tokens"]),
+                                seed=seed + i)
+        reqs.append((i // size["arrivals"], prompt, params, i))
+    max_len = size["max_prompt"] + size["max_tokens"] + 16
+    pages = size["max_num_seqs"] * (-(-max_len // 16)) + 8
+    cfg = EngineConfig(max_num_batched_tokens=2048, max_num_seqs=size["max_num_seqs"], num_pages=pages,
+                       max_model_len=max_len, cuda_graphs=graphs and device == "cuda")
+    engine = Engine(model, contract, cfg, trainer_contract=contract)
+    engine.generate([reqs[0][1]], reqs[0][2])      # warm-up: compile kernels, capture graphs
+    sync = (torch.cuda.synchronize if device == "cuda" else (lambda: None))
+    sync()
+    pending = list(reqs)
+    tokens = steps = 0
+    host = wall = 0.0
+    t_start = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and pending[0][0] <= steps:
+            _, prompt, params, rid = pending.pop(0)
+            engine.add_request(prompt, params, 1_000_000 + rid)   # ids apart from the warm-up's
+        t0 = time.perf_counter()
+        done = engine.step()
+        host += time.perf_counter() - t0
+        sync()
+        wall += time.perf_counter() - t0
+        tokens += sum(len(r.ids) for r in done)
+        steps += 1
+    total = time.perf_counter() - t_start
+    return {"ms": total * 1000, "tokens": tokens, "steps": steps, "host_frac": round(host / wall, 3) if wall else None}
+
+
 def _hf_run(model, cfg: dict, prompts, max_tokens: int, device: str, dtype) -> tuple[float, int]:
     sys.modules.setdefault("fla", None)
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -82,21 +149,49 @@ def bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
     prompts = torch.randint(0, cfg["vocab_size"], (size["requests"], size["prompt_len"]), generator=gen).tolist()
     shape = {"model": size["model"], "requests": size["requests"], "prompt_len": size["prompt_len"],
              "max_tokens": size["max_tokens"], "dtype": str(dtype).replace("torch.", "")}
+    n, mt = size["requests"], size["max_tokens"]
+    # the roofline is the H200's HBM bound: meaningless on a CPU
+    roofline = decode_roofline_tok_s(iso, n, size["prompt_len"] + mt / 2) if device == "cuda" else None
     rows = []
     variants = [False, True] if device == "cuda" else [False]
     for graphs in variants:
-        ours_ms, ours_tok = _engine_run(iso, iso_c, prompts, size["max_tokens"], device, graphs)
-        nat_ms, nat_tok = _engine_run(nat, nat_c, prompts, size["max_tokens"], device, graphs)
-        r = row({**shape, "cuda_graphs": graphs, "ours_tok_s": round(ours_tok / ours_ms * 1000, 1),
-                 "baseline_tok_s": round(nat_tok / nat_ms * 1000, 1)}, "native_engine", nat_ms, ours_ms)
+        ours_ms, ours_tok = _engine_run(iso, iso_c, prompts, mt, device, graphs)
+        nat_ms, nat_tok = _engine_run(nat, nat_c, prompts, mt, device, graphs)
+        # decode only: the same run with one new token is the prefill (and the first token)
+        ours_pre, _ = _engine_run(iso, iso_c, prompts, 1, device, graphs)
+        nat_pre, _ = _engine_run(nat, nat_c, prompts, 1, device, graphs)
+        ours_dec = n * (mt - 1) / max(ours_ms - ours_pre, 1e-9) * 1000
+        nat_dec = n * (mt - 1) / max(nat_ms - nat_pre, 1e-9) * 1000
+        r = row({**shape, "workload": "batch", "cuda_graphs": graphs, "ours_tok_s": round(ours_tok / ours_ms * 1000, 1),
+                 "baseline_tok_s": round(nat_tok / nat_ms * 1000, 1),
+                 "ours_decode_tok_s": round(ours_dec, 1), "baseline_decode_tok_s": round(nat_dec, 1),
+                 "decode_roofline_tok_s": round(roofline, 1) if roofline else None,
+                 "decode_roofline_frac": round(ours_dec / roofline, 4) if roofline else None},
+                "native_engine", nat_ms, ours_ms)
         rows.append(r)
+        roof = (f" = {r['decode_roofline_frac']:.1%} of the HBM roofline ({r['decode_roofline_tok_s']} tok/s)"
+                if roofline else "")
         log(f"engine isoexec vs native (graphs={graphs}): {r['ours_tok_s']} vs {r['baseline_tok_s']} tok/s, "
-            f"ratio {r['speed_ratio']:.3f}")
+            f"ratio {r['speed_ratio']:.3f}; decode only {r['ours_decode_tok_s']} vs {r['baseline_decode_tok_s']} "
+            f"tok/s{roof}")
     hf_ms, hf_tok = _hf_run(iso, cfg, prompts, size["max_tokens"], device, dtype)
-    r = row({**shape, "cuda_graphs": variants[-1], "ours_tok_s": rows[-1]["ours_tok_s"],
+    r = row({**shape, "workload": "batch", "cuda_graphs": variants[-1], "ours_tok_s": rows[-1]["ours_tok_s"],
              "baseline_tok_s": round(hf_tok / hf_ms * 1000, 1)}, "transformers_generate", hf_ms,
             rows[-1]["ours_ms"])
     rows.append(r)
     log(f"engine isoexec vs transformers generate: {r['ours_tok_s']} vs {r['baseline_tok_s']} tok/s, "
         f"ratio {r['speed_ratio']:.3f}")
+    st = STAGGERED["cpu" if device == "cpu" or quick else "cuda"]
+    ours = _staggered_run(iso, iso_c, device, variants[-1], st, cfg["vocab_size"])
+    nat_r = _staggered_run(nat, nat_c, device, variants[-1], st, cfg["vocab_size"])
+    r = row({"model": size["model"], "workload": "staggered", "requests": st["requests"],
+             "prompt_len": f"1-{st['max_prompt']}", "max_tokens": f"{st['min_tokens']}-{st['max_tokens']}",
+             "max_num_seqs": st["max_num_seqs"], "dtype": shape["dtype"], "cuda_graphs": variants[-1],
+             "ours_tok_s": round(ours["tokens"] / ours["ms"] * 1000, 1),
+             "baseline_tok_s": round(nat_r["tokens"] / nat_r["ms"] * 1000, 1), "ours_steps": ours["steps"],
+             "ours_host_frac": ours["host_frac"], "baseline_host_frac": nat_r["host_frac"]},
+            "native_engine", nat_r["ms"], ours["ms"])
+    rows.append(r)
+    log(f"engine staggered arrivals: {r['ours_tok_s']} vs {r['baseline_tok_s']} tok/s (native), host share of "
+        f"Engine.step {ours['host_frac']} vs {nat_r['host_frac']}")
     return rows
