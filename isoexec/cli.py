@@ -316,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "out", None):
+            from .paths import check_output_path
+
+            # gates and run write a folder; every other command writes one file
+            check_output_path(args.out, folder=args.command in ("gates", "run"))
         return args.func(args)
     except IsoExecError as exc:
         first, *rest = str(exc).split("\n")

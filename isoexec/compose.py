@@ -132,6 +132,14 @@ def load_model_config(name_or_path: str) -> dict:
     if data["hf_config"]["model_type"] not in fam.model_types:
         raise ConfigError(f"model config {str(path)!r}: model_type {data['hf_config']['model_type']!r} is not a "
                           f"{fam.id} model type ({', '.join(fam.model_types)})")
+    # the whole transformers config is checked here, before any gate, run or benchmark starts
+    from .model.config import FAMILY_CONFIGS
+
+    if fam.id in FAMILY_CONFIGS:
+        try:
+            FAMILY_CONFIGS[fam.id].from_hf(data["hf_config"])
+        except ConfigError as exc:
+            raise ConfigError(f"model config {str(path)!r}: {exc}") from None
     return data
 
 

@@ -36,6 +36,22 @@ def resolve_config(kind: str, name_or_path: str) -> Path:
     return cand
 
 
+def check_output_path(path: str | Path, folder: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written: a file wanted where a folder
+    is, a folder wanted where a file is, or a parent path that runs through a regular file."""
+    p = Path(path)
+    if p.exists() and p.is_dir() != folder:
+        raise ConfigError(f"output {str(path)!r} is {'a file' if folder else 'a folder'}; "
+                          f"expected {'a folder' if folder else 'a file path'}")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"output {str(path)!r}: {str(parent)!r} is a file, not a folder")
+            if not os.access(parent, os.W_OK):
+                raise ConfigError(f"output {str(path)!r}: folder {str(parent)!r} is not writable")
+            return
+
+
 @contextlib.contextmanager
 def atomic_writer(path: str | Path):
     """A binary file handle whose content appears at ``path`` only when the block succeeds: it is

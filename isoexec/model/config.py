@@ -21,8 +21,11 @@ def hf_config_from_dict(d: dict) -> Any:
         raise ConfigError("model config has no model_type") from None
     try:
         return AutoConfig.for_model(model_type, **d)
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"model config ({model_type}): {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - transformers' validators raise several types (also
+        # huggingface_hub's StrictDataclassClassValidationError wrapping a ValueError): one line
+        cause = exc.__cause__ or exc
+        raise ConfigError(f"model config ({model_type}): {type(cause).__name__}: "
+                          f"{' '.join(str(cause).split())}") from None
 
 
 class _AttentionSizes:
@@ -193,3 +196,7 @@ class HybridConfig(_AttentionSizes):
     def conv_dim(self) -> int:
         """Channels of the short convolution: q, k and v side by side."""
         return 2 * self.key_dim + self.value_dim
+
+
+FAMILY_CONFIGS = {"dense": DenseConfig, "hybrid": HybridConfig}
+"""The config class of each model family (``from_hf`` checks a transformers config for it)."""
