@@ -11,14 +11,14 @@ Two halves, both used from the Snakemake rules (workflow/rules/*.smk):
 * **Rendering** (``write_gates_report``, ``write_contracts_report``): read those records, the gate
   artifacts and the contract summaries, and write markdown and CSV tables to paper_figures/.
 
-Layout of one run (ARCHITECTURE.md; paths are chosen by the workflow and passed in):
+Layout of one run (docs/architecture.md; paths are chosen by the workflow and passed in):
 
     results/<run>/contracts/<family>/<composition>.draft.json      contract build (pending discharges)
     results/<run>/contracts/<family>/<composition>.json            admitted build, or the draft if refused
     results/<run>/contracts/<family>/<composition>.admission.json  record: why admitted or not
     results/<run>/contracts/<family>/<composition>.show.json       `contract show --json`
     results/<run>/contracts/<family>/<composition>.verify.json     record of `contract verify --json`
-    results/<run>/gates/<family>/<id>.json                         gate artifacts (GATES.md)
+    results/<run>/gates/<family>/<id>.json                         gate artifacts (docs/gates.md)
     results/<run>/gate_runs/<family>.json                          record of `gates run --json`
 
 Nothing here imports torch: rendering runs wherever Snakemake runs.
@@ -323,7 +323,7 @@ def render_gates_md(fams: Sequence[Mapping], run_name: str) -> str:
     lines = [f"# Bitwise gates: run `{run_name}`", "",
              f"Composition `{first.get('composition', '?')}` on arch `{first.get('arch', '?')}`, "
              f"seed {first.get('seed', '?')}. One row per gate artifact "
-             f"(`<results>/{run_name}/gates/<family>/<id>.json`, GATES.md). A gate passes with 0 differing "
+             f"(`<results>/{run_name}/gates/<family>/<id>.json`, docs/gates.md). A gate passes with 0 differing "
              "elements; a negative control (expect `variant`) passes when the stock kernel *does* differ.", "",
              f"**{len(all_rows)} gates: {counts.get('pass', 0)} pass, {counts.get('fail', 0)} fail**"
              + "".join(f", {n} {v}" for v, n in sorted(counts.items()) if v not in ("pass", "fail")) + ".", ""]
@@ -439,7 +439,7 @@ def render_contracts_md(rows: Sequence[Mapping], run_name: str, arch: str | None
     lines = [f"# Execution contracts: run `{run_name}`", "",
              (f"Arch `{arch}`. " if arch else "")
              + "One row per family x composition: the contract built from `configs/compositions/<composition>.yaml` "
-             f"and admitted against the gate artifacts in `<results>/{run_name}/gates/<family>/` (CONTRACT.md). "
+             f"and admitted against the gate artifacts in `<results>/{run_name}/gates/<family>/` (docs/contract.md). "
              "When admission is refused the draft, with its discharges still pending, is kept.", "",
              f"**{len(rows)} contracts: {counts.get('admitted', 0)} admitted, {counts.get('not admitted', 0)} "
              f"not admitted, {counts.get('n.a.', 0)} n.a.**", ""]
@@ -447,7 +447,7 @@ def render_contracts_md(rows: Sequence[Mapping], run_name: str, arch: str | None
                        ((r["family"], r["composition"], r["entries"], r["tolerance_zero"], r["admission"], r["reason"])
                         for r in rows))
     lines += ["", "## Digests", "",
-              "`numerical_policy` is the identity trainer and engine must share (CONTRACT.md).", ""]
+              "`numerical_policy` is the identity trainer and engine must share (docs/contract.md).", ""]
     lines += _md_table(("family", "composition", "semantic", "numerical_policy", "deployment"),
                        ((r["family"], r["composition"], f"`{r['semantic']}`", f"`{r['numerical_policy']}`",
                          f"`{r['deployment']}`") for r in rows))

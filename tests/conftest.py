@@ -1,4 +1,4 @@
-"""Shared fixtures: keep tests on CPU, block flash-linear-attention (GPU_ENV.md), small threads."""
+"""Shared fixtures: keep tests on CPU, block flash-linear-attention (docs/gpu_notes.md), small threads."""
 
 from __future__ import annotations
 

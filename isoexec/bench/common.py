@@ -1,6 +1,6 @@
 """Benchmark plumbing: timing (device events / do_bench, median of many), result JSON.
 
-Result format (BENCHMARKS.md, stable): ``{"name", "env": {device, torch, triton, transformers,
+Result format (docs/benchmarks.md, stable): ``{"name", "env": {device, torch, triton, transformers,
 commit, date}, "rows": [{<shape fields>, "baseline", "baseline_ms", "ours_ms", "speed_ratio"}]}``
 with ``speed_ratio = baseline_ms / ours_ms`` (1.0 parity, 0.5 = ours twice as slow). Ours and the
 stock baseline are always measured in the same run, on rotated random inputs.

@@ -1,5 +1,5 @@
 """CPR per-layer latency: the Gated DeltaNet core of one layer, ours (CPR) vs the two stock
-compositions, in the same run on the same inputs (BENCHMARKS.md, seed table "CPR per-layer
+compositions, in the same run on the same inputs (docs/benchmarks.md, seed table "CPR per-layer
 latency vs native mixed and recurrent-everywhere").
 
 Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chunk 64):
@@ -154,7 +154,7 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
 
 
 def bench_cpr(quick: bool = False, device: str = "cuda", log=print) -> dict:
-    """Run the CPR per-layer benchmark; returns the BENCHMARKS.md result object
+    """Run the CPR per-layer benchmark; returns the docs/benchmarks.md result object
     ``{"name": "cpr", "env": {...}, "rows": [...]}`` (the caller writes it to
     ``results/<run>/bench/cpr.json``)."""
     from ..envinfo import env_info

@@ -1,6 +1,6 @@
 """Engine throughput: output tokens/s of the same engine under the IsoExec and the native
 composition, on the same prompts and sampling, plus transformers' ``generate`` on the same
-weights as a third reference (BENCHMARKS.md: "engine throughput, IsoExec vs native").
+weights as a third reference (docs/benchmarks.md: "engine throughput, IsoExec vs native").
 
 Greedy decoding with ``min == max`` new tokens keeps the work identical across the three (random
 weights rarely emit EOS, and EOS is not used as a stop token here).

@@ -1,4 +1,4 @@
-"""Kernel microbenchmarks: ours vs the stock path, same run, same inputs (BENCHMARKS.md).
+"""Kernel microbenchmarks: ours vs the stock path, same run, same inputs (docs/benchmarks.md).
 
 - ``gemm``: bf16 ``x[M,K] @ W[N,K]^T`` vs ``torch.nn.functional.linear`` (cuBLAS), M in
   {1, 64, 256, 2048, 4096, 10240}, (K, N) of the dense family at Qwen3-0.6B and Qwen3-8B sizes.

@@ -1,4 +1,4 @@
-"""Render benchmark result JSON (BENCHMARKS.md format) into paper_figures tables.
+"""Render benchmark result JSON (docs/benchmarks.md format) into paper_figures tables.
 
 One markdown section per benchmark: the rows as measured (shape fields, baseline, baseline_ms,
 ours_ms, speed_ratio), the measuring environment, and a one-line summary of the ratios. A CSV
@@ -106,7 +106,7 @@ def render(paths, md_out: str, csv_out: str, run: str, log: str) -> None:
     Path(log).write_text(f"{n} benchmark rows rendered\n")
 
 
-# The seed's CPR table (BENCHMARKS.md): per-layer latency relative to native mixed.
+# The seed's CPR table (docs/benchmarks.md): per-layer latency relative to native mixed.
 _CPR_STAGES = (("trainer_fwd_bwd", "trainer fwd+bwd"), ("prefill", "rollout prefill"), ("decode", "decode"))
 _CPR_PUBLISHED = {"trainer_fwd_bwd": (1.43, 4.42), "prefill": (1.67, 4.31), "decode": (1.38, 1.00)}
 

@@ -6,7 +6,7 @@ shapes on a CPU or with ``--quick``):
 * **regions**: every region of the dense model timed forward + backward (``torch.autograd.grad``
   with a fixed upstream gradient): each projection GEMM, the model norm and the per-head q/k
   norm, RoPE on q and k, varlen attention, SiLU-and-mul, the embedding gather and the fp32
-  token logprob over the vocabulary. Rows follow BENCHMARKS.md: ``baseline`` is the stock path,
+  token logprob over the vocabulary. Rows follow docs/benchmarks.md: ``baseline`` is the stock path,
   ``speed_ratio = baseline_ms / ours_ms``.
 * **model.trainer_step**: the whole trainer step (forward with autograd, token logprobs,
   backward to every parameter) under the native and the IsoExec composition.

@@ -1,4 +1,4 @@
-"""The three identities of a contract, with exactly the inclusion rules of CONTRACT.md.
+"""The three identities of a contract, with exactly the inclusion rules of docs/contract.md.
 
 - ``semantic``: model, the sorted union of logical ops, and the cases' (id, shape). Re-fusing ops
   into different regions leaves it unchanged.

@@ -1,4 +1,4 @@
-"""The execution contract as frozen dataclasses (schema_version "1", see CONTRACT.md).
+"""The execution contract as frozen dataclasses (schema_version "1", see docs/contract.md).
 
 The objects are plain data: they do not know how they are encoded (``codec``), hashed
 (``digests``) or checked (``validate``). Constants are held in a read-only mapping whose values

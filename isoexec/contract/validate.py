@@ -1,6 +1,6 @@
 """Rule checks on a decoded contract. ``validate`` returns EVERY violation, not the first.
 
-The rules (CONTRACT.md): case ids are unique and entries only name declared cases; in every case
+The rules (docs/contract.md): case ids are unique and entries only name declared cases; in every case
 each logical op belongs to exactly one region (an op uncovered in some case is a violation, not a
 default); a contract that claims a tolerance of 0 has a discharge on every function-half entry;
 claims name known cases and axes; stored identities equal recomputed ones.

@@ -107,7 +107,7 @@ class ModelRunner:
 
 class DecodeGraphs:
     """CUDA-graph capture and replay of ``engine_decode`` steps, one graph per batch bucket.
-    CUDA only; GATES.md family 4 (replay with padded lanes == eager) checks it on the GPU."""
+    CUDA only; docs/gates.md family 4 (replay with padded lanes == eager) checks it on the GPU."""
 
     def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int,
                  gdn_states=None, conv_states=None, scratch_slot: int = 0):

@@ -2,7 +2,7 @@
 
 ``torch.equal`` on floats calls +0.0 and -0.0 equal and NaN unequal to itself, so it can both
 miss and invent differences. Every gate compares integer views instead (int16 for bf16/fp16,
-int32 for fp32, int64 for fp64) and reports the counts GATES.md asks for.
+int32 for fp32, int64 for fp64) and reports the counts docs/gates.md asks for.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End-to-end engine gates (GATES.md families 1-3, 7 through the real rollout engine).
+"""End-to-end engine gates (docs/gates.md families 1-3, 7 through the real rollout engine).
 
 - ``engine_generate_verify``: every token the engine samples (mixed greedy / temperature /
   top-k / top-p requests, staggered arrivals, chunked prefill, mixed prefill+decode steps) has an
@@ -116,7 +116,7 @@ def _results_reports(want, got) -> list[BitReport]:
 
 
 def _vacuous(what: str) -> BitReport:
-    """A failing report for a gate whose hazard never occurred (GATES.md, hazards)."""
+    """A failing report for a gate whose hazard never occurred (docs/gates.md, hazards)."""
     return BitReport(compared=1, differing=1, max_abs_diff=f"vacuous: {what}", max_ulp=0, first_index=None,
                      dtype="none")
 

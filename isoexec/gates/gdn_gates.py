@@ -1,4 +1,4 @@
-"""Kernel-level gates of the hybrid family's Gated DeltaNet regions (GATES.md families 1, 2, 7).
+"""Kernel-level gates of the hybrid family's Gated DeltaNet regions (docs/gates.md families 1, 2, 7).
 
 Two of the regions carry per-sequence state across calls (the short conv's window and the delta
 rule's state), so their gates are sequence gates, like attention's:

@@ -1,4 +1,4 @@
-"""Kernel-level gates (GATES.md families 1, 6, 7) for every region kind.
+"""Kernel-level gates (docs/gates.md families 1, 6, 7) for every region kind.
 
 Each gate draws fresh seeded random inputs at the model's own shapes, runs the bound
 implementation, and compares integer views:
@@ -39,7 +39,7 @@ GATE_FAMILIES = {
     "attention": ("batch_invariance", "case_parity"),
 }
 
-# Kinds whose stock kernel is known to be batch-variant on an arch (measured; GPU_ENV.md): the
+# Kinds whose stock kernel is known to be batch-variant on an arch (measured; docs/gpu_notes.md): the
 # negative control must fail to be invariant there.
 NEGATIVE_CONTROLS = {"cpu": ("linear",), "sm90": ("linear", "attention")}
 

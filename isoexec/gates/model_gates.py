@@ -8,7 +8,7 @@ one at a time; a step that mixes prefill chunks and decode tokens is one ``engin
 processed token's row yields the logprob of the next token, so the driver scores exactly the
 tokens the trainer scores.
 
-Gates (GATES.md families 1 and 2 at model level):
+Gates (docs/gates.md families 1 and 2 at model level):
 - ``model_case_parity``: trainer_fwd (autograd on) == trainer_score == engine driver, for random
   sequences, batch sizes 1..64, random prompt/split points.
 - ``model_batch_invariance``: one sequence scored alone == the same sequence inside a batch of

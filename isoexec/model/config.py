@@ -11,7 +11,7 @@ from ..errors import ConfigError
 
 def hf_config_from_dict(d: dict) -> Any:
     """A transformers config object for ``d`` (by its ``model_type``)."""
-    sys.modules.setdefault("fla", None)  # keep transformers off FLA's GPU kernels (GPU_ENV.md)
+    sys.modules.setdefault("fla", None)  # keep transformers off FLA's GPU kernels (docs/gpu_notes.md)
     from transformers import AutoConfig
 
     d = dict(d)

@@ -80,7 +80,7 @@ def _read_table(path: Path, columns: Sequence[str]):
     """The parquet's columns as one pyarrow table.
 
     Read through the ``datasets`` library (the verl/DAPO tooling's reader) when it is installed.
-    It is not installable on the reference GPU host (GPU_ENV.md), so there we fall back to
+    It is not installable on the reference GPU host (docs/gpu_notes.md), so there we fall back to
     pyarrow, which reads the same file into the same table. ``keep_in_memory`` and a throw-away
     cache folder keep ``datasets`` from leaving arrow copies in the user's home.
     """

@@ -1,5 +1,5 @@
 """Per-step metrics of an RL run: how far the trainer's logprobs are from the rollout's, and the
-``metrics.jsonl`` file the tables and figures are drawn from (BENCHMARKS.md, "Run metrics").
+``metrics.jsonl`` file the tables and figures are drawn from (docs/benchmarks.md, "Run metrics").
 
 :func:`logprob_diff_stats` compares, token by token, the logprob the rollout engine reported
 when it sampled a token with the logprob the trainer computes for the same token. IsoExec's
@@ -35,7 +35,7 @@ import torch
 from ..errors import IsoExecError
 from ..paths import atomic_write
 
-#: Keys every metrics.jsonl line must have (BENCHMARKS.md); more may follow.
+#: Keys every metrics.jsonl line must have (docs/benchmarks.md); more may follow.
 REQUIRED_KEYS = (
     "step", "logprob_abs_diff_mean", "logprob_abs_diff_std", "logprob_abs_diff_max",
     "bitwise_equal_frac", "reward_mean", "time_generation_s", "time_scoring_s",
@@ -148,7 +148,7 @@ def _validate(obj: dict) -> None:
     missing = [k for k in REQUIRED_KEYS if k not in obj]
     if missing:
         raise MetricsFileError(f"metrics line for step {obj.get('step', '?')} lacks required key(s) "
-                               f"{', '.join(missing)} (BENCHMARKS.md run-metrics format)")
+                               f"{', '.join(missing)} (docs/benchmarks.md run-metrics format)")
     step = obj["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise MetricsFileError(f"metrics 'step' must be an int >= 0, got {step!r}")
@@ -188,7 +188,7 @@ class _WandbMirror:
 class MetricsWriter:
     """Appends one JSON object per RL step to ``path`` (``metrics.jsonl``).
 
-    Every line is validated (the BENCHMARKS.md keys, finite numbers, steps strictly increasing),
+    Every line is validated (the docs/benchmarks.md keys, finite numbers, steps strictly increasing),
     then written, flushed and fsynced: a run killed at any moment leaves whole lines for all
     finished steps and at most one torn last line.
 

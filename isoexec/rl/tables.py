@@ -1,4 +1,4 @@
-"""The reproduction tables and figures from run metrics (BENCHMARKS.md "Reporting").
+"""The reproduction tables and figures from run metrics (docs/benchmarks.md "Reporting").
 
 Reads ``results/<run>/runs/<family>/<composition>/seed<k>/metrics.jsonl`` (one JSON object per
 RL step) and renders, in the seed's layout:

@@ -1,5 +1,5 @@
 """Training-step benchmark: the quick CPU run covers every region of the dense model forward +
-backward and the whole trainer step, in the BENCHMARKS.md row format, and profiles one step of
+backward and the whole trainer step, in the docs/benchmarks.md row format, and profiles one step of
 each composition. Format only: timings are never compared."""
 
 import json

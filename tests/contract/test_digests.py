@@ -1,4 +1,4 @@
-"""Each identity rotates on exactly the fields CONTRACT.md names, and on no others."""
+"""Each identity rotates on exactly the fields docs/contract.md names, and on no others."""
 
 from dataclasses import replace
 

@@ -43,7 +43,7 @@ def test_cuda_graphs_are_off_on_cpu(iso_fp32):
 
 @pytest.mark.gpu
 def test_decode_graph_replay_with_padded_lanes_equals_eager_bitwise():
-    """GATES.md family 4 at engine level: graphs on (padded buckets) == graphs off. Needs CUDA."""
+    """docs/gates.md family 4 at engine level: graphs on (padded buckets) == graphs off. Needs CUDA."""
     from isoexec.compose import build_contract
     from isoexec.envinfo import runtime_arch
     from isoexec.model import build_model

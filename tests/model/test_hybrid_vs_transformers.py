@@ -3,7 +3,7 @@ weights, loads its checkpoints, and gives the same bits in every case under the 
 
 import sys
 
-sys.modules.setdefault("fla", None)  # keep transformers off FLA's GPU kernels (GPU_ENV.md)
+sys.modules.setdefault("fla", None)  # keep transformers off FLA's GPU kernels (docs/gpu_notes.md)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

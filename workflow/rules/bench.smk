@@ -1,4 +1,4 @@
-# Kernel benchmarks (BENCHMARKS.md): `isoexec bench NAME` measures ours and the stock kernel in
+# Kernel benchmarks (docs/benchmarks.md): `isoexec bench NAME` measures ours and the stock kernel in
 # the same run and writes results/<run>/bench/<name>.json; kernels_table renders them into
 # paper_figures/<run>/kernels.md. GPU results are committed, so on a GPU config an existing JSON
 # is kept (Snakemake reruns a benchmark only when it is missing or forced).

@@ -1,4 +1,4 @@
-# Execution contracts (CONTRACT.md), per family x composition:
+# Execution contracts (docs/contract.md), per family x composition:
 #   contract_draft   build from the composition YAML; gate discharges stay "pending"
 #   contract_admit   verify the draft against the family's gate artifacts; if admitted, rebuild
 #                    with --gates (discharges name the passing artifacts), else keep the draft

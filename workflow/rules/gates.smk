@@ -1,4 +1,4 @@
-# Bitwise admission gates (GATES.md), per family, for the gate composition (isoexec):
+# Bitwise admission gates (docs/gates.md), per family, for the gate composition (isoexec):
 #   gates  `isoexec gates run --json` writes one artifact per gate into results/<run>/gates/<family>/
 #          (a directory output: Snakemake empties it before a rerun, so no stale artifacts remain)
 #          and the run's outcome into results/<run>/gate_runs/<family>.json.
