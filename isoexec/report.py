@@ -367,13 +367,19 @@ def render_gates_md(fams: Sequence[Mapping], run_name: str) -> str:
         for s in rec.get("skipped", []):
             missing.append(f"- {f['family']}: {s['gate']} gate for {s['region']} ({s['impl']}) not run: {s['reason']}")
         for r in f["rows"]:
-            if r["verdict"] != "pass":
+            if r["verdict"] == "inconclusive":
+                # a negative control whose stock kernel happened to be invariant here proves nothing,
+                # but it is no failure of ours
+                missing.append(f"- {f['family']}: {r['gate']} gate for {r['region']} ({r['impl']}, {r['dtype']}) "
+                               f"INCONCLUSIVE: the stock kernel gave the same bits here ({r['differing']} of "
+                               f"{r['compared']} differ; artifact `{str(r['id'])[:ID_PREFIX]}`)")
+            elif r["verdict"] != "pass":
                 missing.append(f"- {f['family']}: {r['gate']} gate for {r['region']} ({r['impl']}, {r['dtype']}) "
                                f"FAILED: {r['differing']} of {r['compared']} elements differ "
                                f"(artifact `{str(r['id'])[:ID_PREFIX]}`)")
         for name in f["unreadable"]:
             missing.append(f"- {f['family']}: `{name}` in {f['artifacts_dir']} is not a readable gate artifact")
-    lines += ["## Missing or failing", ""]
+    lines += ["## Missing, failing or inconclusive", ""]
     lines += missing or ["Nothing: every gate ran and passed."]
     lines.append("")
     return "\n".join(lines)

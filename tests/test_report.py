@@ -79,9 +79,22 @@ def test_gates_table_has_one_row_per_artifact_and_counts_verdicts(gates_run, tmp
     assert "seed 7" in text
     # the runs table: model, 4 gates, 3 pass, 1 fail, 1 not run
     assert ["dense", "dense_tiny", "4", "3", "1", "1", "finished, some gate failed (exit 1)"] in table_rows(text, "dense")
-    missing = text.split("## Missing or failing", 1)[1]
+    missing = text.split("## Missing, failing or inconclusive", 1)[1]
     assert "case_parity gate for attn_core (attention_fixed_walk) not run: no attention case_parity gate yet" in missing
     assert "batch_invariance gate for down_proj (gemm_fixed_k v1 (cpu), float32) FAILED: 5 of 128" in missing
+
+
+def test_an_inconclusive_negative_control_is_listed_as_inconclusive_not_failed(gates_run, tmp_path):
+    rec, d = gates_run
+    write_json(d / f"{'f' * 64}.json", artifact("f" * 64, gate="negative_control", impl="torch_sdpa", of="batch_invariance",
+                                                 expect="variant", verdict="inconclusive", region=("attn_core",)))
+    md = tmp_path / "gates.md"
+    counts = report.write_gates_report([(rec, d)], md, tmp_path / "gates.csv", "unit")
+    assert counts["inconclusive"] == 1
+    missing = md.read_text().split("## Missing, failing or inconclusive", 1)[1]
+    line = next(ln for ln in missing.splitlines() if "attn_core" in ln and "torch_sdpa" in ln)
+    assert "INCONCLUSIVE" in line and "FAILED" not in line
+    assert "FAILED: 5 of 128" in missing  # a real failure is still called one
 
 
 def test_gates_csv_carries_full_ids(gates_run, tmp_path):
