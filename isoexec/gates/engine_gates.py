@@ -7,8 +7,9 @@
   identical tokens and bitwise-identical logprobs.
 - ``engine_preemption``: a page budget so small that requests are preempted and recomputed gives
   the same tokens and bits as an unconstrained run.
-Graph replay == eager (family 4) needs CUDA graphs and is a GPU-only test
-(tests/engine/test_model_runner.py).
+- ``engine_graph_eager`` (family 4, GPU only): the same staggered traffic with decode in CUDA
+  graphs (padded batch buckets) and eagerly gives the same tokens and bits, and fails if no
+  graph was replayed (also a GPU test: tests/engine/test_model_runner.py).
 """
 
 from __future__ import annotations
