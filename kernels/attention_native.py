@@ -1,10 +1,15 @@
 """Stock attention twins built on ``torch.nn.functional.scaled_dot_product_attention``.
 
 They take the same arguments as the invariant API in ``attention.py`` and compute the same
-function, the way a stock stack does it: sequences are padded into one [B, H, L, D] batch and
-SDPA runs once with a boolean causal + padding mask (SDPA picks its backend and blocking from
-the padded shape). They are the native composition and the negative control: their bits
-depend on the batch (padding length, batch size) and on prefill vs decode shapes.
+function, the way a stock stack does it. The trainer's varlen attention on a GPU (fp16/bf16) is
+torch's FlashAttention-2 varlen kernel on the packed rows (``aten::_flash_attention_forward`` with
+cumulative sequence lengths, GQA native, autograd through its own backward): the fastest stock
+path torch offers, the one a stock RL trainer uses, with no padding and no host round trip.
+Elsewhere (CPU, fp32) and for the engine's paged cases, sequences are padded into one
+[B, H, L, D] batch and SDPA runs once with a boolean causal + padding mask (SDPA picks its
+backend and blocking from the padded shape). They are the native composition and the negative
+control: their bits depend on the batch (padding length, batch size, the flash kernel's
+scheduling) and on prefill vs decode shapes.
 """
 
 from __future__ import annotations
@@ -49,9 +54,21 @@ def _sdpa_padded(q_pad, k_pad, v_pad, q_lens, ctx_lens, scale, causal):
     return out.transpose(1, 2)
 
 
+def _flash_varlen_usable(q: torch.Tensor) -> bool:
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
 def attention_native_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float,
                             causal: bool = True) -> torch.Tensor:
-    """Stock twin of ``varlen_attention`` (autograd through SDPA)."""
+    """Stock twin of ``varlen_attention``: FlashAttention-2 varlen on a GPU (module docstring),
+    padded SDPA elsewhere; differentiable either way."""
+    if _flash_varlen_usable(q):
+        cu = cu_seqlens.to(torch.int32)
+        n = max(int(max_seqlen), 1)
+        out = torch.ops.aten._flash_attention_forward(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, 0.0, causal, False, scale=scale)[0]
+        return out
     cu = [int(x) for x in cu_seqlens.tolist()]
     starts, lens = cu[:-1], [e - s for s, e in zip(cu[:-1], cu[1:])]
     width = max(max(lens, default=0), 1)
