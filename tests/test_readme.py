@@ -22,6 +22,17 @@ def test_readme_has_exactly_two_commands():
         assert "\n" not in c.strip() and "pip install" in c
 
 
+def test_readme_commands_install_into_a_virtual_environment():
+    """A distribution's own Python refuses `pip install` outside a venv (PEP 668): each command
+    creates (or reuses) .venv/ and activates it before anything is installed or run."""
+    for c in _quick_start_commands():
+        steps = [s.strip() for s in c.strip().split("&&")]
+        assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"], steps
+        assert steps[2].startswith("python3 -m pip install"), steps
+    section = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "python3-venv" in section  # what Debian/Ubuntu need when `python3 -m venv` fails
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert _quick_start_commands()[1].strip() in ci.splitlines()
