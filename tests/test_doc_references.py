@@ -14,8 +14,9 @@ LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 
 def _tracked_sources():
     out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    # this file names missing documents on purpose (its checker test)
     return [ROOT / p for p in out if p.endswith((".py", ".md", ".smk", ".yaml", ".yml", ".sh"))
-            and not p.startswith("paper_figures/") and (ROOT / p).is_file()]
+            and not p.startswith("paper_figures/") and p != "tests/test_doc_references.py" and (ROOT / p).is_file()]
 
 
 def _missing(path: Path) -> list[str]:

@@ -1,4 +1,4 @@
-"""Benchmarks: the CLI writes the BENCHMARKS.md result format and the renderer tables it."""
+"""Benchmarks: the CLI writes the docs/benchmarks.md result format and the renderer tables it."""
 
 import json
 import math

@@ -1,4 +1,4 @@
-"""CPR per-layer benchmark: the quick CPU run produces the BENCHMARKS.md result format with one
+"""CPR per-layer benchmark: the quick CPU run produces the docs/benchmarks.md result format with one
 row per (stage, baseline)."""
 
 import json
