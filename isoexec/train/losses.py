@@ -19,7 +19,15 @@ Each function returns ``(loss, stats)``; ``stats`` are detached 0-d fp32 tensors
 measured over the counted tokens: ``tokens``, ``ratio_mean/min/max``, ``clip_frac_low`` (A < 0 and
 the ratio fell below ``1 - clip_low``: the clipped branch is taken and the token gives no
 gradient), ``clip_frac_high`` (A > 0 and the ratio rose above ``1 + clip_high``) and
-``clip_frac`` (their sum); GRPO adds ``kl`` when a reference is used.
+``clip_frac`` (their sum), ``dual_clip_frac`` (A < 0 and the ratio rose above the dual-clip
+bound ``clip_ratio_c``: the loss is held at ``-A c`` and the token gives no gradient; 0 when the
+dual clip is off); GRPO adds ``kl`` when a reference is used.
+
+Dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games"; on in verl's DAPO recipe
+with ``clip_ratio_c = 10``): for a negative advantage the PPO objective ``max(-A r, -A clip(r))``
+grows without bound in r, so one token whose probability rose a hundredfold since the rollout
+(the H200 runs logged ratio_max 292) can dominate a mini-batch's gradient. The dual clip caps that
+token's loss at ``-A c``; positive advantages are already capped by ``1 + clip_high``.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ def _masked_sum(x: Tensor, mask: Tensor) -> Tensor:
 
 @torch.no_grad()
 def ratio_stats(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: Optional[float],
-                clip_high: Optional[float]) -> dict[str, Tensor]:
+                clip_high: Optional[float], clip_ratio_c: Optional[float] = None) -> dict[str, Tensor]:
     """Ratio and clip statistics over the counted tokens (see the module docstring)."""
     r = ratio.detach()
     n = mask.sum().to(torch.float32)
@@ -82,6 +90,9 @@ def ratio_stats(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: Optio
     else:
         low = (mask & (advantages < 0) & (r < 1.0 - clip_low)).sum().to(torch.float32) / d
         high = (mask & (advantages > 0) & (r > 1.0 + clip_high)).sum().to(torch.float32) / d
+    # -A max(r, clip(r)) > -A c  <=>  r > c for A < 0, since clip(r) <= 1 + clip_high < c
+    dual = zero if not clip_ratio_c else \
+        (mask & (advantages < 0) & (r > clip_ratio_c)).sum().to(torch.float32) / d
     any_tok = bool(mask.any())
     return {
         "tokens": n,
@@ -91,31 +102,46 @@ def ratio_stats(ratio: Tensor, advantages: Tensor, mask: Tensor, clip_low: Optio
         "clip_frac_low": low,
         "clip_frac_high": high,
         "clip_frac": low + high,
+        "dual_clip_frac": dual,
     }
 
 
+def check_clip_ratio_c(clip_ratio_c: Optional[float], clip_high: float) -> None:
+    """The dual-clip bound must lie above the upper clip bound, or it would cut into the
+    ordinary clipped region (verl asserts c > 1 for the same reason)."""
+    if clip_ratio_c and clip_ratio_c <= 1.0 + clip_high:
+        raise ValueError(f"clip_ratio_c {clip_ratio_c} must exceed 1 + clip_high = {1.0 + clip_high} (0/None: off)")
+
+
 def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, clip_low: float,
-                      clip_high: float) -> tuple[Tensor, Tensor]:
-    """Per-token PPO loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` and the ratio r.
+                      clip_high: float, clip_ratio_c: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    """Per-token PPO loss ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` and the ratio r;
+    with ``clip_ratio_c`` (dual clip, see the module docstring) tokens with A < 0 take
+    ``min(that, -A c)``. 0 or None: no dual clip.
 
     The ratio is formed from the log difference so identical logprobs give r = exp(0) = 1 exactly.
     """
+    check_clip_ratio_c(clip_ratio_c, clip_high)
     ratio = torch.exp(logprobs - old_logprobs)
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    return -torch.minimum(ratio * advantages, clipped * advantages), ratio
+    loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    if clip_ratio_c:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    return loss, ratio
 
 
 def dapo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Optional[Tensor] = None, *,
-              clip_low: float = 0.2, clip_high: float = 0.28, weights: Optional[Tensor] = None,
-              denom=None) -> tuple[Tensor, dict]:
+              clip_low: float = 0.2, clip_high: float = 0.28, clip_ratio_c: Optional[float] = None,
+              weights: Optional[Tensor] = None, denom=None) -> tuple[Tensor, dict]:
     """DAPO: decoupled clip (a higher upper bound lets low-probability tokens grow: "clip-higher")
     and a TOKEN-level mean over every counted token of the mini-batch, so long responses weigh
-    in proportion to their length instead of being averaged down per sequence. No KL term."""
+    in proportion to their length instead of being averaged down per sequence. No KL term.
+    ``clip_ratio_c``: the dual clip for negative advantages (the trainer's default is 10)."""
     logprobs, old, adv, m, w = _prepare(logprobs, old_logprobs, advantages, mask, weights)
-    tok, ratio = clipped_surrogate(logprobs, old, adv, clip_low, clip_high)
+    tok, ratio = clipped_surrogate(logprobs, old, adv, clip_low, clip_high, clip_ratio_c)
     if w is not None:
         tok = tok * w
-    stats = ratio_stats(ratio, adv, m, clip_low, clip_high)
+    stats = ratio_stats(ratio, adv, m, clip_low, clip_high, clip_ratio_c)
     loss = _masked_sum(tok, m) / _denominator(denom, stats["tokens"])
     return loss, stats
 
@@ -143,7 +169,7 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_lens: Sequence[int],
               mask: Optional[Tensor] = None, *, clip: float = 0.2, kl_coef: float = 0.0,
               ref_logprobs: Optional[Tensor] = None, weights: Optional[Tensor] = None,
-              denom=None) -> tuple[Tensor, dict]:
+              clip_ratio_c: Optional[float] = None, denom=None) -> tuple[Tensor, dict]:
     """GRPO: symmetric clip, the token mean taken PER SEQUENCE and then the mean over sequences
     (each response counts once whatever its length), plus ``kl_coef`` times the k3 KL to a
     reference policy. ``kl_coef = 0`` (the default) needs no reference model.
@@ -154,7 +180,7 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_le
     lens = [int(n) for n in seq_lens]
     if sum(lens) != logprobs.shape[0]:
         raise ValueError(f"seq_lens sum to {sum(lens)} but there are {logprobs.shape[0]} tokens")
-    tok, ratio = clipped_surrogate(logprobs, old, adv, clip, clip)
+    tok, ratio = clipped_surrogate(logprobs, old, adv, clip, clip, clip_ratio_c)
     if w is not None:  # the off-policy weight corrects the policy-gradient term, not the KL penalty
         tok = tok * w
     kl = None
@@ -173,7 +199,7 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_le
     present = counts > 0
     seq_means = torch.where(present, sums / counts.clamp_min(1.0), zero)
     loss = seq_means.sum() / _denominator(denom, present.sum().to(torch.float32))
-    stats = ratio_stats(ratio, adv, m, clip, clip)
+    stats = ratio_stats(ratio, adv, m, clip, clip, clip_ratio_c)
     stats["sequences"] = present.sum().to(torch.float32)
     if kl is not None:
         stats["kl"] = _masked_sum(kl.detach(), m) / stats["tokens"].clamp_min(1.0)
@@ -183,15 +209,16 @@ def grpo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_le
 def policy_loss(kind: str, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, seq_lens: Sequence[int],
                 mask: Optional[Tensor] = None, *, clip_low: float = 0.2, clip_high: float = 0.28,
                 kl_coef: float = 0.0, ref_logprobs: Optional[Tensor] = None, weights: Optional[Tensor] = None,
-                denom=None) -> tuple[Tensor, dict]:
+                clip_ratio_c: Optional[float] = None, denom=None) -> tuple[Tensor, dict]:
     """Dispatch on ``kind`` (one of ``LOSSES``). ``denom`` is a token count for dapo/reinforce and a
-    sequence count for grpo (which clips symmetrically at ``clip_low``)."""
+    sequence count for grpo (which clips symmetrically at ``clip_low``). ``clip_ratio_c`` (dual
+    clip) applies to the clipped losses, dapo and grpo; reinforce has no ratio in its loss."""
     if kind == "dapo":
         return dapo_loss(logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                         weights=weights, denom=denom)
+                         clip_ratio_c=clip_ratio_c, weights=weights, denom=denom)
     if kind == "grpo":
         return grpo_loss(logprobs, old_logprobs, advantages, seq_lens, mask, clip=clip_low, kl_coef=kl_coef,
-                         ref_logprobs=ref_logprobs, weights=weights, denom=denom)
+                         ref_logprobs=ref_logprobs, weights=weights, clip_ratio_c=clip_ratio_c, denom=denom)
     if kind == "reinforce":
         return reinforce_loss(logprobs, old_logprobs, advantages, mask, weights=weights, denom=denom)
     raise ValueError(f"unknown loss {kind!r}; choose one of {', '.join(LOSSES)}")

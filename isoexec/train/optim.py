@@ -125,14 +125,22 @@ class MasterAdamW:
 
     # ----------------------------------------------------------------------------------- step
     @torch.no_grad()
-    def step(self) -> dict:
+    def step(self, lr_scale: float = 1.0) -> dict:
         """Clip, update the masters, write them into the parameters. Returns ``grad_norm`` (before
-        clipping), ``clip_coef`` and ``skipped`` (True when the norm is not finite: no update)."""
+        clipping), ``clip_coef``, ``lr`` (the rate this step used) and ``skipped`` (True when the
+        norm is not finite: no update).
+
+        ``lr_scale`` multiplies the configured rate for this step only (a warm-up schedule): the
+        rate is set on every step rather than kept as state, so a resumed run and an SFT step
+        after RL updates use exactly the rate their caller asks for."""
+        lr = self.lr * lr_scale
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         self.accumulate_grads()
         norm = global_grad_norm(self.grads)
         if not bool(torch.isfinite(norm)):
             self.zero_grad()
-            return {"grad_norm": float(norm), "clip_coef": 0.0, "skipped": True}
+            return {"grad_norm": float(norm), "clip_coef": 0.0, "lr": lr, "skipped": True}
         coef = clip_coefficient(norm, self.grad_clip)
         if self.grad_clip is not None:
             for g in self.grads:
@@ -142,7 +150,7 @@ class MasterAdamW:
         self.sync_params()
         self.zero_grad()
         self.steps += 1
-        return {"grad_norm": float(norm), "clip_coef": float(coef), "skipped": False}
+        return {"grad_norm": float(norm), "clip_coef": float(coef), "lr": lr, "skipped": False}
 
     @torch.no_grad()
     def sync_params(self) -> None:

@@ -64,6 +64,8 @@ class TrainConfig:
     tis_threshold: Optional[float] = None      # token-level truncated IS cap C (>= 1); None: off
     rs_kind: Optional[str] = None              # None | k1 | k3: sequence-level rejection
     rs_threshold: Optional[float] = None       # required with rs_kind
+    clip_ratio_c: Optional[float] = 10.0       # dual clip for A < 0 (verl's DAPO recipe: 10); 0/None: off
+    lr_warmup_steps: int = 0                   # linear LR warm-up over this many RL updates; 0: off
     seed: int = 0                              # SFT sub-batch sampling
 
     def __post_init__(self):
@@ -120,8 +122,16 @@ class TrainConfig:
             bad("rs_threshold", f"rs_kind {self.rs_kind!r} needs a threshold (> 0)")
         if self.rs_kind is None and self.rs_threshold is not None:
             bad("rs_threshold", "is set but rs_kind is None; set rs_kind to 'k1' or 'k3' or drop the threshold")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        number("clip_ratio_c", 0, allow_none=True)
+        if self.loss in ("dapo", "grpo") and self.clip_ratio_c and self.clip_ratio_c <= 1 + self.clip_high:
+            bad("clip_ratio_c", f"must exceed 1 + clip_high = {1 + self.clip_high} (it bounds the ratio for "
+                                "negative advantages above the ordinary clip); 0 or None: dual clip off")
+        for name in ("lr_warmup_steps", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                bad(name, "must be an integer")
+        if self.lr_warmup_steps < 0:
+            bad("lr_warmup_steps", "must be >= 0 (0: no warm-up)")
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -233,6 +243,10 @@ class Trainer:
         self.optimizer = MasterAdamW(model, lr=config.lr, betas=config.betas, eps=config.eps,
                                      weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self._rng = torch.Generator().manual_seed(config.seed)
+        # RL updates taken so far: the LR warm-up counts these, not optimizer steps, because a
+        # supervised warm-up of a random model (loop.warmup_sft_steps) uses the same optimizer
+        # and must neither run at a reduced rate nor use up the RL warm-up.
+        self.rl_updates = 0
 
     @property
     def device(self) -> torch.device:
@@ -242,6 +256,14 @@ class Trainer:
     def step(self) -> int:
         """Optimizer steps taken so far (RL updates and SFT steps)."""
         return self.optimizer.steps
+
+    def lr_scale(self, update: int) -> float:
+        """Factor on the configured LR for RL update ``update`` (0-based): ``(update + 1) / W``
+        for the first W = ``lr_warmup_steps`` updates, then 1. Linear like verl's
+        constant-with-warm-up schedule, but the first update already moves (verl's LambdaLR
+        starts at factor 0, which spends the first update at rate 0)."""
+        w = self.config.lr_warmup_steps
+        return 1.0 if w <= 0 or update >= w else (update + 1) / w
 
     # ------------------------------------------------------------------------------- scoring
     def _packs(self, sequences: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -322,7 +344,8 @@ class Trainer:
             ref = None if batch.ref_logprobs is None else torch.cat([batch.ref_logprobs[i] for i in idx])
             loss, st = policy_loss(cfg.loss, logp, torch.cat([old[i] for i in idx]), adv,
                                    [resp_lens[i] for i in idx], clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                   kl_coef=cfg.kl_coef, ref_logprobs=ref, weights=w, denom=denom)
+                                   kl_coef=cfg.kl_coef, ref_logprobs=ref, weights=w,
+                                   clip_ratio_c=cfg.clip_ratio_c, denom=denom)
             loss.backward()
             self.optimizer.accumulate_grads()
             loss_total += float(loss.detach())
@@ -336,15 +359,19 @@ class Trainer:
         optimizer step each. Returns aggregated statistics (python floats): ``loss`` and
         ``grad_norm`` (means over updates), ``grad_norm_max``, ``updates``, ``skipped_updates``
         (mini-batches left with no token after rejection, or a non-finite gradient), ``tokens``,
-        ``sequences``, ratio/clip statistics (token-weighted), the correction statistics of the
-        whole batch (``tis_*``, ``rs_rejected_frac``, ``k1_mean``, ``k3_mean``) and ``step``."""
+        ``sequences``, ratio/clip statistics (token-weighted, ``dual_clip_frac`` included), the
+        correction statistics of the whole batch (``tis_*``, ``rs_rejected_frac``, ``k1_mean``,
+        ``k3_mean``), ``lr`` (the rate of the last update) and ``step``.
+
+        ``mini_batch_size`` counts sequences here; the RL loop passes prompts x samples so that a
+        mini-batch holds whole groups, as verl's ``ppo_mini_batch_size`` (prompts) does."""
         if isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, int) or mini_batch_size < 1:
             raise ValueError(f"mini_batch_size must be a positive integer number of sequences, got {mini_batch_size!r}")
         if len(batch) == 0:
             raise ValueError("train: empty batch")
         old = self._checked_old(batch, old_logprobs)
         corr = self.correction(batch, old)
-        parts, losses, norms, skipped = [], [], [], 0
+        parts, losses, norms, lrs, skipped = [], [], [], [], 0
         for start in range(0, len(batch), mini_batch_size):
             idx = list(range(start, min(start + mini_batch_size, len(batch))))
             st = self.backward(batch.select(idx), [old[i] for i in idx], corr.select(idx))
@@ -352,10 +379,12 @@ class Trainer:
                 self.optimizer.zero_grad()
                 skipped += 1
                 continue
-            o = self.optimizer.step()
+            o = self.optimizer.step(self.lr_scale(self.rl_updates))
             if o["skipped"]:
                 skipped += 1
                 continue
+            self.rl_updates += 1
+            lrs.append(o["lr"])
             parts.append(st)
             losses.append(st["loss"])
             norms.append(o["grad_norm"])
@@ -365,7 +394,8 @@ class Trainer:
             loss=sum(losses) / len(losses) if losses else 0.0,
             grad_norm=sum(norms) / len(norms) if norms else 0.0,
             grad_norm_max=max(norms) if norms else 0.0,
-            updates=len(norms), skipped_updates=skipped, step=self.step, **corr.stats)
+            updates=len(norms), skipped_updates=skipped, step=self.step,
+            lr=lrs[-1] if lrs else self.optimizer.lr * self.lr_scale(self.rl_updates), **corr.stats)
         return out
 
     # ------------------------------------------------------------------------------------ sft
@@ -411,6 +441,7 @@ class Trainer:
         """A snapshot: model tensors, optimizer masters/moments/step, the SFT generator, config."""
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "rng": self._rng.get_state(),
+                "rl_updates": self.rl_updates,
                 "config": asdict(self.config)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -421,3 +452,4 @@ class Trainer:
             self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self._rng.set_state(state["rng"])
+        self.rl_updates = int(state.get("rl_updates", 0))   # absent in checkpoints from before the warm-up

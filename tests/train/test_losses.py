@@ -168,3 +168,45 @@ def test_on_policy_ratio_is_exactly_one_and_nothing_clips(tokens, clip_low, clip
     assert math.isclose(loss.item(), -adv.double().mean().item(), rel_tol=1e-5, abs_tol=1e-5)
     loss.backward()
     assert torch.allclose(x.grad, -adv / len(tokens), atol=1e-7)
+
+
+# Dual clip (verl's DAPO recipe, c = 10): tokens with A < 0 and a ratio above c take loss -A c and
+# no gradient; below c, and for A > 0, the ordinary clipped surrogate stands.
+#   t0 r=20 A=-1 -> dual clip: 10      t1 r=5 A=-1 -> -A r = 5      t2 r=20 A=+1 -> clipped high: -1.28
+DUAL_R, DUAL_A = [20.0, 5.0, 20.0], [-1.0, -1.0, 1.0]
+
+
+def _dual_tokens():
+    old = torch.tensor([-4.0, -3.0, -5.0])
+    logp = (old.double() + torch.tensor(DUAL_R, dtype=torch.float64).log()).float().requires_grad_(True)
+    return logp, old, torch.tensor(DUAL_A)
+
+
+@pytest.mark.parametrize("loss", ["dapo", "grpo"])
+def test_dual_clip_bounds_the_loss_of_negative_advantages(loss):
+    logp, old, adv = _dual_tokens()
+    kw = dict(clip_low=0.2, clip_high=0.28 if loss == "dapo" else 0.2)
+    on, st_on = policy_loss(loss, logp, old, adv, [1, 1, 1], clip_ratio_c=10.0, **kw)
+    on.backward()
+    g_on = logp.grad.clone()
+    logp.grad = None
+    off, st_off = policy_loss(loss, logp, old, adv, [1, 1, 1], clip_ratio_c=None, **kw)
+    off.backward()
+    high = 1 + kw["clip_high"]
+    assert on.item() == pytest.approx((10.0 + 5.0 - high) / 3, rel=1e-5)
+    assert off.item() == pytest.approx((20.0 + 5.0 - high) / 3, rel=1e-5)
+    assert g_on[0].item() == 0.0 and logp.grad[0].item() != 0.0      # capped token gives no gradient
+    assert g_on[1].item() == pytest.approx(logp.grad[1].item())        # below c: unchanged
+    assert st_on["dual_clip_frac"].item() == pytest.approx(1 / 3) and st_off["dual_clip_frac"].item() == 0.0
+
+
+def test_dual_clip_bound_must_lie_above_the_upper_clip():
+    from isoexec.errors import ConfigError
+    from isoexec.train import TrainConfig
+
+    assert TrainConfig().clip_ratio_c == 10.0                     # on by default, as in the DAPO recipe
+    assert TrainConfig(clip_ratio_c=None).clip_ratio_c is None and TrainConfig(clip_ratio_c=0).clip_ratio_c == 0
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        TrainConfig(clip_ratio_c=1.2)                             # inside the ordinary clip range (1.28)
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        TrainConfig(clip_ratio_c="ten")

@@ -328,3 +328,26 @@ def test_bad_batches_raise_clear_errors(contract):
         tr.train(TrainBatch(seqs, pls, [1.0, 1.0], rl), rl, 2)
     with pytest.raises(TypeError, match="TrainConfig"):
         Trainer(tr.model, {"lr": 1e-3})
+
+
+def test_lr_warmup_is_linear_over_rl_updates_and_spares_sft(contract):
+    """lr_warmup_steps=3: RL updates 0, 1, 2 run at 1/3, 2/3, 3/3 of lr, then lr; SFT steps before
+    them run at the full rate and use none of the warm-up. Read from the optimizer's own groups."""
+    trainer = Trainer(_model(contract), _cfg(lr=1e-3, lr_warmup_steps=3))
+    seqs, pls = _sequences(4, seed=3)
+    trainer.sft(seqs, pls, steps=2)
+    assert [g["lr"] for g in trainer.optimizer.opt.param_groups] == [1e-3] * len(trainer.optimizer.opt.param_groups)
+    seen = []
+    for k in range(5):
+        batch = _batch(trainer, n=2, seed=10 + k)
+        st = trainer.train(batch, batch.rollout_logprobs, mini_batch_size=2)
+        assert st["updates"] == 1
+        seen.append(trainer.optimizer.opt.param_groups[0]["lr"])
+        assert st["lr"] == seen[-1]
+    assert seen == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3, 1e-3], rel=1e-12)
+    assert trainer.rl_updates == 5
+    resumed = Trainer(_model(contract), _cfg(lr=1e-3, lr_warmup_steps=3))
+    resumed.load_state_dict(trainer.state_dict())
+    assert resumed.rl_updates == 5 and resumed.lr_scale(resumed.rl_updates) == 1.0
+    with pytest.raises(ConfigError, match="lr_warmup_steps"):
+        _cfg(lr_warmup_steps=-1)
