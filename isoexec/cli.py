@@ -196,12 +196,16 @@ def cmd_run(args) -> int:
     from .rl.loop import RLConfig, run_rl
 
     d = _load_mapping(args.config)
-    d = dict(d.get("rl", d))
+    if "rl" in d:   # a workflow-style file: the settings sit under `rl:`
+        d = d["rl"]
+        if not isinstance(d, dict):
+            raise IsoExecError(f"rl config {args.config!r}: `rl` must be a mapping of RL settings, got {d!r}")
+    d = dict(d)
     for key in ("family", "composition", "model", "arch", "contract", "seed", "steps", "dataset", "checkpoint"):
         v = getattr(args, key)
         if v is not None:
             d[key] = v
-    cfg = RLConfig.from_dict(d)
+    cfg = RLConfig.from_dict(d)   # every value checked here: a refused config leaves no output folder
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     lines = run_rl(cfg, args.out, log=log)
     if lines:

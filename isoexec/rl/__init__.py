@@ -8,7 +8,7 @@ from .data import (DAPO_INSTRUCTION, DataSchemaError, DatasetNotFound, Problem, 
 from .metrics import (REQUIRED_KEYS, MetricsFileError, MetricsWriter, argmax_flips,
                       logprob_diff_stats, read_metrics, summary_line)
 from .reward import overlong_penalty, reward, verify
-from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerNotFound, chat_prompt
+from .tokenizer import CharTokenizer, HFTokenizer, Tokenizer, TokenizerNotFound, chat_prompt, prompt_for
 
 __all__ = [
     "GroupFiller", "TooManyRounds", "dynamic_sampling", "fill_groups", "group_advantages",
@@ -17,5 +17,5 @@ __all__ = [
     "REQUIRED_KEYS", "MetricsFileError", "MetricsWriter", "argmax_flips", "logprob_diff_stats",
     "read_metrics", "summary_line",
     "overlong_penalty", "reward", "verify",
-    "CharTokenizer", "HFTokenizer", "Tokenizer", "TokenizerNotFound", "chat_prompt",
+    "CharTokenizer", "HFTokenizer", "Tokenizer", "TokenizerNotFound", "chat_prompt", "prompt_for",
 ]

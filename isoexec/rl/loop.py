@@ -12,13 +12,17 @@ choice is keyed by (seed, step, ...) rather than drawn from a stream that a rest
 from __future__ import annotations
 
 import hashlib
+import inspect
 import io
 import json
+import math
 import re
 import time
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -29,6 +33,76 @@ class LiveCheckFailed(IsoExecError):
     """Under a contract claiming tolerance 0, a rollout logprob differed from the trainer's."""
 
     exit_code = 1
+
+
+#: What a value must be, per type hint, in the words of an error message.
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+               dict: "a mapping", type(None): "null"}
+
+
+def _type_ok(v: Any, hint: Any) -> bool:
+    """Whether ``v`` (a value read from YAML/JSON) fits the dataclass type hint ``hint``. Strict
+    where Python is lax: a bool is not an integer, an integer is a number, NaN/inf are not."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_type_ok(v, a) for a in typing.get_args(hint))
+    if origin in (tuple, list) or hint in (tuple, list):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return isinstance(v, (list, tuple)) and all(_type_ok(x, args[0]) for x in v) if args else \
+            isinstance(v, (list, tuple))
+    if hint is bool:
+        return isinstance(v, bool)
+    if hint is int:
+        return isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    if hint is dict or origin is dict:
+        return isinstance(v, dict)
+    if hint is str:
+        return isinstance(v, str)
+    return hint is type(None) and v is None
+
+
+def _type_words(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_words(a) for a in typing.get_args(hint))
+    if origin in (tuple, list) or hint in (tuple, list):
+        return "a list"
+    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def check_fields(where: str, cls: type, d: Any) -> dict:
+    """``d`` as a dict of ``cls``'s fields: refuses a non-mapping, unknown keys and values whose
+    type does not fit the field's type hint, each with one line naming the key. The one place
+    the RL loop's configuration sections (the run, ``engine``, ``wandb``) are type-checked, so a
+    bad value is refused before a model is built rather than deep inside a step."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping of keys to values, got {d!r}")
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in fields(cls)]
+    unknown = sorted(str(k) for k in set(d) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    for k, v in d.items():
+        if not _type_ok(v, hints[k]):
+            raise ConfigError(f"{where}: {k} must be {_type_words(hints[k])}, got {v!r}")
+    return dict(d)
+
+
+@dataclass
+class WandbConfig:
+    """Mirror of each metrics line to Weights & Biases. Offline by default: our machines reach no
+    server, and an offline run is uploaded later with ``wandb sync <out>/wandb/offline-run-*``."""
+
+    enabled: bool = False
+    project: str = "isoexec"
+    mode: str = "offline"                   # offline | online | disabled
+    name: Optional[str] = None              # None: <family>-<composition>-seed<seed>
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -45,41 +119,92 @@ class RLConfig:
     steps: int = 5
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
-    mini_batch_size: int = 16               # sequences per optimizer step
-    max_prompt_tokens: int = 64
+    # PROMPTS (groups) per optimizer step, as verl's ppo_mini_batch_size: a mini-batch holds
+    # mini_batch_size * samples_per_prompt sequences, and a step makes
+    # ceil(groups kept / mini_batch_size) updates (prompts_per_step / mini_batch_size when full).
+    mini_batch_size: int = 4
+    max_prompt_tokens: int = 64             # longer prompts are filtered out of the data set up front
     max_response_tokens: int = 24
     overlong_cache: int = 8
     prompt_style: str = "full"             # full (DAPO instruction) | compact ("<expr>=", synthetic task only)
     temperature: float = 1.0
     top_p: float = 1.0
     dynamic_sampling: bool = True
-    max_refill_rounds: int = 2
+    max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
     checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
     live_check: Optional[bool] = None       # None: on iff the contract claims tolerance 0
     dtype: str = "auto"                     # auto = bfloat16 on GPU, float32 on CPU
-    train: dict = field(default_factory=dict)
-    engine: dict = field(default_factory=dict)
-    synthetic: dict = field(default_factory=dict)
+    train: dict = field(default_factory=dict)      # isoexec.train.trainer.TrainConfig fields
+    engine: dict = field(default_factory=dict)     # isoexec.engine.EngineConfig fields
+    synthetic: dict = field(default_factory=dict)  # isoexec.rl.data.synthetic_arithmetic parameters
+    wandb: dict = field(default_factory=dict)      # WandbConfig fields
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RLConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ConfigError(f"rl config: unknown key(s) {', '.join(unknown)}")
-        cfg = cls(**d)
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_response_tokens"):
-            if getattr(cfg, name) < 1:
-                raise ConfigError(f"rl config: {name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.checkpoint_every < 0:
-            raise ConfigError(f"rl config: checkpoint_every must be >= 0 (0: never), got {cfg.checkpoint_every}")
-        if cfg.prompt_style not in ("full", "compact"):
-            raise ConfigError(f"rl config: prompt_style must be full or compact, got {cfg.prompt_style!r}")
-        if cfg.overlong_cache >= cfg.max_response_tokens:
-            raise ConfigError("rl config: overlong_cache must be smaller than max_response_tokens")
+    def from_dict(cls, d: Any) -> "RLConfig":
+        """Build and check a configuration: every key known, every value of its type and range,
+        the ``train``/``engine``/``synthetic``/``wandb`` sections too. Everything that can be
+        checked without building a model is checked here, so a refused config does no work."""
+        cfg = cls(**check_fields("rl config", cls, d))
+        cfg._check()
         return cfg
+
+    def _check(self) -> None:
+        from .. import registry
+        from ..engine.config import EngineConfig
+        from ..train.trainer import TrainConfig
+        from .data import synthetic_arithmetic
+
+        def bad(msg):
+            raise ConfigError(f"rl config: {msg}")
+
+        for name in ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_prompt_tokens",
+                     "max_response_tokens", "warmup_batch_size"):
+            if getattr(self, name) < 1:
+                bad(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seed", "overlong_cache", "max_refill_rounds", "warmup_sft_steps", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                bad(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.mini_batch_size > self.prompts_per_step:
+            bad(f"mini_batch_size {self.mini_batch_size} counts prompts (groups of samples_per_prompt "
+                f"sequences, as verl's ppo_mini_batch_size) and exceeds prompts_per_step {self.prompts_per_step}")
+        if self.family not in registry.FAMILIES:
+            bad(f"family must be one of {', '.join(registry.FAMILIES)}, got {self.family!r}")
+        if self.arch not in registry.ARCHES:
+            bad(f"arch must be one of {', '.join(registry.ARCHES)}, got {self.arch!r}")
+        if self.dtype not in DTYPES:
+            bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.prompt_style not in ("full", "compact"):
+            bad(f"prompt_style must be full or compact, got {self.prompt_style!r}")
+        if self.temperature < 0:
+            bad(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.overlong_cache >= self.max_response_tokens:
+            bad("overlong_cache must be smaller than max_response_tokens")
+        TrainConfig.from_dict({"seed": self.seed, **check_fields("rl config `train`", TrainConfig, self.train)})
+        engine = check_fields("rl config `engine`", EngineConfig, self.engine)
+        try:
+            EngineConfig(**engine)
+        except AssertionError as exc:      # EngineConfig states its ranges as assertions
+            bad(f"`engine`: {exc}")
+        wb = WandbConfig(**check_fields("rl config `wandb`", WandbConfig, self.wandb))
+        if wb.mode not in WANDB_MODES:
+            bad(f"`wandb`: mode must be one of {', '.join(WANDB_MODES)}, got {wb.mode!r}")
+        if self.dataset == "synthetic":
+            known = set(inspect.signature(synthetic_arithmetic).parameters) - {"seed"}
+            unknown = sorted(str(k) for k in set(self.synthetic) - known)
+            if unknown:
+                bad(f"`synthetic`: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            try:
+                synthetic_arithmetic(**{"n": 256, "seed": self.seed, **self.synthetic})
+            except (TypeError, ValueError) as exc:
+                bad(f"`synthetic`: {exc}")
+
+    @property
+    def wandb_config(self) -> WandbConfig:
+        return WandbConfig(**self.wandb)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -129,22 +254,28 @@ class RLRun:
             m.install(self.contract)
         self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
         if cfg.dataset == "synthetic":
-            try:
-                problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"rl config `synthetic`: {exc}") from None
+            problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
         else:
             problems = load_problems(cfg.dataset)
-        self.problems = problems
-        self.stream = PromptStream(problems, cfg.prompts_per_step, cfg.seed)
+        self.problems = self._filter_overlong(problems)
+        self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
         pages = (cfg.prompts_per_step * cfg.samples_per_prompt * (cfg.max_prompt_tokens + cfg.max_response_tokens)
                  // 16 + 64)
         ecfg = {"max_num_seqs": cfg.prompts_per_step * cfg.samples_per_prompt, "num_pages": pages,
                 "max_num_batched_tokens": 2048, **cfg.engine}
         self.engine = Engine(self.engine_model, self.contract, EngineConfig(**ecfg),
                              trainer_contract=self.contract)
+        wb = cfg.wandb_config
+        if wb.enabled:
+            try:
+                import wandb  # noqa: F401 - asked for by the config: refuse now, not after the first step
+            except ImportError:
+                raise ConfigError("rl config: wandb.enabled is true but the wandb package is not installed "
+                                  "(pip install wandb)") from None
         self.out.mkdir(parents=True, exist_ok=True)   # only once every input has been checked
-        self.metrics = MetricsWriter(self.out / "metrics.jsonl")
+        self.metrics = MetricsWriter(self.out / "metrics.jsonl", wandb=wb.enabled, wandb_project=wb.project,
+                                     wandb_mode=wb.mode, config=asdict(cfg),
+                                     run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
         self.live_check = self.contract.claims.claims_zero_tolerance if cfg.live_check is None else cfg.live_check
         self.step = 0
         self._resume_or_start()
@@ -159,8 +290,9 @@ class RLRun:
             state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
             saved = dict(state.get("config") or {})
             now = asdict(self.cfg)
-            saved.pop("steps", None)
-            now.pop("steps", None)       # a finished run may be extended with more steps
+            for key in ("steps", "wandb"):   # a finished run may be extended; logging changes no result
+                saved.pop(key, None)
+                now.pop(key, None)
             if saved != now:
                 diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
                 raise ConfigError(f"{self.ckpt_path} was written by a run with another configuration "
@@ -188,7 +320,7 @@ class RLRun:
         """Supervised warm-up of a random model on solved problems so that rewards carry signal."""
         seqs, prompt_lens = [], []
         for p in self.problems[:128]:
-            prompt = self.tok.encode(self._prompt_text(p))
+            prompt = self._prompt_ids[p.id]
             answer = self.tok.encode(f" {p.ground_truth}\nAnswer: {p.ground_truth}") + [self.tok.eos_id]
             seqs.append(prompt + answer)
             prompt_lens.append(len(prompt))
@@ -213,15 +345,36 @@ class RLRun:
         return self._clock() - t0
 
     def _prompt_text(self, problem) -> str:
-        """The prompt string. ``compact`` keeps only the expression of a synthetic problem
-        ("12+7*3="): the tiny CPU models cannot afford the 250-character DAPO instruction."""
-        from .tokenizer import chat_prompt
+        """The prompt string: the user message through the tokenizer's chat template where it has
+        one, else the plain base-model frame (:func:`~isoexec.rl.tokenizer.prompt_for`).
+        ``compact`` keeps only the expression of a synthetic problem ("12+7*3=") as the user
+        message: the tiny CPU models cannot afford the 250-character DAPO instruction."""
+        from .tokenizer import prompt_for
 
+        text = problem.prompt_text
         if self.cfg.prompt_style == "compact":
-            m = re.search(r"Compute (.+?)\.", problem.prompt_text)
+            m = re.search(r"Compute (.+?)\.", text)
             if m:
-                return f"{m.group(1)}="
-        return chat_prompt(problem)
+                return prompt_for(self.tok, f"{m.group(1)}=", plain="{prompt}")
+        return prompt_for(self.tok, text)
+
+    def _filter_overlong(self, problems) -> list:
+        """Drop problems whose prompt is longer than ``max_prompt_tokens`` (verl's
+        ``filter_overlong_prompts``), with a counted warning. Cutting such a prompt would train
+        on a question the model never saw whole; the count goes into every metrics line."""
+        ids = {p.id: self.tok.encode(self._prompt_text(p)) for p in problems}
+        kept = [p for p in problems if len(ids[p.id]) <= self.cfg.max_prompt_tokens]
+        self.prompts_filtered_overlong = len(problems) - len(kept)
+        if self.prompts_filtered_overlong:
+            longest = max(len(x) for x in ids.values())
+            self.log(f"warning: {self.prompts_filtered_overlong} of {len(problems)} prompts are longer than "
+                     f"max_prompt_tokens={self.cfg.max_prompt_tokens} tokens (longest {longest}) and were filtered "
+                     f"out of the data set")
+        if not kept:
+            raise ConfigError(f"every one of the {len(problems)} prompts is longer than max_prompt_tokens="
+                              f"{self.cfg.max_prompt_tokens} tokens; raise max_prompt_tokens")
+        self._prompt_ids = {p.id: ids[p.id] for p in kept}
+        return kept
 
     def _decode(self, ids) -> str:
         # the model's vocabulary may be larger than the tokenizer's: ids it does not know read as UNK
@@ -235,7 +388,7 @@ class RLRun:
         cfg = self.cfg
         prompts, params, owners = [], [], []
         for pi, p in enumerate(problems):
-            ids = self.tok.encode(self._prompt_text(p))[-cfg.max_prompt_tokens:]
+            ids = self._prompt_ids[p.id]          # within max_prompt_tokens: longer ones were filtered out
             for si in range(cfg.samples_per_prompt):
                 prompts.append(ids)
                 params.append(SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
@@ -261,35 +414,43 @@ class RLRun:
 
     def run_step(self) -> dict:
         from ..train.trainer import TrainBatch
-        from .advantages import dynamic_sampling, group_advantages
+        from .advantages import GroupFiller, TooManyRounds, dynamic_sampling, group_advantages
         from .metrics import logprob_diff_stats, summary_line
         from .reward import reward
 
         cfg, step = self.cfg, self.step
         t_step = self._clock()
-        groups, generated, t_gen, rounds, dropped = [], [], 0.0, 0, 0
-        while len(groups) < cfg.prompts_per_step and rounds <= cfg.max_refill_rounds:
-            need = cfg.prompts_per_step - len(groups)
-            problems = self.stream.next_batch(need)
+        n = cfg.samples_per_prompt
+        # DAPO's dynamic sampling: up to 1 + max_refill_rounds rounds, each asking for the groups
+        # still missing; a group is a list of indices into `generated`.
+        filler = GroupFiller(cfg.prompts_per_step, max_rounds=cfg.max_refill_rounds + 1)
+        generated, t_gen = [], 0.0
+        while not filler.full:
+            problems = self.stream.next_batch(filler.deficit)
             t0 = self._clock()
-            results, owners = self._generate(problems, step, rounds)
+            results, owners = self._generate(problems, step, filler.rounds)
             t_gen += self._clock() - t0
             rs = []
             for r, owner in zip(results, owners):
                 total, correct = reward(self._decode(r.ids), problems[owner].ground_truth, len(r.ids),
                                         cfg.max_response_tokens, cfg.overlong_cache)
                 rs.append((total, correct))
-            n = cfg.samples_per_prompt
             # DAPO's dynamic sampling filters on accuracy: a group all right or all wrong has no signal
             keep = dynamic_sampling([float(x[1]) for x in rs], n) if cfg.dynamic_sampling else [True] * len(problems)
-            for gi, k in enumerate(keep):
-                members = [len(generated) + j for j in range(gi * n, gi * n + n)]
-                if k and len(groups) < cfg.prompts_per_step:
-                    groups.append(members)
-                else:
-                    dropped += 1
+            base = len(generated)
             generated += list(zip(results, rs))
-            rounds += 1
+            try:
+                filler.add([list(range(base + gi * n, base + gi * n + n)) for gi in range(len(problems))], keep)
+            except TooManyRounds:
+                break
+        groups = filler.kept[:cfg.prompts_per_step]
+        groups_short = filler.deficit
+        if groups_short:
+            # verl trains on what it kept once max_num_gen_batches is reached; so do we, but loudly
+            self.log(f"warning: step {step}: dynamic sampling kept {len(groups)} of {cfg.prompts_per_step} groups "
+                     f"after {filler.rounds} generation round(s) ({filler.dropped} of {filler.generated} groups all "
+                     f"right or all wrong); training on {len(groups)} group(s), groups_short={groups_short} "
+                     f"(raise max_refill_rounds, or check that the prompts are neither all solved nor all failed)")
 
         # Pre-update scoring of EVERY generated response: the mismatch metric covers all rollouts,
         # and the kept groups' scores are pi_old (recompute) without a second pass.
@@ -321,7 +482,8 @@ class RLRun:
             batch = TrainBatch(sequences=sequences, prompt_lens=prompt_lens, advantages=adv,
                                rollout_logprobs=rollout_lp)
             old = trainer_lp if self.trainer.config.pi_old == "recompute" else rollout_lp
-            train_stats = self.trainer.train(batch, old, cfg.mini_batch_size)
+            # mini_batch_size counts prompts: whole groups of samples_per_prompt sequences per update
+            train_stats = self.trainer.train(batch, old, cfg.mini_batch_size * n)
         t_train = self._clock() - t0
         t_sync = self._sync_weights()
         lengths = [len(r.ids) for r, _ in generated]
@@ -338,7 +500,8 @@ class RLRun:
             "accuracy": sum(x[1][1] for x in generated) / len(generated) if generated else 0.0,
             "responses": len(generated), "responses_trained": len(kept),
             "response_length_mean": sum(lengths) / len(lengths) if lengths else 0.0,
-            "groups_kept": len(groups), "groups_dropped": dropped, "generation_rounds": rounds,
+            "groups_kept": len(groups), "groups_dropped": filler.dropped, "groups_short": groups_short,
+            "generation_rounds": filler.rounds, "prompts_filtered_overlong": self.prompts_filtered_overlong,
             **{f"train_{k}": v for k, v in train_stats.items() if isinstance(v, (int, float))},
             # time_training_s is the mini-batch updates alone (verl's "policy training"); scoring
             # is its own stage. A step that kept no group trained nothing: "trained" is False and
@@ -358,9 +521,13 @@ class RLRun:
         return line
 
     def run(self) -> list[dict]:
+        """Run the remaining steps, then close the metrics file (and finish the W&B run)."""
         out = []
-        while self.step < self.cfg.steps:
-            out.append(self.run_step())
+        try:
+            while self.step < self.cfg.steps:
+                out.append(self.run_step())
+        finally:
+            self.metrics.close()
         return out
 
 

@@ -9,7 +9,9 @@ Two tokenizers stand behind one small protocol:
 * :class:`HFTokenizer` - a real checkpoint's tokenizer read from local files only (no hub is
   reachable on our machines; failing fast with the path beats a network timeout).
 
-:func:`chat_prompt` turns a problem into the prompt string a base model continues.
+:func:`prompt_for` turns a user message into the prompt string: through the tokenizer's chat
+template where it has one (an instruct checkpoint was trained on that frame, and verl's RL data
+set builds its prompts the same way), else through :data:`BASE_TEMPLATE` (:func:`chat_prompt`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,14 @@ class HFTokenizer:
         self.bos_id = self._tok.bos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.vocab_size = len(self._tok)
+        # None for a base checkpoint without one: prompt_for then uses the plain frame
+        self.chat_template = getattr(self._tok, "chat_template", None) or None
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The prompt text of ``messages`` in the checkpoint's chat template, ending where the
+        assistant's reply starts (``add_generation_prompt=True``). Text, not ids, as verl does:
+        :meth:`encode` then turns it into ids without adding special tokens twice."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode(self, text: str) -> list[int]:
         # No special tokens: the prompt template says exactly what the model sees.
@@ -132,6 +142,15 @@ class HFTokenizer:
 #: template, and a fixed plain-text frame keeps the prompt tokens identical for the engine and
 #: the trainer. The response is everything the model writes after it.
 BASE_TEMPLATE = "User: {prompt}\n\nAssistant:"
+
+
+def prompt_for(tok, user_text: str, plain: str = BASE_TEMPLATE) -> str:
+    """The prompt string for one user message: ``tok``'s chat template (with the generation
+    prompt) when the tokenizer has one, otherwise ``plain`` (a template with one ``{prompt}``
+    field; the character tokenizer has no chat template)."""
+    if getattr(tok, "chat_template", None):
+        return tok.apply_chat_template([{"role": "user", "content": user_text}])
+    return chat_prompt(user_text, plain)
 
 
 def chat_prompt(problem, template: str = BASE_TEMPLATE) -> str:

@@ -126,3 +126,40 @@ def test_gates_only_runs_the_named_gates_and_refuses_unknown_names(tmp_path):
     gates = json.loads(ok.stdout)["gates"]
     assert gates and {g["family"] for g in gates} == {"backward_determinism"}
     assert all(g["verdict"] == "pass" and g["differing"] == 0 and g["compared"] > 0 for g in gates)
+
+
+# `isoexec run --config` with a bad value: one line on stderr naming the key, exit 2, no traceback,
+# and no output folder (every value is checked before any work starts).
+BAD_RL_CONFIGS = [
+    ("steps: banana\n", "steps must be an integer, got 'banana'"),
+    ("steps: null\n", "steps must be an integer, got None"),
+    ("rl: 5\n", "`rl` must be a mapping of RL settings, got 5"),
+    ("engine: {bogus: 1}\n", "rl config `engine`: unknown key(s) bogus"),
+    ("engine: [1, 2]\n", "engine must be a mapping, got [1, 2]"),
+    ("dtype: float7\n", "dtype must be one of auto, float32, bfloat16, got 'float7'"),
+    ("temperature: hot\n", "temperature must be a number, got 'hot'"),
+    ("rl: {train: {tis_threshold: high}}\n", "rl config `train`: tis_threshold must be a number or null"),
+    ("wandb: {enabled: yes please}\n", "rl config `wandb`: enabled must be true or false"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_RL_CONFIGS, ids=[t.strip() for t, _ in BAD_RL_CONFIGS])
+def test_run_refuses_a_bad_config_value_in_one_line_and_leaves_nothing(tmp_path, capsys, text, message):
+    from isoexec.cli import main
+
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    assert main(["run", "--config", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("isoexec: error: ") and message in err, err
+    assert not out.exists()
+
+
+def test_run_bad_config_through_the_installed_command_has_no_traceback(tmp_path):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text("temperature: hot\n")
+    r = run("run", "--config", str(cfg), "--out", str(tmp_path / "out"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr == "isoexec: error: rl config: temperature must be a number, got 'hot'\n"
+    assert not (tmp_path / "out").exists()

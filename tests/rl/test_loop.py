@@ -14,11 +14,12 @@ import yaml
 
 from isoexec.rl.loop import LiveCheckFailed, RLConfig, RLRun
 
-TINY = dict(steps=2, prompts_per_step=2, samples_per_prompt=4, mini_batch_size=4, max_prompt_tokens=16,
+TINY = dict(steps=2, prompts_per_step=2, samples_per_prompt=4, mini_batch_size=1, max_prompt_tokens=16,
             max_response_tokens=8, overlong_cache=2, prompt_style="compact", warmup_sft_steps=0,
             synthetic={"n": 40, "max_operand": 9, "min_terms": 2, "max_terms": 2, "ops": "+"},
             train={"lr": 3e-3})
-TIMING = ("time_generation_s", "time_scoring_s", "time_training_s", "time_weight_sync_s", "time_step_s")
+TIMING = ("time_generation_s", "time_scoring_s", "time_training_s", "time_weight_sync_s", "time_step_s",
+          "time_generation_per_1k_tokens_s")
 
 
 def _lines(path):

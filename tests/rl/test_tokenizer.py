@@ -93,3 +93,18 @@ def test_chat_prompt_template():
     assert chat_prompt(p, "Q: {prompt}\nA:") == "Q: Compute 1+1.\nA:"
     with pytest.raises(ValueError, match="exactly one field"):
         chat_prompt(p, "{prompt} {other}")
+
+
+def test_chat_template_builds_the_prompt_where_the_tokenizer_has_one(chat_tokenizer_dir, plain_tokenizer_dir):
+    from isoexec.rl.tokenizer import prompt_for
+
+    tok = HFTokenizer(chat_tokenizer_dir)
+    assert tok.chat_template
+    text = prompt_for(tok, "3+4=")
+    assert text == "<|user|>3+4=<|assistant|>"                      # add_generation_prompt=True
+    ids = tok.encode(text)
+    user, asst = (tok._tok.convert_tokens_to_ids(t) for t in ("<|user|>", "<|assistant|>"))
+    assert ids[0] == user and ids[-1] == asst and len(ids) == 6     # the specials are one id each
+    plain = HFTokenizer(plain_tokenizer_dir)
+    assert not plain.chat_template and prompt_for(plain, "3+4=") == BASE_TEMPLATE.format(prompt="3+4=")
+    assert prompt_for(CharTokenizer(), "3+4=") == "User: 3+4=\n\nAssistant:"
