@@ -1,7 +1,8 @@
 """The reproduction tables and figures from run metrics (docs/benchmarks.md "Reporting").
 
-Reads ``results/<run>/runs/<family>/<composition>/seed<k>/metrics.jsonl`` (one JSON object per
-RL step) and renders, in the seed's layout:
+Reads ``results/<run>/runs/<family>/<arm>/seed<k>/metrics.jsonl`` (one JSON object per RL step;
+an arm is a composition plus settings overrides, by default one arm per composition named after
+it) and renders, in the seed's layout:
 - ``logprob_diff.md/.csv``: rollout-vs-trainer |Δlogprob| per family, native vs IsoExec: mean of
   the per-step means, mean of the per-step stds, the largest per-step max, bitwise-equal fraction;
 - ``step_time.md/.csv``: generation (seconds per step and per 1k generated tokens, since paired
@@ -13,6 +14,10 @@ RL step) and renders, in the seed's layout:
 - ``logprob_diff.png``: per-step mean |Δlogprob| on a log scale (an exact 0 cannot sit on a log
   axis: it is drawn at a floor line labelled "exactly 0");
 - ``step_time.png``: step-time bars per family and stage.
+
+The headline columns compare the arm named ``native`` with the arm named ``isoexec`` (or the first
+arm of each composition). When the runs hold other arms (e.g. native + token TIS, native + TIS +
+K3 rejection), both tables end with a per-arm section, one row group per family and arm.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ def run_from_folder(seed_dir: str | Path) -> dict:
             settings = json.loads(cfg.read_text())
         except ValueError:
             settings = {}
-    return {"family": seed_dir.parent.parent.name, "composition": seed_dir.parent.name,
+    arm = seed_dir.parent.name
+    return {"family": seed_dir.parent.parent.name, "arm": arm, "composition": settings.get("composition", arm),
             "seed": int(seed_dir.name[4:]), "path": str(p), "steps": read_metrics(p), "settings": settings}
 
 
@@ -90,7 +96,8 @@ def summarize(run: dict) -> dict:
     warm = [x for x in s if x["step"] >= 1] or s
     trained = [x for x in warm if _trained(x)]
     step0 = next((x for x in s if x["step"] == 0), None)
-    return {"family": run["family"], "composition": run["composition"], "seed": run["seed"], "steps": len(s),
+    return {"family": run["family"], "arm": run.get("arm", run["composition"]), "composition": run["composition"],
+            "seed": run["seed"], "steps": len(s),
             "dlp_mean": _mean([x["logprob_abs_diff_mean"] for x in s]),
             "dlp_std": _mean([x["logprob_abs_diff_std"] for x in s]),
             "dlp_max": max((x["logprob_abs_diff_max"] for x in s), default=float("nan")),
@@ -120,10 +127,37 @@ def _pool(rows: list[dict]) -> dict:
 
 
 def pooled(runs: Iterable[dict]) -> dict[tuple[str, str], dict]:
+    """Per (family, arm): the seeds pooled."""
     groups: dict[tuple[str, str], list] = {}
     for r in runs:
-        groups.setdefault((r["family"], r["composition"]), []).append(summarize(r))
+        groups.setdefault((r["family"], r.get("arm", r["composition"])), []).append(summarize(r))
     return {k: _pool(v) for k, v in groups.items()}
+
+
+def headline_arm(P: dict, family: str, composition: str):
+    """The arm a headline column shows: the one named after the composition, else the first
+    (by name) arm that runs it."""
+    if (family, composition) in P:
+        return P[(family, composition)]
+    arms = sorted(a for f, a in P if f == family and P[(f, a)]["composition"] == composition)
+    return P[(family, arms[0])] if arms else None
+
+
+def _arm_sections(P: dict) -> tuple[list[str], list[str]]:
+    """Per-arm rows for both tables, when the arms are more than one per composition."""
+    if all(a == x["composition"] for (_, a), x in P.items()):
+        return [], []
+    lp = ["", "## Per arm", "", "| family | arm | composition | mean | std | max | equal | steps |",
+          "|---|---|---|---|---|---|---|---|"]
+    st = ["", "## Per arm", "", "| family | arm | composition | generation s | pre-update scoring s | "
+          "policy training s | full step s | trained / timed steps |", "|---|---|---|---|---|---|---|---|"]
+    for (f, a) in sorted(P):
+        x = P[(f, a)]
+        lp.append(f"| {f} | {a} | {x['composition']} | {_g(x['dlp_mean'])} | {_g(x['dlp_std'])} | "
+                  f"{_g(x['dlp_max'])} | {_g(x['equal_frac'])} | {x['steps']} |")
+        st.append(f"| {f} | {a} | {x['composition']} | {_g(x['t_gen'])} | {_g(x['t_score'])} | {_g(x['t_train'])} | "
+                  f"{_g(x['t_step'])} | {x['trained_steps']}/{x['timed_steps']} |")
+    return lp, st
 
 
 def _g(x: float) -> str:
@@ -162,11 +196,11 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
           "| family | stage | native s | IsoExec s | overhead |", "|---|---|---|---|---|"]
     buf = io.StringIO()
     w = csv.writer(buf)
-    w.writerow(["family", "composition", "seeds", "steps", "dlp_mean", "dlp_std", "dlp_max", "equal_frac",
+    w.writerow(["family", "arm", "composition", "seeds", "steps", "dlp_mean", "dlp_std", "dlp_max", "equal_frac",
                 "reward", "t_gen", "t_gen_1k", "t_score", "t_train", "t_step", "t_step0", "trained_steps",
                 "untrained_steps"])
     for f in families:
-        n, i = P.get((f, "native")), P.get((f, "isoexec"))
+        n, i = headline_arm(P, f, "native"), headline_arm(P, f, "isoexec")
         def cell(x, k):
             return _g(x[k]) if x else "–"
         lp.append(f"| {f} | {cell(n, 'dlp_mean')} | {cell(n, 'dlp_std')} | {cell(n, 'dlp_max')} | "
@@ -180,16 +214,19 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
         def counts(x):
             return f"{x['trained_steps']}/{x['timed_steps']}" if x else "–"
         st.append(f"| {f} | steps that trained / timed steps (≥ 1) | {counts(n)} | {counts(i)} | |")
-        for x in (n, i):
-            if x:
-                w.writerow([f, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
-                            x["equal_frac"], x["reward"], x["t_gen"], x["t_gen_1k"], x["t_score"], x["t_train"],
-                            x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"]])
+    for (f, a) in sorted(P):   # every arm, headline or not
+        x = P[(f, a)]
+        w.writerow([f, a, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
+                    x["equal_frac"], x["reward"], x["t_gen"], x["t_gen_1k"], x["t_score"], x["t_train"],
+                    x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"]])
+    arm_lp, arm_st = _arm_sections(P)
+    lp += arm_lp
     ds = sorted({str(r.get("settings", {}).get("dynamic_sampling")) for r in runs if "dynamic_sampling" in
                  r.get("settings", {})})
     if ds:
         st += ["", "Dynamic sampling in these runs: " + ", ".join({"True": "on", "False": "off (every step trains "
                                                                   "every group)"}.get(x, x) for x in ds) + "."]
+    st += arm_st
     atomic_write(out_dir / "logprob_diff.md", "\n".join(lp) + "\n")
     atomic_write(out_dir / "step_time.md", "\n".join(st) + "\n")
     atomic_write(out_dir / "runs.csv", buf.getvalue())
@@ -208,7 +245,7 @@ def render_figures(runs: list[dict], P: dict, out_dir: Path) -> None:
         xs = [s["step"] for s in r["steps"]]
         ys = [max(s["logprob_abs_diff_mean"], ZERO_FLOOR) for s in r["steps"]]
         style = "-" if r["composition"] == "native" else "--"
-        ax.plot(xs, ys, style, marker="o", ms=3, label=f"{r['family']} {r['composition']} s{r['seed']}")
+        ax.plot(xs, ys, style, marker="o", ms=3, label=f"{r['family']} {r.get('arm', r['composition'])} s{r['seed']}")
     ax.axhline(ZERO_FLOOR, color="grey", lw=0.8)
     ax.text(0.01, ZERO_FLOOR * 2, "exactly 0", transform=ax.get_yaxis_transform(), color="grey", fontsize=8)
     ax.set_yscale("log")
@@ -219,18 +256,14 @@ def render_figures(runs: list[dict], P: dict, out_dir: Path) -> None:
     _save(fig, out_dir / "logprob_diff.png")
     plt.close(fig)
 
-    fams = sorted({f for f, _ in P})
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     stages = (("generation", "t_gen"), ("scoring", "t_score"), ("training", "t_train"), ("full step", "t_step"))
-    width = 0.8 / (2 * len(fams) or 1)
-    for fi, f in enumerate(fams):
-        for ci, comp in enumerate(("native", "isoexec")):
-            x = P.get((f, comp))
-            if not x:
-                continue
-            off = (2 * fi + ci) * width
-            ax.bar([j + off for j in range(len(stages))], [x[k] for _, k in stages], width,
-                   label=f"{f} {comp}")
+    # native arms first, then the rest, so the default pair keeps its native-then-IsoExec order
+    keys = sorted(P, key=lambda k: (k[0], P[k]["composition"] != "native", k[1]))
+    width = 0.8 / (len(keys) or 1)
+    for bi, (f, a) in enumerate(keys):
+        ax.bar([j + bi * width for j in range(len(stages))], [P[(f, a)][k] for _, k in stages], width,
+               label=f"{f} {a}")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(stages))], [s for s, _ in stages])
     ax.set_ylabel("seconds per step")
     ax.legend(fontsize=7)

@@ -62,3 +62,27 @@ def test_step_time_keeps_step_0_and_untrained_steps_out_of_the_means(tmp_path):
     st = (tmp_path / "fig" / "step_time.md").read_text()
     assert "| dense | steps that trained / timed steps (≥ 1) | – | 2/3 | |" in st
     assert "| dense | step 0 (compile, capture) | – | 20 | – |" in st
+
+
+def test_each_arm_gets_its_own_rows(tmp_path):
+    """VeXact-style arms (native, native + TIS, native + TIS + K3 rejection, IsoExec): the headline
+    columns stay native vs IsoExec, and a per-arm section lists every arm with its composition."""
+    runs_dir = tmp_path / "runs"
+    for arm, comp, diff in (("native", "native", 0.01), ("native_tis", "native", 0.02),
+                            ("native_tis_k3", "native", 0.04), ("isoexec", "isoexec", 0.0)):
+        _write_run(runs_dir, "dense", arm, 0, 3, diff)
+        (runs_dir / "dense" / arm / "seed0" / "rl_config.json").write_text(json.dumps({"composition": comp}))
+    runs = find_runs(runs_dir)
+    P = render_tables(runs, tmp_path / "fig", "cpu")
+    assert set(P) == {("dense", a) for a in ("native", "native_tis", "native_tis_k3", "isoexec")}
+    assert P[("dense", "native_tis_k3")]["composition"] == "native"
+    lp = (tmp_path / "fig" / "logprob_diff.md").read_text()
+    assert "## Per arm" in lp
+    assert "| dense | native_tis | native | 0.04 | 0.02 | 0.6 | 0.5 | 3 |" in lp
+    assert "| dense | isoexec | isoexec | 0 | 0 | 0 | 1 | 3 |" in lp
+    head = next(line for line in lp.splitlines() if line.startswith("| dense"))
+    assert [c.strip() for c in head.strip("|").split("|")][3] == "0.3"      # headline native = the arm "native"
+    st = (tmp_path / "fig" / "step_time.md").read_text()
+    assert "| dense | native_tis_k3 | native | 2.2 | 0.5 | 1.5 | 4.4 | 2/2 |" in st   # _write_run times by folder name
+    csv_rows = (tmp_path / "fig" / "runs.csv").read_text().splitlines()
+    assert csv_rows[0].startswith("family,arm,composition") and len(csv_rows) == 5

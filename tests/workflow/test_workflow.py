@@ -169,6 +169,35 @@ def test_shipped_configs_validate_on_their_own(name):
     assert cfg["run_name"] == {"config": "cpu"}.get(name, name)
 
 
+def test_rl_arms_run_side_by_side_each_on_its_compositions_contract(wf):
+    """rl.arms: one run folder per arm; an arm's contract is its composition's; settings keys are
+    checked by the schema (a typo in an arm is refused before any job)."""
+    cfg = write_config(wf / "arms.yaml", """\
+        families: [dense]
+        rl:
+          enabled: true
+          arms:
+            native: {composition: native}
+            native_tis: {composition: native, settings: {train: {tis_threshold: 2}}}
+            native_tis_k3: {composition: native, settings: {train: {tis_threshold: 2, rs_kind: k3, rs_threshold: 0.001}}}
+            isoexec: {composition: isoexec}
+        """)
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(cfg), "--config", "results_dir=res")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert job_stats(r.stdout)["rl_run"] == 4
+    for arm, comp in (("native", "native"), ("native_tis", "native"), ("native_tis_k3", "native"),
+                      ("isoexec", "isoexec")):
+        block = r.stdout.split(f"res/cpu/runs/dense/{arm}/seed0/run.json", 1)
+        assert len(block) == 2, arm
+        job = r.stdout[r.stdout.rfind("rule rl_run:", 0, len(block[0])):len(block[0]) + 400]
+        assert f"res/cpu/contracts/dense/{comp}.json" in job, (arm, job)
+    bad = write_config(wf / "bad_arm.yaml", """\
+        rl: {enabled: true, arms: {x: {composition: native, settings: {train: {tis_cap: 2}}}}}
+        """)
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
+    assert r.returncode != 0 and "tis_cap" in r.stdout + r.stderr
+
+
 # ------------------------------------------------------------------------------- real runs
 def read_outputs(wf: Path, run: str) -> tuple[str, str, dict]:
     fig = wf / "figs" / run

@@ -112,12 +112,43 @@ RL_SEEDS = list(RL_CONF.get("seeds", [0]))
 RL_ON = bool(RL_CONF.get("enabled", False))
 
 
+# Arms run side by side (e.g. native, native + token TIS, native + TIS + K3 rejection, IsoExec):
+# name -> {composition, settings overrides}; by default one arm per composition, named after it.
+RL_ARMS = {name: {"composition": a["composition"], "settings": dict(a.get("settings") or {})}
+           for name, a in (RL_CONF.get("arms") or {c: {"composition": c} for c in COMPOSITIONS}).items()}
+_arm_comps = sorted({a["composition"] for a in RL_ARMS.values()} - set(COMPOSITIONS))
+if RL_ON and _arm_comps:
+    raise WorkflowError(f"config: rl.arms use composition(s) {', '.join(_arm_comps)} that are not in "
+                        f"`compositions` (no contract is built for them); add them there")
+
+wildcard_constraints:
+    arm="|".join(map(re.escape, RL_ARMS)) or "(?!)",
+
+
+def arm_composition(arm):
+    return RL_ARMS[arm]["composition"]
+
+
+def rl_contract(wildcards):
+    return contract_path(wildcards.family, arm_composition(wildcards.arm), "")
+
+
+def _merged(base, over):
+    """`over` on top of `base`; mappings (train, engine, ...) merged key by key, so an arm that sets
+    one train key keeps the shared learning rate."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def rl_settings(wildcards):
-    """The RLConfig of one run: the config's `rl.settings`, with the run's identity filled in."""
-    s = dict(RL_CONF.get("settings") or {})
-    s.update(family=wildcards.family, composition=wildcards.composition, model=model_name(wildcards.family),
+    """The RLConfig of one run: `rl.settings` with the arm's overrides, the run's identity filled in."""
+    comp = arm_composition(wildcards.arm)
+    s = _merged(RL_CONF.get("settings") or {}, RL_ARMS[wildcards.arm]["settings"])
+    s.update(family=wildcards.family, composition=comp, model=model_name(wildcards.family),
              arch=ARCH, seed=int(wildcards.seed),
-             contract=str(Path(contract_path(wildcards.family, wildcards.composition, "")).resolve()))
+             contract=str(Path(contract_path(wildcards.family, comp, "")).resolve()))
     if RL_CONF.get("dataset", "synthetic") == "synthetic":
         s["dataset"] = str(Path(f"{RES}/data/synthetic.parquet").resolve())
     else:
@@ -138,7 +169,7 @@ def rl_data_input(wildcards):
 
 
 def rl_run_outputs():
-    return [f"{RES}/runs/{f}/{c}/seed{s}/run.json" for f in FAMILIES for c in COMPOSITIONS for s in RL_SEEDS]
+    return [f"{RES}/runs/{f}/{a}/seed{s}/run.json" for f in FAMILIES for a in RL_ARMS for s in RL_SEEDS]
 
 
 def final_targets():

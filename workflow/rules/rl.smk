@@ -1,4 +1,5 @@
-# RL runs (DAPO by default): the synthetic data set, one run per family x composition x seed, and
+# RL runs (DAPO by default): the synthetic data set, one run per family x arm x seed (an arm is a
+# composition plus settings overrides; by default one arm per composition), and
 # the reproduction tables/figures. A run writes metrics.jsonl step by step and checkpoint.pt every
 # `checkpoint_every` steps into its folder; its declared output is run.json, written when the run
 # finishes, so a run killed mid-way keeps its checkpoint and metrics and resumes when rerun.
@@ -19,12 +20,12 @@ rule synthetic_data:
 
 rule rl_run:
     input:
-        contract=contract_path("{family}", "{composition}", ""),
+        contract=rl_contract,
         data=rl_data_input,
     output:
-        f"{RES}/runs/{{family}}/{{composition}}/seed{{seed}}/run.json",
+        f"{RES}/runs/{{family}}/{{arm}}/seed{{seed}}/run.json",
     log:
-        f"{LOGS}/runs/{{family}}_{{composition}}_seed{{seed}}.log",
+        f"{LOGS}/runs/{{family}}_{{arm}}_seed{{seed}}.log",
     params:
         rl=lambda wc: rl_settings(wc),
     threads: 2
