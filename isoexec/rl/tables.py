@@ -144,7 +144,8 @@ def headline_arm(P: dict, family: str, composition: str):
 
 
 def _arm_sections(P: dict) -> tuple[list[str], list[str]]:
-    """Per-arm rows for both tables, when the arms are more than one per composition."""
+    """Per-arm rows for both tables, when some arm is not simply a composition under its own name
+    (the default arms are already the headline columns)."""
     if all(a == x["composition"] for (_, a), x in P.items()):
         return [], []
     lp = ["", "## Per arm", "", "| family | arm | composition | mean | std | max | equal | steps |",
