@@ -1,7 +1,7 @@
 """The Snakemake workflow: lint clean, the DAG it plans, the config schema, and real runs.
 
-Every run happens in a temporary copy of the workflow (Snakefile, workflow/, configs/), so the
-tests neither lock nor write into the checkout. The ``isoexec`` CLI they call is the installed
+Every run happens in a temporary copy of the workflow (Snakefile, workflow/, configs/, profiles/),
+so the tests neither lock nor write into the checkout. The ``isoexec`` CLI they call is the installed
 package; a fake ``isoexec`` placed first on PATH stands in for `gates run` where a test needs the
 CLI to fail in a particular way.
 """
@@ -32,6 +32,7 @@ def copy_workflow(dst: Path) -> Path:
     shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
     shutil.copytree(REPO / "workflow", dst / "workflow", ignore=ignore)
     shutil.copytree(REPO / "configs", dst / "configs", ignore=ignore)
+    shutil.copytree(REPO / "profiles", dst / "profiles", ignore=ignore)  # Snakemake reads profiles/default itself
     return dst
 
 
