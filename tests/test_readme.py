@@ -24,10 +24,11 @@ def test_readme_has_exactly_two_commands():
 
 def test_readme_commands_install_into_a_virtual_environment():
     """A distribution's own Python refuses `pip install` outside a venv (PEP 668): each command
-    creates (or reuses) .venv/ and activates it before anything is installed or run."""
+    creates .venv/ unless it has one (an existing venv is reused as it is) and activates it before
+    anything is installed or run."""
     for c in _quick_start_commands():
         steps = [s.strip() for s in c.strip().split("&&")]
-        assert steps[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"], steps
+        assert steps[:2] == ["{ [ -f .venv/bin/activate ] || python3 -m venv .venv; }", ". .venv/bin/activate"], steps
         assert steps[2].startswith("python3 -m pip install"), steps
     section = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
     assert "python3-venv" in section  # what Debian/Ubuntu need when `python3 -m venv` fails
