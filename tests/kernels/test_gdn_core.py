@@ -412,6 +412,11 @@ def test_native_trainer_backward_matches_recurrence(kb):
 
 # --------------------------------------------------------------------------- Triton interpreter
 # Each interp_case_* runs in the TRITON_INTERPRET=1 subprocess (conftest); fp32 only.
+# Under the interpreter tl.dot is the host BLAS, whose bits for a row can depend on the tile and
+# the row's place in it (tests/kernels/test_gemm.py). The bitwise checks below still hold on any
+# host: CPR feeds every tl.dot (chunk prep and state kernels) the same C tokens of one sequence
+# from the same boundary state in every case compared (alone or in a batch, trainer, engine
+# pieces, decode resync), and the per-token step and its outputs use tl.sum, not tl.dot.
 
 
 def interp_case_cpr_triton_varlen_engine_split_decode_bitwise_and_matches_reference(kb):
