@@ -1,7 +1,6 @@
 """Benchmarks: the CLI writes the docs/benchmarks.md result format and the renderer tables it."""
 
 import json
-import math
 import subprocess
 import sys
 
@@ -12,18 +11,8 @@ from isoexec.bench.report import write_bench_report
 REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 
 
-def ratio_of_rounded(num_ms: float, den_ms: float, ratio: float) -> bool:
-    """Whether ``ratio`` (written rounded to 4 decimals) is num/den for some timings that round to
-    ``num_ms`` and ``den_ms`` (written rounded to 6 decimals, isoexec.bench.common.row): the
-    check allows exactly what rounding allows, so it holds whatever the timings were."""
-    h, r = 0.5e-6, 0.5e-4
-    lo = (num_ms - h) / (den_ms + h)
-    hi = (num_ms + h) / (den_ms - h) if den_ms > h else math.inf
-    return lo - r - 1e-12 <= ratio <= hi + r + 1e-12
-
-
 @pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine"])
-def test_bench_cli_writes_result_format(tmp_path, name):
+def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
     out = tmp_path / f"{name}.json"
     r = subprocess.run([sys.executable, "-m", "isoexec.cli", "bench", name, "--quick", "--device", "cpu",
                         "--out", str(out)], capture_output=True, text=True, timeout=300)

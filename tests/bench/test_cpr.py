@@ -2,22 +2,11 @@
 row per (stage, baseline)."""
 
 import json
-import math
 
 from isoexec.bench.cpr import bench_cpr
 
 
-def ratio_of_rounded(num_ms: float, den_ms: float, ratio: float) -> bool:
-    """Whether ``ratio`` (written rounded to 4 decimals) is num/den for some timings that round to
-    ``num_ms`` and ``den_ms`` (written rounded to 6 decimals, isoexec.bench.common.row): the
-    check allows exactly what rounding allows, so it holds whatever the timings were."""
-    h, r = 0.5e-6, 0.5e-4
-    lo = (num_ms - h) / (den_ms + h)
-    hi = (num_ms + h) / (den_ms - h) if den_ms > h else math.inf
-    return lo - r - 1e-12 <= ratio <= hi + r + 1e-12
-
-
-def test_bench_cpr_quick_cpu_writes_result_format():
+def test_bench_cpr_quick_cpu_writes_result_format(ratio_of_rounded):
     res = bench_cpr(quick=True, device="cpu", log=lambda s: None)
     json.dumps(res)  # serialisable as written by the CLI
     assert res["name"] == "cpr"
