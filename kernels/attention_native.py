@@ -5,8 +5,10 @@ function, the way a stock stack does it. The trainer's varlen attention on a GPU
 torch's FlashAttention-2 varlen kernel on the packed rows (``aten::_flash_attention_forward`` with
 cumulative sequence lengths, GQA native, autograd through its own backward): the fastest stock
 path torch offers, the one a stock RL trainer uses, with no padding and no host round trip.
-Elsewhere (CPU, fp32) and for the engine's paged cases, sequences are padded into one
-[B, H, L, D] batch and SDPA runs once with a boolean causal + padding mask (SDPA picks its
+The engine's paged cases on a GPU gather each sequence's pages into one packed K/V and run the
+same FlashAttention-2 varlen kernel with per-sequence used-key counts (a page gather, then flash:
+a stock engine without a paged flash kernel does this). Elsewhere (CPU, fp32) sequences are padded
+into one [B, H, L, D] batch and SDPA runs once with a boolean causal + padding mask (SDPA picks its
 backend and blocking from the padded shape). They are the native composition and the negative
 control: their bits depend on the batch (padding length, batch size, the flash kernel's
 scheduling) and on prefill vs decode shapes.
@@ -87,13 +89,17 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tenso
 def attention_native_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens,
                                    scale: float, max_seqlen_q: int | None = None) -> torch.Tensor:
     """Stock twin of ``paged_prefill_attention``: gather every sequence's pages, pad the queries,
-    one masked SDPA call. Vectorised on the device (no per-sequence loop, no host sync when
+    one masked SDPA call (on a GPU in fp16/bf16: FlashAttention-2 varlen over the gathered pages,
+    ``_flash_paged``). Vectorised on the device (no per-sequence loop, no host sync when
     ``max_seqlen_q`` is given), so it is CUDA-graph capturable and a fair speed baseline."""
     dev = q.device
     n_seq = block_table.shape[0]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     if max_seqlen_q is None:
         max_seqlen_q = int(q_lens.max().item()) if n_seq else 0
+    if _flash_varlen_usable(q) and n_seq:
+        return _flash_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale,
+                            max(int(max_seqlen_q), 1))
     lq = max(int(max_seqlen_q), 1)
     t = q.shape[0]
     seq = torch.repeat_interleave(torch.arange(n_seq, device=dev), q_lens, output_size=t)
@@ -109,6 +115,21 @@ def attention_native_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_
         q_pad.transpose(1, 2), k_pad.transpose(1, 2), v_pad.transpose(1, 2),
         attn_mask=mask[:, None], scale=scale, enable_gqa=True).transpose(1, 2)
     return out.reshape(n_seq * lq, *q.shape[1:]).index_select(0, row)
+
+
+def _flash_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale, max_seqlen_q):
+    """FlashAttention-2 varlen over the gathered pages: sequence b's keys are the W = pages x
+    page_size rows starting at b * W, of which the first context_lens[b] are used (``seqused_k``);
+    causal alignment is bottom-right, so query i of a q_len chunk sits at ctx - q_len + i. Shapes
+    are static (W from the block table's width), so a decode step is CUDA-graph capturable."""
+    b, p = block_table.shape
+    width = p * k_cache.shape[1]
+    k = _gather_pages(k_cache, block_table).reshape(b * width, *k_cache.shape[2:])
+    v = _gather_pages(v_cache, block_table).reshape(b * width, *v_cache.shape[2:])
+    cu_k = torch.arange(0, (b + 1) * width, width, dtype=torch.int32, device=q.device)
+    return torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k, v, cu_seqlens_q.to(torch.int32), cu_k, max_seqlen_q, width, 0.0, True, False,
+        scale=scale, seqused_k=context_lens.to(torch.int32))[0]
 
 
 def attention_native_paged_decode(q, k_cache, v_cache, block_table, context_lens,

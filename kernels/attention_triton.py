@@ -93,12 +93,15 @@ def _attend_block(acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, str
     else:
         k_t = tl.load(K + k_row[None, :] + offs_d[:, None])
         v = tl.load(V + v_row[:, None] + offs_d[None, :])
-    s = tl.dot(q, k_t, input_precision="ieee") * qk_scale
+    # The mask is applied to the raw dot and the scale after the row max (max(x) * c equals
+    # max(x * c) for c > 0: rounding is monotone), so both paths run the very same
+    # "s * qk_scale - m" expression and FMA contraction, when enabled, fuses it in both alike.
+    s = tl.dot(q, k_t, input_precision="ieee")
     if MASKED:
         s = tl.where(offs_n[None, :] <= lim[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     acc_new = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
     if MASKED:

@@ -7,7 +7,8 @@
 #   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
-#            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1
+#            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1, the
+#            attention tile sweep if ATTN_SWEEP=1
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -50,6 +51,12 @@ if [ "$MODE" = speed ]; then
     SECONDS=0
     python3 scripts/gemm_tile_sweep.py ${SWEEP_ARGS:-} --out "$OUT/gemm_sweep.json" > "$WORK/sweep.log" 2>&1
     echo "gemm sweep rc=$? (${SECONDS}s)"; cp "$WORK/sweep.log" "$OUT/"; grep -v "^ " "$WORK/sweep.log" | tail -50
+  fi
+  if [ "${ATTN_SWEEP:-0}" = 1 ]; then
+    SECONDS=0
+    timeout ${ATTN_SWEEP_TIMEOUT:-420} python3 scripts/attention_tile_sweep.py --out "$OUT/attention_sweep.json" \
+      > "$WORK/attention_sweep.log" 2>&1
+    echo "attention sweep rc=$? (${SECONDS}s)"; cp "$WORK/attention_sweep.log" "$OUT/"; tail -40 "$WORK/attention_sweep.log"
   fi
 fi
 if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then

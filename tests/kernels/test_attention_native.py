@@ -43,3 +43,28 @@ def test_native_varlen_flash_matches_float64_and_the_padded_path_with_gradients(
     _f64_varlen(*ref, lens, scale).backward(dy.double())
     for got, r in zip(leaves, ref):
         assert kb.rel_l2(got.grad, r.grad) < 2 * kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_native_paged_flash_prefill_and_decode_match_the_padded_sdpa_path(kb):
+    """The engine's stock paged path (page gather + FlashAttention-2 varlen with used-key counts)
+    computes the same function as the masked padded SDPA it replaced: chunks that start mid-
+    sequence (bottom-right causal alignment) and single-token decode rows, at bf16 tolerance."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, page, scale = 16, 8, 128, 16, 128 ** -0.5
+    ctx, q_lens = [5, 70, 300, 17], [5, 13, 1, 17]
+    pages_per = 20
+    kc = torch.randn(len(ctx) * pages_per, page, hkv, d, generator=g).bfloat16().cuda()
+    vc = torch.randn(len(ctx) * pages_per, page, hkv, d, generator=g).bfloat16().cuda()
+    bt = torch.randperm(len(ctx) * pages_per, generator=g).view(len(ctx), pages_per).int().cuda()
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(q_lens), hq, d, generator=g).bfloat16().cuda()
+    flash = nat.attention_native_paged_prefill(q, kc, vc, bt, cu, lens, scale, max(q_lens))
+    padded = nat.attention_native_paged_prefill(q.float(), kc.float(), vc.float(), bt, cu, lens, scale,
+                                                max(q_lens))  # fp32: the padded SDPA path
+    assert kb.rel_l2(flash, padded) < kb.TOL[torch.bfloat16]
+    qd = torch.randn(len(ctx), hq, d, generator=g).bfloat16().cuda()
+    dec = nat.attention_native_paged_decode(qd, kc, vc, bt, lens, scale)
+    dec_ref = nat.attention_native_paged_decode(qd.float(), kc.float(), vc.float(), bt, lens, scale)
+    assert kb.rel_l2(dec, dec_ref) < kb.TOL[torch.bfloat16]

@@ -1,0 +1,198 @@
+"""Tile sweep for the invariant attention kernel on a GPU (a tuning tool, not a benchmark of record).
+
+For each candidate launch (BLOCK_M, BLOCK_N, warps, stages, FMA contraction) of
+``isoexec_kernels.attention_triton``, this
+
+1. checks invariance with THAT candidate used for every case: the decode row of each sequence
+   equals the last row of a one-shot paged prefill, a chunked prefill (chunks of 97 tokens)
+   equals the one-shot prefill, and the trainer's varlen forward equals the paged prefill
+   (integer views, differing-element counts);
+2. times prefill (varlen, the trainer and engine-prefill kernel) and decode (paged, page 16)
+   against SDPA flash in the same run.
+
+A candidate whose BLOCK_N differs from the pinned 64 changes the rounding schedule (block
+boundaries), so it is timed and checked for self-invariance but reported as a schedule change.
+Usage on the GPU machine:
+
+    python3 scripts/attention_tile_sweep.py --out $OUT/attention_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from isoexec.bench.common import time_ms
+from isoexec_kernels import attention_triton as at
+
+HEADS = [("0.6b", 16, 8, 128), ("8b", 32, 8, 128)]
+PREFILL = [(8, 2048), (32, 512), (8, 512)]
+DECODE = [(64, 2048), (256, 2048), (64, 384)]
+PAGE = 16
+
+
+def _c(bm, bn, w, s, fuse=False):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, fp_fusion=fuse)
+
+
+CANDIDATES = [_c(bm, 64, w, s, f) for bm, w in ((128, 8), (64, 4), (128, 4), (64, 8))
+              for s in (2, 3) for f in (False, True)] + \
+             [_c(128, 128, 8, s, f) for s in (2, 3) for f in (False, True)] + [_c(64, 128, 4, 2, True)]
+
+
+def _launch(q, kc, vc, bt, cu, lens, scale, maxq, page, cfg):
+    kcfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+    return at._launch(q, kc, vc, bt, cu, lens, scale, maxq, True, page, _cfg=kcfg, _fp_fusion=cfg["fp_fusion"])
+
+
+def _varlen(q, k, v, cu, maxlen, scale, cfg):
+    t, hkv, d = k.shape
+    kp = k.as_strided((t, 1, hkv, d), (k.stride(0), k.stride(0), k.stride(1), 1))
+    vp = v.as_strided((t, 1, hkv, d), (v.stride(0), v.stride(0), v.stride(1), 1))
+    bt = cu[:-1].to(torch.int32).reshape(-1, 1).contiguous()
+    lens = (cu[1:] - cu[:-1]).to(torch.int32)
+    return _launch(q, kp, vp, bt, cu, lens, scale, maxlen, at.VARLEN_PAGE_SIZE, cfg)
+
+
+def _ndiff(a, b):
+    return int((a.contiguous().view(torch.int16) != b.contiguous().view(torch.int16)).sum())
+
+
+def invariance(cfg, hq, hkv, d):
+    """Differing elements: decode vs prefill last row, chunked vs one-shot prefill, varlen vs paged."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens_l = [1, 63, 64, 65, 200, 517, 1000]
+    b = len(lens_l)
+    scale = d ** -0.5
+    max_pages = max(-(-n // PAGE) for n in lens_l)
+    pages = b * max_pages
+    kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(pages, device="cuda", generator=g).to(torch.int32).view(b, max_pages)
+    lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0] + lens_l, device="cuda").cumsum(0).to(torch.int32)
+    t = int(cu[-1])
+    q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    one, _ = _launch(q, kc, vc, bt, cu, lens, scale, max(lens_l), PAGE, cfg)
+    # decode: the last query of each sequence alone
+    last = cu[1:].long() - 1
+    dec, _ = _launch(q[last].contiguous(), kc, vc, bt, torch.arange(b + 1, device="cuda", dtype=torch.int32),
+                     lens, scale, 1, PAGE, cfg)
+    d_dec = _ndiff(dec, one[last])
+    # chunked prefill: chunks of 97 queries, each over the keys up to its end
+    d_chunk = 0
+    for s in range(b):
+        n = lens_l[s]
+        for c0 in range(0, n, 97):
+            c1 = min(n, c0 + 97)
+            rows = slice(int(cu[s]) + c0, int(cu[s]) + c1)
+            out, _ = _launch(q[rows].contiguous(), kc, vc, bt[s:s + 1],
+                             torch.tensor([0, c1 - c0], device="cuda", dtype=torch.int32),
+                             torch.tensor([c1], device="cuda", dtype=torch.int32), scale, c1 - c0, PAGE, cfg)
+            d_chunk += _ndiff(out, one[rows])
+    # varlen (packed K/V) vs paged
+    pos = torch.cat([torch.arange(n, device="cuda") for n in lens_l])
+    seq = torch.repeat_interleave(torch.arange(b, device="cuda"), torch.tensor(lens_l, device="cuda"))
+    slot = bt[seq, pos // PAGE].long() * PAGE + pos % PAGE
+    kf = kc.view(-1, hkv, d)[slot].contiguous()
+    vf = vc.view(-1, hkv, d)[slot].contiguous()
+    var, _ = _varlen(q, kf, vf, cu, max(lens_l), scale, cfg)
+    return {"decode_vs_prefill": d_dec, "chunked_vs_oneshot": d_chunk, "varlen_vs_paged": _ndiff(var, one)}
+
+
+def timings(cfg, hq, hkv, d, with_baseline):
+    scale = d ** -0.5
+    res = []
+    for b, s in PREFILL:
+        qs = [torch.randn(b * s, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        ks = [torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        vs = [torch.randn(b * s, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        cu = torch.arange(0, (b + 1) * s, s, dtype=torch.int32, device="cuda")
+        i = {"i": 0}
+
+        def nxt():
+            i["i"] = (i["i"] + 1) % 3
+            return qs[i["i"]], ks[i["i"]], vs[i["i"]]
+
+        ours = time_ms(lambda: _varlen(*nxt(), cu, s, scale, cfg), "cuda")
+        r = {"stage": "prefill", "batch": b, "seqlen": s, "ours_ms": round(ours, 5)}
+        if with_baseline:
+            def sdpa():
+                q, k, v = nxt()
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return F.scaled_dot_product_attention(q.view(b, s, hq, d).transpose(1, 2),
+                                                          k.view(b, s, hkv, d).transpose(1, 2),
+                                                          v.view(b, s, hkv, d).transpose(1, 2),
+                                                          is_causal=True, scale=scale, enable_gqa=True)
+            r["sdpa_ms"] = round(time_ms(sdpa, "cuda"), 5)
+        res.append(r)
+    for b, ctx in DECODE:
+        pages = b * ctx // PAGE
+        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(pages, device="cuda").to(torch.int32).view(b, ctx // PAGE)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        qs = [torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        i = {"i": 0}
+
+        def nq():
+            i["i"] = (i["i"] + 1) % 3
+            return qs[i["i"]]
+
+        ours = time_ms(lambda: _launch(nq(), kc, vc, bt, cu, lens, scale, 1, PAGE, cfg), "cuda-graph")
+        r = {"stage": "decode", "batch": b, "context": ctx, "ours_ms": round(ours, 5)}
+        if with_baseline:
+            kd = kc[bt.long()].reshape(b, ctx, hkv, d).transpose(1, 2).contiguous()
+            vd = vc[bt.long()].reshape(b, ctx, hkv, d).transpose(1, 2).contiguous()
+
+            def sdpa_dec():
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return F.scaled_dot_product_attention(nq()[:, :, None], kd, vd, scale=scale, enable_gqa=True)
+            r["sdpa_ms"] = round(time_ms(sdpa_dec, "cuda-graph"), 5)
+        res.append(r)
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    current = {**at.tile_config(128), "fp_fusion": False}
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "current": current,
+               "heads": {}}
+    with torch.no_grad():
+        for name, hq, hkv, d in HEADS:
+            rows = []
+            base = None
+            for cfg in [current] + (CANDIDATES if name == "0.6b" else CANDIDATES[:8]):
+                t0 = time.time()
+                try:
+                    inv = invariance(cfg, hq, hkv, d)
+                    tm = timings(cfg, hq, hkv, d, with_baseline=base is None)
+                except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
+                    print(f"{name} {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    rows.append({"cfg": cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                if base is None:
+                    base = {(r["stage"], r.get("seqlen", r.get("context")), r["batch"]): r["sdpa_ms"] for r in tm}
+                for r in tm:
+                    r["ratio_vs_sdpa"] = round(base[(r["stage"], r.get("seqlen", r.get("context")), r["batch"])]
+                                               / r["ours_ms"], 4)
+                rows.append({"cfg": cfg, "invariance": inv, "timings": tm, "schedule_change": cfg["BLOCK_N"] != 64})
+                summary = " ".join(f"{r['stage'][0]}{r['batch']}x{r.get('seqlen', r.get('context'))}:{r['ratio_vs_sdpa']:.2f}"
+                                   for r in tm)
+                print(f"{name} {cfg} inv={inv} {summary} ({time.time() - t0:.0f}s)", flush=True)
+            results["heads"][name] = {"hq": hq, "hkv": hkv, "d": d, "sdpa_ms": {str(k): v for k, v in base.items()},
+                                      "rows": rows}
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
