@@ -86,6 +86,11 @@ def block_k_for(N: int, K: int) -> int:
     return BLOCK_K
 
 
+M_BUCKET_BOUNDS = (16, 64, 256, 1024, 2048)
+"""Upper bounds (inclusive) of the M buckets :func:`tile_for_m` switches launches at; a warm-up
+that meets both sides of each bound compiles every variant (isoexec.train.precompile)."""
+
+
 def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096) -> dict:
     """Triton launch for a batch of M rows against a weight [N, K]:
     ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize}``.

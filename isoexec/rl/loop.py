@@ -26,7 +26,9 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .. import kernel_compiles
 from ..errors import ConfigError, IsoExecError
+from ..train.precompile import warm_up_kernel_shapes
 
 
 class LiveCheckFailed(IsoExecError):
@@ -278,6 +280,7 @@ class RLRun:
                                      run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
         self.live_check = self.contract.claims.claims_zero_tolerance if cfg.live_check is None else cfg.live_check
         self.step = 0
+        kernel_compiles.install()
         self._resume_or_start()
 
     # ------------------------------------------------------------------------------ checkpoints
@@ -306,6 +309,8 @@ class RLRun:
             self.metrics.truncate_after(-1)
             if self.cfg.warmup_sft_steps and not self.cfg.checkpoint:
                 self._warmup()
+        # compile every GEMM bucket's kernels now, not inside a timed step (a no-op on a CPU)
+        warm_up_kernel_shapes(self.trainer_model, self.tok.vocab_size, self.log)
         self._sync_weights()
 
     def _save(self) -> None:
@@ -419,6 +424,7 @@ class RLRun:
         from .reward import reward
 
         cfg, step = self.cfg, self.step
+        compiled_before = kernel_compiles.count()
         t_step = self._clock()
         n = cfg.samples_per_prompt
         # DAPO's dynamic sampling: up to 1 + max_refill_rounds rounds, each asking for the groups
@@ -511,6 +517,8 @@ class RLRun:
             "time_weight_sync_s": t_sync,
             "time_generation_per_1k_tokens_s": t_gen / gen_tokens * 1000 if gen_tokens else None,
             "time_step_s": self._clock() - t_step,
+            # Triton kernels compiled during this step (their compile time is inside the timings)
+            "kernels_compiled": kernel_compiles.count() - compiled_before,
         }
         self.metrics.write(line)
         self.log(summary_line(line))

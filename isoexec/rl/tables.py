@@ -110,7 +110,10 @@ def summarize(run: dict) -> dict:
             "t_step": _mean([x["time_step_s"] for x in trained]),
             "t_step0": step0["time_step_s"] if step0 else float("nan"),
             "timed_steps": len(warm), "trained_steps": len(trained),
-            "untrained_steps": sum(not _trained(x) for x in warm)}
+            "untrained_steps": sum(not _trained(x) for x in warm),
+            # steps >= 1 that compiled Triton kernels inside their timing (None: not recorded)
+            "compile_steps": (sum(bool(x["kernels_compiled"]) for x in warm)
+                              if all("kernels_compiled" in x for x in warm) else None)}
 
 
 def _pool(rows: list[dict]) -> dict:
@@ -122,6 +125,8 @@ def _pool(rows: list[dict]) -> dict:
     out["dlp_max"] = max(r["dlp_max"] for r in rows)
     for k in ("steps", "timed_steps", "trained_steps", "untrained_steps"):
         out[k] = sum(r[k] for r in rows)
+    known = [r["compile_steps"] for r in rows if r.get("compile_steps") is not None]
+    out["compile_steps"] = sum(known) if len(known) == len(rows) else None
     out["seeds"] = len(rows)
     return out
 
@@ -199,7 +204,7 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
     w = csv.writer(buf)
     w.writerow(["family", "arm", "composition", "seeds", "steps", "dlp_mean", "dlp_std", "dlp_max", "equal_frac",
                 "reward", "t_gen", "t_gen_1k", "t_score", "t_train", "t_step", "t_step0", "trained_steps",
-                "untrained_steps"])
+                "untrained_steps", "compile_steps"])
     for f in families:
         n, i = headline_arm(P, f, "native"), headline_arm(P, f, "isoexec")
         def cell(x, k):
@@ -215,11 +220,15 @@ def render_tables(runs: list[dict], out_dir: str | Path, run_name: str) -> dict:
         def counts(x):
             return f"{x['trained_steps']}/{x['timed_steps']}" if x else "–"
         st.append(f"| {f} | steps that trained / timed steps (≥ 1) | {counts(n)} | {counts(i)} | |")
+        if any(x and x.get("compile_steps") is not None for x in (n, i)):
+            def compiled(x):
+                return f"{x['compile_steps']}/{x['timed_steps']}" if x and x.get("compile_steps") is not None else "–"
+            st.append(f"| {f} | steps that compiled kernels / timed steps (≥ 1) | {compiled(n)} | {compiled(i)} | |")
     for (f, a) in sorted(P):   # every arm, headline or not
         x = P[(f, a)]
         w.writerow([f, a, x["composition"], x["seeds"], x["steps"], x["dlp_mean"], x["dlp_std"], x["dlp_max"],
                     x["equal_frac"], x["reward"], x["t_gen"], x["t_gen_1k"], x["t_score"], x["t_train"],
-                    x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"]])
+                    x["t_step"], x["t_step0"], x["trained_steps"], x["untrained_steps"], x["compile_steps"]])
     arm_lp, arm_st = _arm_sections(P)
     lp += arm_lp
     ds = sorted({str(r.get("settings", {}).get("dynamic_sampling")) for r in runs if "dynamic_sampling" in

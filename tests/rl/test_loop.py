@@ -31,6 +31,7 @@ def test_isoexec_run_is_bitwise_and_native_is_not(tmp_path):
     nat = RLRun(RLConfig.from_dict(dict(TINY, composition="native")), tmp_path / "nat", log=lambda s: None).run()
     assert all(x["logprob_abs_diff_max"] == 0 and x["bitwise_equal_frac"] == 1.0 for x in iso)
     assert all(x["tokens"] > 0 for x in iso)
+    assert all(x["kernels_compiled"] == 0 for x in iso + nat)   # recorded per step; a CPU run compiles none
     assert any(x["bitwise_equal_frac"] < 1.0 for x in nat), "stock CPU kernels agreed: the control proves nothing"
     assert _lines(tmp_path / "iso" / "metrics.jsonl") == iso
 

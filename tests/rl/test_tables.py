@@ -86,3 +86,27 @@ def test_each_arm_gets_its_own_rows(tmp_path):
     assert "| dense | native_tis_k3 | native | 2.2 | 0.5 | 1.5 | 4.4 | 2/2 |" in st   # _write_run times by folder name
     csv_rows = (tmp_path / "fig" / "runs.csv").read_text().splitlines()
     assert csv_rows[0].startswith("family,arm,composition") and len(csv_rows) == 5
+
+
+def test_steps_that_compiled_kernels_are_counted_when_the_metrics_record_it(tmp_path):
+    d = tmp_path / "runs" / "dense" / "isoexec" / "seed0"
+    d.mkdir(parents=True)
+    base = {"logprob_abs_diff_mean": 0.0, "logprob_abs_diff_std": 0.0, "logprob_abs_diff_max": 0.0,
+            "bitwise_equal_frac": 1.0, "reward_mean": 0.0, "time_scoring_s": 0.5, "time_generation_s": 2.0,
+            "time_training_s": 1.0, "time_step_s": 4.0, "trained": True}
+    compiled = [12, 0, 3, 0]   # step 0 compiles (kept out of the count like out of the means), step 2 compiled 3
+    with open(d / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(base, step=s, kernels_compiled=c)) + "\n" for s, c in enumerate(compiled))
+    P = render_tables(find_runs(tmp_path / "runs"), tmp_path / "fig", "cpu")
+    assert P[("dense", "isoexec")]["compile_steps"] == 1
+    st = (tmp_path / "fig" / "step_time.md").read_text()
+    assert "| dense | steps that compiled kernels / timed steps (≥ 1) | – | 1/3 | |" in st
+
+
+def test_metrics_without_a_compile_count_render_no_compile_row(tmp_path):
+    runs_dir = tmp_path / "runs"
+    _write_run(runs_dir, "dense", "native", 0, 3, 0.01)
+    _write_run(runs_dir, "dense", "isoexec", 0, 3, 0.0)
+    P = render_tables(find_runs(runs_dir), tmp_path / "fig", "cpu")
+    assert P[("dense", "isoexec")]["compile_steps"] is None
+    assert "compiled kernels" not in (tmp_path / "fig" / "step_time.md").read_text()
