@@ -30,20 +30,24 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__, t
 MODE=${MODE:-all}
 if [ "$MODE" = speed ]; then
   SECONDS=0
-  python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels/test_rmsnorm.py tests/kernels/test_logprob.py \
-    tests/kernels/test_rope.py tests/kernels/test_gemm_backward.py tests/kernels/test_embedding.py} \
-    -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
+  # every stage has its own time limit and packs its results as soon as it ends, so a stage cut
+  # short never takes the finished ones with it (the whole call has at most 10 minutes)
+  timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels/test_rmsnorm.py \
+    tests/kernels/test_logprob.py tests/kernels/test_rope.py tests/kernels/test_gemm_backward.py \
+    tests/kernels/test_embedding.py} -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$? (${SECONDS}s)"
   tail -15 "$WORK/gpu_tests.log"; cp "$WORK/gpu_tests.log" "$OUT/"
   if [ -n "${GATES_ONLY:-}" ]; then
     SECONDS=0
-    python3 -m isoexec.cli gates run --family dense --composition isoexec --arch sm90 --model dense_qwen3_0p6b \
-      --only "$GATES_ONLY" --out "$WORK/gates" --json > "$WORK/gates_summary.json" 2> "$WORK/gates.log"
+    timeout ${GATES_TIMEOUT:-240} python3 -m isoexec.cli gates run --family dense --composition isoexec --arch sm90 \
+      --model dense_qwen3_0p6b --only "$GATES_ONLY" --out "$WORK/gates" --json > "$WORK/gates_summary.json" 2> "$WORK/gates.log"
     echo "gates ($GATES_ONLY) rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed" "$WORK/gates.log"
     tar -C "$WORK" -czf "$OUT/gates.tgz" gates gates_summary.json gates.log gpu_tests.log
   fi
   for b in ${BENCHES:-train gemm}; do
     SECONDS=0
-    python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1; echo "bench $b rc=$? (${SECONDS}s)"
+    timeout ${BENCH_TIMEOUT:-240} python3 -m isoexec.cli bench $b --out "$WORK/bench/$b.json" > "$WORK/bench/$b.log" 2>&1
+    echo "bench $b rc=$? (${SECONDS}s)"
     tail -${BENCH_TAIL:-30} "$WORK/bench/$b.log"
     tar -C "$WORK" -czf "$OUT/bench.tgz" bench
   done
