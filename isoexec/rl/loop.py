@@ -28,7 +28,7 @@ import torch
 
 from .. import kernel_compiles
 from ..errors import ConfigError, IsoExecError
-from ..train.precompile import warm_up_kernel_shapes
+from ..train.precompile import warm_up_engine, warm_up_kernel_shapes
 
 
 class LiveCheckFailed(IsoExecError):
@@ -312,6 +312,7 @@ class RLRun:
         # compile every GEMM bucket's kernels now, not inside a timed step (a no-op on a CPU)
         warm_up_kernel_shapes(self.trainer_model, self.tok.vocab_size, self.log)
         self._sync_weights()
+        warm_up_engine(self.engine, self.cfg.max_prompt_tokens, self.log)
 
     def _save(self) -> None:
         from ..paths import atomic_write

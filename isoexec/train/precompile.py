@@ -66,3 +66,26 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
     log(f"kernel warm-up: {len(lengths)} packed lengths ({lengths[0]}..{lengths[-1]}) in {out['seconds']:.1f}s, "
         f"{out['kernels_compiled']} kernel(s) compiled")
     return out
+
+
+def warm_up_engine(engine, max_prompt_tokens: int, log: Callable[[str], None] = print) -> dict:
+    """A few short generations before the first timed step: prompts of one page, of several
+    pages and a mixed batch, two new tokens each, sampled (top-p on), so the engine's paged
+    attention variants (block-table width 1 and more), its chunked prefill and the sampler's
+    path are compiled. Request ids and seeds are the call's own; the engine is idle afterwards
+    and no state carries over. Only meaningful on a GPU (no-op elsewhere)."""
+    from ..engine import SamplingParams
+
+    if engine.runner.device.type != "cuda":
+        return {"seconds": 0.0, "kernels_compiled": 0}
+    kernel_compiles.install()
+    before = kernel_compiles.count()
+    t0 = time.perf_counter()
+    longest = max(2, min(int(max_prompt_tokens), engine.config.max_model_len - 2))
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, seed=0)
+    for prompts in ([[1]], [[1] * longest], [[1] * n for n in sorted({1, 2, longest // 2, longest})]):
+        engine.generate(prompts, [params] * len(prompts))
+    torch.cuda.synchronize(engine.runner.device)
+    out = {"seconds": time.perf_counter() - t0, "kernels_compiled": kernel_compiles.count() - before}
+    log(f"engine warm-up in {out['seconds']:.1f}s, {out['kernels_compiled']} kernel(s) compiled")
+    return out

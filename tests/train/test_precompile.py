@@ -72,3 +72,41 @@ def test_after_the_warm_up_new_lengths_compile_no_kernel():
         score_logprobs(m, packed, grad=True).sum().backward()
     torch.cuda.synchronize()
     assert kernel_compiles.count() - start == 0
+
+
+def test_engine_warm_up_is_a_no_op_on_a_cpu_engine():
+    from isoexec.engine import Engine, EngineConfig
+    from isoexec.train.precompile import warm_up_engine
+
+    cfg = load_model_config("dense_tiny")["hf_config"]
+    contract = build_contract("dense", "isoexec", "cpu", "dense_tiny")
+    m = build_model("dense", cfg, dtype=torch.float32).init_random(0)
+    m.install(contract)
+    engine = Engine(m, contract, EngineConfig(num_pages=32, max_num_seqs=4), trainer_contract=contract)
+    assert warm_up_engine(engine, 16, log=lambda s: None) == {"seconds": 0.0, "kernels_compiled": 0}
+    assert engine.num_steps == 0 and not engine.has_unfinished()
+
+
+@pytest.mark.gpu
+def test_engine_warm_up_leaves_the_engine_idle_and_later_generations_unchanged():
+    from isoexec.engine import Engine, EngineConfig, SamplingParams
+    from isoexec.train.precompile import warm_up_engine
+
+    cfg = load_model_config("dense_tiny")["hf_config"]
+    contract = build_contract("dense", "isoexec", "sm90", "dense_tiny")
+    m = build_model("dense", cfg, dtype=torch.bfloat16, device="cuda").init_random(0)
+    m.install(contract)
+    prompts = [[3, 5, 7] * k for k in (1, 4, 9)]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=6, seed=11)
+
+    def engine():
+        return Engine(m, contract, EngineConfig(num_pages=64, max_num_seqs=8, cuda_graphs=True, max_model_len=64),
+                      trainer_contract=contract)
+
+    plain = engine().generate(prompts, params)
+    warmed = engine()
+    out = warm_up_engine(warmed, 40, log=lambda s: None)
+    assert out["seconds"] > 0 and not warmed.has_unfinished()
+    after = warmed.generate(prompts, params)
+    assert [r.ids for r in after] == [r.ids for r in plain]
+    assert all(torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs)) for a, b in zip(after, plain))
