@@ -51,7 +51,7 @@ Tile table (``tile_config``): a function of head_dim only, the same for every ca
 At head_dim 128 it is 64 x 64 tiles on one warpgroup (4 warps, 2 stages), picked on an H200 by
 ``scripts/attention_tile_sweep.py``, which checks every candidate for invariance (decode row ==
 prefill row, chunked == one-shot, varlen == paged: 0 differing elements for each) and times it
-against SDPA flash: prefill 0.72-0.78x (8 x 2048, 32 x 512, 8 x 512 tokens, 16/8 heads), decode
+against SDPA flash: prefill 0.72-0.77x (8 x 2048, 32 x 512, 8 x 512 tokens, 16/8 heads), decode
 1.09-1.31x under CUDA graphs (64 and 256 sequences of 2048, 64 of 384). Decode runs a full
 BLOCK_M tile with GROUP live rows (the price of not relying on BLOCK_M-independence), which is
 why the smaller tile decodes twice as fast as the earlier 128-row one.
@@ -184,7 +184,7 @@ def tile_config(head_dim: int) -> dict:
     if head_dim == 128:
         # H200 sweep (scripts/attention_tile_sweep.py, results/h200/bench/attention_sweep.json):
         # 64 x 64 tiles on one warpgroup decode 1.09-1.31x SDPA flash (128-row tiles: 0.61-0.67x,
-        # a decode tile has only GROUP live rows) at the same prefill speed (0.72-0.78x)
+        # a decode tile has only GROUP live rows) at the same prefill speed (0.72-0.77x)
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
 
