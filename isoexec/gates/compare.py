@@ -1,8 +1,8 @@
 """Bitwise comparison of tensors through their integer views.
 
 ``torch.equal`` on floats calls +0.0 and -0.0 equal and NaN unequal to itself, so it can both
-miss and invent differences. Every gate compares integer views instead (int16 for bf16/fp16,
-int32 for fp32, int64 for fp64) and reports the counts docs/gates.md asks for.
+miss and invent differences. Every gate compares integer views instead (``isoexec.bits``)
+and reports the counts docs/gates.md asks for.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-             torch.float64: torch.int64}
+from ..bits import INT_VIEW as _INT_VIEW
+from ..bits import int_view
 _SIGN = {torch.int16: 0x7FFF, torch.int32: 0x7FFFFFFF, torch.int64: 0x7FFFFFFFFFFFFFFF}
 
 
@@ -31,14 +31,6 @@ class BitReport:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def int_view(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype in _INT_VIEW:
-        return x.contiguous().view(_INT_VIEW[x.dtype])
-    if x.dtype.is_floating_point:
-        raise TypeError(f"no integer view for dtype {x.dtype}")
-    return x
 
 
 def _ordered(v: torch.Tensor, dtype) -> torch.Tensor:

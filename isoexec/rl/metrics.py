@@ -32,6 +32,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from ..bits import INT_VIEW, int_view
 from ..errors import IsoExecError
 from ..paths import atomic_write
 
@@ -42,15 +43,10 @@ REQUIRED_KEYS = (
     "time_training_s", "time_step_s",
 )
 
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64,
-         torch.float16: torch.int16, torch.bfloat16: torch.int16}
-
-
 def _bits(x: torch.Tensor) -> torch.Tensor:
-    try:
-        return x.detach().contiguous().view(_BITS[x.dtype])
-    except KeyError:
-        raise TypeError(f"logprobs must be a floating tensor (fp32 expected), got {x.dtype}") from None
+    if x.dtype not in INT_VIEW:
+        raise TypeError(f"logprobs must be a floating tensor (fp32 expected), got {x.dtype}")
+    return int_view(x)
 
 
 def logprob_diff_stats(rollout: Sequence[torch.Tensor], trainer: Sequence[torch.Tensor],

@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..bits import count_differing
+
 RS_KINDS = ("k1", "k3")
 
 Tensor = torch.Tensor
@@ -170,7 +172,7 @@ def mismatch_stats(trainer_logprobs: Tensor, rollout_logprobs: Tensor, seq_lens:
     lr = log_ratio(a, b)
     diff = lr.abs()
     n_seq = max(len(list(seq_lens)), 1)
-    differing = int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
+    differing = count_differing(a, b)
     return {
         "abs_diff_mean": float(diff.to(torch.float64).mean()) if diff.numel() else 0.0,
         "abs_diff_max": float(diff.max()) if diff.numel() else 0.0,
