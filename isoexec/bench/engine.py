@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from ..assembly import installed_model
 from .common import row
 
 SIZES = {"cuda": dict(model="dense_qwen3_0p6b", requests=64, prompt_len=256, max_tokens=128),
@@ -35,15 +36,9 @@ HBM_BYTES_PER_S = 4.3e12
 
 
 def _model(name: str, composition: str, device: str, dtype):
-    from ..compose import build_contract, load_model_config
-    from ..model import build_model
-
-    cfg = load_model_config(name)["hf_config"]
-    arch = "cpu" if device == "cpu" else "sm90"
-    contract = build_contract("dense", composition, arch, model=name)
-    m = build_model("dense", cfg, dtype=dtype, device=device).init_random(0)
-    m.install(contract)
-    return m, contract, cfg
+    got = installed_model("dense", composition, "cpu" if device == "cpu" else "sm90", name, dtype=dtype,
+                          device=device, seed=0)
+    return got.model, got.contract, got.hf_config
 
 
 def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: bool) -> tuple[float, int]:

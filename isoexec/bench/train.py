@@ -130,9 +130,10 @@ def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
 
 def _model_steps(device: str, quick: bool):
     """(name, T, seqs, {composition: step function}) for the whole trainer step."""
-    from ..compose import build_contract, load_model_config
+    from ..assembly import installed_model
+    from ..compose import load_model_config
     from ..envinfo import runtime_arch
-    from ..model import ForwardBatch, build_model
+    from ..model import ForwardBatch
 
     name = "dense_qwen3_0p6b" if device == "cuda" and not quick else "dense_tiny"
     arch = "cpu" if device == "cpu" else runtime_arch()
@@ -144,8 +145,7 @@ def _model_steps(device: str, quick: bool):
     targets = torch.roll(ids, -1)
 
     def make(comp: str):
-        m = build_model("dense", cfg, dtype=dtype, device=device).init_random(0)
-        m.install(build_contract("dense", comp, arch, name))
+        m = installed_model("dense", comp, arch, name, dtype=dtype, device=device, seed=0).model
         params = list(m.parameters())
         batch = ForwardBatch.packed(lens, "trainer_fwd", device)
 

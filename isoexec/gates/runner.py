@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from .. import registry
+from ..assembly import installed_model
 from ..compose import build_contract, load_model_config, default_model_name
 from ..contract import Entry, ImplRef
 from ..envinfo import env_info
@@ -76,7 +77,6 @@ def gate_names() -> frozenset:
 def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
                     log: Callable[[str], None], only: frozenset | None = None) -> list[GateResult]:
     """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
-    from ..model import build_model
     from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
     from .engine_gates import SIZES as ENGINE_SIZES
     from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
@@ -90,8 +90,8 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
     for comp, expect, of in runs:
         contract = build_contract(family, comp, arch, model)
         for dtype in DTYPES[arch]:
-            m = build_model(family, cfg, dtype=dtype, device=DEVICE[arch]).init_random(seed)
-            m.install(contract)
+            m = installed_model(family, comp, arch, model, dtype=dtype, device=DEVICE[arch], seed=seed,
+                                contract=contract).model
             t0 = time.time()
             gates = [("model_case_parity", lambda g: model_case_parity(m, g, **MODEL_GATE_SIZES[arch])),
                      ("model_batch_invariance", lambda g: model_batch_invariance(m, g, **MODEL_GATE_SIZES[arch])),

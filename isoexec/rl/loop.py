@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import kernel_compiles
+from ..assembly import installed_model
 from ..errors import ConfigError, IsoExecError
 from ..train.precompile import warm_up_engine, warm_up_kernel_shapes
 
@@ -223,7 +224,6 @@ class RLRun:
         from ..contract import decode
         from ..contract import check as check_contract
         from ..engine import Engine, EngineConfig
-        from ..model import build_model
         from ..train.trainer import TrainConfig, Trainer
         from .data import PromptStream, load_problems, problems_from_rows, synthetic_arithmetic
         from .metrics import MetricsWriter
@@ -244,16 +244,11 @@ class RLRun:
         if self.tok.vocab_size > hf_cfg["vocab_size"]:
             raise ConfigError(f"tokenizer has {self.tok.vocab_size} ids but the model's vocab is "
                               f"{hf_cfg['vocab_size']}")
-        self.trainer_model = build_model(cfg.family, hf_cfg, dtype=dtype, device=device)
-        self.engine_model = build_model(cfg.family, hf_cfg, dtype=dtype, device=device)
-        if cfg.checkpoint:
-            from ..model import load_checkpoint
-
-            load_checkpoint(self.trainer_model, cfg.checkpoint)      # dispatches on the model's family
-        else:
-            self.trainer_model.init_random(cfg.seed)
-        for m in (self.trainer_model, self.engine_model):
-            m.install(self.contract)
+        # the engine's weights are the trainer's, copied in at every weight sync (seed=None: none here)
+        self.trainer_model, self.engine_model = (
+            installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, dtype=dtype, device=device,
+                            seed=seed, checkpoint=ckpt, contract=self.contract).model
+            for seed, ckpt in ((cfg.seed, cfg.checkpoint), (None, None)))
         self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
         if cfg.dataset == "synthetic":
             problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
