@@ -136,16 +136,77 @@ def _run_interpreter_cases() -> dict:
     return results
 
 
+# The interpreter subprocesses (this file's ``interp_case_*`` run, about a minute on 2 cores, and
+# test_attention.py's interpreter gates, about as long) are pure-Python Triton interpretation.
+# They start as soon as collection shows that a selected test needs them, so they run beside the
+# other tests instead of in front of the first test that uses them; the fixtures wait for them.
+# Output goes to files (a full pipe would stop a child that nobody reads yet).
+_ATTENTION_CODE = ("import importlib.util, json, sys; "
+                   "spec = importlib.util.spec_from_file_location('attention_gates', {path!r}); "
+                   "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+                   "print('RESULTS ' + json.dumps(m._run_interp_gates()))")
+INTERP_RUNS = {  # fixture name -> argv of its TRITON_INTERPRET=1 subprocess
+    "interp_results": lambda: [sys.executable, os.path.join(_HERE, "conftest.py")],
+    "attention_interp": lambda: [sys.executable, "-c", _ATTENTION_CODE.format(
+        path=os.path.join(_HERE, "test_attention.py"))],
+}
+_started: dict = {}
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def start_interp(name: str) -> dict:
+    """Start the interpreter subprocess of fixture ``name`` unless it is running already."""
+    if name not in _started:
+        import tempfile
+
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        proc = subprocess.Popen(INTERP_RUNS[name](), env=dict(os.environ, TRITON_INTERPRET="1"),
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
+        _started[name] = {"proc": proc, "out": out, "err": err}
+    return _started[name]
+
+
+def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
+    """Wait for (start, if need be) the subprocess of fixture ``name``; its exit code and output."""
+    run = start_interp(name)
+    try:
+        run["proc"].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run["proc"].kill()
+        run["proc"].wait()
+    text = []
+    for f in (run["out"], run["err"]):
+        f.seek(0)
+        text.append(f.read())
+    return subprocess.CompletedProcess(run["proc"].args, run["proc"].returncode, *text)
+
+
+def pytest_collection_finish(session):
+    if not _has_triton():
+        return
+    needed = {n for item in session.items for n in getattr(item, "fixturenames", ()) if n in INTERP_RUNS}
+    for name in sorted(needed):
+        start_interp(name)
+
+
+def pytest_sessionfinish(session):
+    for run in _started.values():  # a run whose tests were not reached (-x, interrupted)
+        if run["proc"].poll() is None:
+            run["proc"].kill()
+            run["proc"].wait()
+
+
 @pytest.fixture(scope="session")
 def interp_results():
     """Results of every ``interp_case_*`` run in a TRITON_INTERPRET=1 subprocess."""
-    import importlib.util
-
-    if importlib.util.find_spec("triton") is None:
+    if not _has_triton():
         pytest.skip("triton not installed: interpreter checks skipped")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(_HERE, "conftest.py")], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = wait_interp("interp_results", timeout=900)
     if proc.returncode != 0:
         pytest.fail(f"interpreter subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -164,6 +225,7 @@ def _helpers() -> SimpleNamespace:
     return SimpleNamespace(
         bits=bits, bit_report=bit_report, assert_bitwise=assert_bitwise, rel_l2=rel_l2,
         needle_batch=needle_batch, TOL=TOL, BATCH_SIZES=BATCH_SIZES, check_interp=check_interp,
+        wait_interp=wait_interp,
     )
 
 

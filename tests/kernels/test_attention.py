@@ -7,7 +7,8 @@ and in every failure message). Three backends run the same gates:
 * ``cpu``     the public API on CPU tensors (torch reference twin);
 * ``interp``  the Triton kernel under TRITON_INTERPRET=1 on CPU tensors (fp32 / fp16 only: bf16
               tl.dot is broken in the interpreter). It runs in ONE subprocess started with the
-              variable set, because triton must be imported in interpreter mode from the start;
+              variable set, because triton must be imported in interpreter mode from the start
+              (tests/kernels/conftest.py starts it at collection, beside the other tests);
               skipped when triton is not installed. There tl.dot is the host's BLAS, so the
               interpreter asserts correctness and run-to-run determinism, and equal bits only
               where both sides issue identical tl.dot operands (see its section below);
@@ -18,10 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -660,16 +658,12 @@ def grad_errors(tri, dtype, causal, lens=(1, 70, 130), hq=4, hkv=2, d=16, device
 
 
 @pytest.fixture(scope="module")
-def attention_interp():
+def attention_interp(kb):
+    """``_run_interp_gates()`` of a TRITON_INTERPRET=1 subprocess (started at collection by
+    tests/kernels/conftest.py, so it runs beside the other tests)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install triton==3.6.0 'numpy<2.3')")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    code = ("import importlib.util, json, sys; "
-            f"spec = importlib.util.spec_from_file_location('attention_gates', {__file__!r}); "
-            "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-            "print('RESULTS ' + json.dumps(m._run_interp_gates()))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = kb.wait_interp("attention_interp", timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stderr[-4000:]}"
     results = json.loads(lines[-1][len("RESULTS "):])
