@@ -11,10 +11,21 @@ from isoexec.bench.report import write_bench_report
 REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 
 
+# `bench engine --quick` on CPU serves 8 requests x 32 prompt tokens x 16 new tokens and 12
+# staggered ones through the IsoExec, native and transformers engines; the format check needs only
+# every row kind, which the same code writes at any size, so the child shrinks those CPU sizes
+# (about 8 of its 22 s of CPU; the rest is start-up and model building).
+SMALLER = {"engine": ("import isoexec.bench.engine as e; "
+                      "e.SIZES['cpu'].update(requests=4, prompt_len=16, max_tokens=4); "
+                      "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4); ")}
+
+
 @pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine"])
 def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
     out = tmp_path / f"{name}.json"
-    r = subprocess.run([sys.executable, "-m", "isoexec.cli", "bench", name, "--quick", "--device", "cpu",
+    cli = ["-c", SMALLER[name] + "import sys; from isoexec.cli import main; sys.exit(main())"] \
+        if name in SMALLER else ["-m", "isoexec.cli"]
+    r = subprocess.run([sys.executable, *cli, "bench", name, "--quick", "--device", "cpu",
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     obj = json.loads(out.read_text())
@@ -24,6 +35,10 @@ def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
     for row in obj["rows"]:
         assert row["baseline_ms"] > 0 and row["ours_ms"] > 0
         assert ratio_of_rounded(row["baseline_ms"], row["ours_ms"], row["speed_ratio"]), row
+    if name == "engine":  # the smaller sizes took effect, and every row kind is there
+        assert {(r["workload"], r["baseline"]) for r in obj["rows"]} == {
+            ("batch", "native_engine"), ("batch", "transformers_generate"), ("staggered", "native_engine")}
+        assert all(r["requests"] == 4 for r in obj["rows"])
 
 
 def test_report_renders_every_row(tmp_path):
