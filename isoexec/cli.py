@@ -55,7 +55,14 @@ def cmd_contract_build(args) -> int:
     from .contract import encode
     from .paths import atomic_write
 
-    c = build_contract(args.family, args.composition, args.arch, args.model, args.gates)
+    resolve = None
+    if args.gates:   # the admitted contract: discharges point at the passing gate artifacts
+        from functools import partial
+
+        from .gates.artifacts import resolve_discharges
+
+        resolve = partial(resolve_discharges, gates_dir=args.gates)
+    c = build_contract(args.family, args.composition, args.arch, args.model, resolve)
     data = encode(c)
     atomic_write(args.out, data)
     ident = c.identities

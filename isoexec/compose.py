@@ -7,8 +7,9 @@ model op left uncovered (or covered twice) in some case; a case the impl cannot 
 needs ``grad``); and a function-half entry without discharge in a contract claiming tolerance 0.
 
 Gate discharges are written ``{kind: gate, ref: pending}`` until gate artifacts exist; building
-with ``gates_dir`` resolves each to the ids of the passing artifacts for that exact region, impl,
-version, arch and constants (the admitted contract).
+with a ``resolve`` step (the CLI's ``--gates DIR`` passes ``gates.artifacts.resolve_discharges``)
+replaces each by the ids of the passing artifacts for that exact region, impl, version, arch and
+constants (the admitted contract).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Callable
+
 from . import registry
 from .contract import (
     STANDARD_CASES,
@@ -35,6 +38,7 @@ from .contract import (
     frozen_mapping,
 )
 from .errors import CompositionError, ConfigError
+from .model_config import FAMILY_CONFIGS
 from .paths import resolve_config
 from .yamlio import check_schema, load_yaml
 
@@ -133,8 +137,6 @@ def load_model_config(name_or_path: str) -> dict:
         raise ConfigError(f"model config {str(path)!r}: model_type {data['hf_config']['model_type']!r} is not a "
                           f"{fam.id} model type ({', '.join(fam.model_types)})")
     # the whole transformers config is checked here, before any gate, run or benchmark starts
-    from .model.config import FAMILY_CONFIGS
-
     if fam.id in FAMILY_CONFIGS:
         try:
             FAMILY_CONFIGS[fam.id].from_hf(data["hf_config"])
@@ -255,8 +257,11 @@ def check_coverage(entries: list[Entry], fam: registry.FamilySpec, case_ids: tup
 
 
 def build_contract(family: str, composition: str, arch: str, model: str | None = None,
-                   gates_dir: str | Path | None = None) -> ExecutionContract:
-    """The contract for ``family`` under ``composition`` on ``arch`` (validated; raises on refusal)."""
+                   resolve: Callable[[list[Entry]], list[Entry]] | None = None) -> ExecutionContract:
+    """The contract for ``family`` under ``composition`` on ``arch`` (validated; raises on refusal).
+    ``resolve`` maps the entries before the contract is sealed: the CLI passes the gate layer's
+    ``resolve_discharges`` for a gates folder (this module sits below the gates and never imports
+    them)."""
     fam = registry.family(family)
     if arch not in registry.ARCHES:
         raise CompositionError(f"unknown arch {arch!r}; known: {', '.join(registry.ARCHES)}")
@@ -268,10 +273,8 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
     case_ids = tuple(c.id for c in cases)
     entries = build_entries(spec, fam, arch, case_ids, where)
     check_coverage(entries, fam, case_ids, where)
-    if gates_dir is not None:
-        from .gates.artifacts import resolve_discharges
-
-        entries = resolve_discharges(entries, gates_dir)
+    if resolve is not None:
+        entries = resolve(entries)
     contract = ExecutionContract(
         schema_version="1",
         model=ModelSpec(family=fam.id,

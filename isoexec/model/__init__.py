@@ -1,7 +1,7 @@
 """The unified model: one definition for trainer and engine, arithmetic bound from a contract."""
 
 from .batch import ForwardBatch, KVCache
-from .config import DenseConfig, HybridConfig, hf_config_from_dict
+from ..model_config import DenseConfig, HybridConfig, hf_config_from_dict
 from .dense import DenseModel
 from .hybrid import HybridModel
 from .loading import CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model, load_hybrid_checkpoint

@@ -19,7 +19,7 @@ from ..contract import ExecutionContract
 from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
 from ..errors import BindingRefused
 from .batch import ForwardBatch
-from .config import DenseConfig
+from ..model_config import DenseConfig
 
 
 class DenseLayer(nn.Module):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import BindingRefused
 from .batch import ForwardBatch
-from .config import HybridConfig
+from ..model_config import HybridConfig
 from .dense import DenseModel
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from ..errors import IsoExecError
-from .config import DenseConfig, HybridConfig
+from ..model_config import DenseConfig, HybridConfig
 
 
 class CheckpointError(IsoExecError):

@@ -1,4 +1,7 @@
-"""Model configuration of the unified model, read from a transformers config."""
+"""Model configuration of the unified model, read from a transformers config.
+
+A leaf module (it imports only ``errors``, and transformers when a config is read), so that
+``compose`` can check a model YAML before any work starts without importing the model package."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 
 def hf_config_from_dict(d: dict) -> Any:
