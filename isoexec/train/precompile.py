@@ -37,6 +37,16 @@ def warm_up_lengths(bucket_bounds: tuple[int, ...], largest: int) -> list[int]:
     return sorted(n for n in lengths if n >= 2)
 
 
+def _pieces(n: int, cap: int) -> list[int]:
+    """``n`` tokens as sequences of at most ``cap`` (>= 3) tokens, each at least 2 (scoring needs 2)."""
+    out = []
+    while n > cap:
+        take = cap if n - cap >= 2 else cap - 1      # never leave a 1-token sequence
+        out.append(take)
+        n -= take
+    return out + [n]
+
+
 def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = print,
                           largest: int = 4096) -> dict:
     """Run the trainer cases at every warm-up length (module docstring); returns
@@ -50,10 +60,13 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
     gen = torch.Generator().manual_seed(0)
     lengths = warm_up_lengths(M_BUCKET_BOUNDS, largest)
     params = [p for p in model.parameters() if p.requires_grad]
+    cap = max(3, int(getattr(model.cfg, "max_position_embeddings", 1 << 30)))
     for n in lengths:
         # one sequence, and two (an integer argument equal to 1, such as a sequence count, is
-        # a specialisation of its own)
+        # a specialisation of its own); a length past the model's positions is packed from
+        # several sequences, which is the same M for every GEMM
         for lens in ([n], [2, n - 2]) if n >= 4 else ([n],):
+            lens = [piece for k in lens for piece in _pieces(k, cap)]
             seqs = [torch.randint(0, vocab_size, (k,), generator=gen).tolist() for k in lens]
             packed = PackedSequences.from_lists(seqs, device)
             score_logprobs(model, packed, grad=False)

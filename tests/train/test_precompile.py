@@ -110,3 +110,11 @@ def test_engine_warm_up_leaves_the_engine_idle_and_later_generations_unchanged()
     after = warmed.generate(prompts, params)
     assert [r.ids for r in after] == [r.ids for r in plain]
     assert all(torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs)) for a, b in zip(after, plain))
+
+
+@pytest.mark.parametrize("n,cap", [(4097, 1024), (1025, 1024), (1026, 1024), (2, 1024), (3000, 2999), (10, 3)])
+def test_long_warm_up_lengths_are_packed_from_sequences_the_model_can_hold(n, cap):
+    from isoexec.train.precompile import _pieces
+
+    pieces = _pieces(n, cap)
+    assert sum(pieces) == n and all(2 <= p <= cap for p in pieces)
