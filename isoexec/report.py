@@ -1,13 +1,14 @@
 """What the workflow records, and the tables it renders from results/.
 
-Two halves, both used from the Snakemake rules (workflow/rules/*.smk):
+Two halves, both used by the workflow's job scripts (workflow/scripts/*.py):
 
 * **Recording** (``run_cli``, ``run_gates``, ``admit_contract``, ``verify_contract``): run the
   ``isoexec`` command line and write its outcome to a JSON record. The exit codes are the CLI's
   (0 ok, 1 a check failed, 2 bad input). An expected "check failed" (a gate that fails, a gate run
   stopped by a kernel that is not there yet, a contract that is not admitted) is *recorded*, so
   the workflow finishes and the tables say what is missing; bad input (exit 2) or anything else
-  raises :class:`CommandFailed` and fails the rule.
+  raises :class:`CommandFailed` and fails the rule. Each command's output is appended to the
+  job's log as it comes (``run_cli``).
 * **Rendering** (``write_gates_report``, ``write_contracts_report``): read those records, the gate
   artifacts and the contract summaries, and write markdown and CSV tables to paper_figures/.
 
@@ -35,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -101,7 +103,9 @@ def parse_stdout_json(stdout: str):
 
 def run_cli(args: Sequence, log: IO[str], *, accept: Iterable[int] = (EXIT_OK,), stdout: str | Path | None = None,
             env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``isoexec *args``; its stderr (and stdout, unless written to ``stdout``) goes to ``log``.
+    """Run ``isoexec *args``; its stderr goes to ``log`` line by line as it comes (a long job shows
+    its progress live, and a job killed mid-way keeps what it printed), its stdout is collected and
+    then appended to ``log`` (or written to the file ``stdout``, only on success).
 
     An exit code outside ``accept`` raises :class:`CommandFailed` naming the command, the code and
     the error line."""
@@ -110,19 +114,34 @@ def run_cli(args: Sequence, log: IO[str], *, accept: Iterable[int] = (EXIT_OK,),
     log.write(f"$ {shown}\n")
     log.flush()
     t0 = time.time()
-    proc = subprocess.run(argv, capture_output=True, text=True, env=None if env is None else dict(env))
-    log.write(proc.stderr)
+    err: list[str] = []
+    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                                env=None if env is None else dict(env))
+        try:
+            for line in proc.stderr:
+                log.write(line)
+                log.flush()
+                err.append(line)
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:   # interrupted while reading: do not leave the command running
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        out_text = out.read()
+    stderr = "".join(err)
     if stdout is None:
-        log.write(proc.stdout)
-    log.write(f"# exit {proc.returncode} after {time.time() - t0:.1f}s\n")
+        log.write(out_text)
+    log.write(f"# exit {rc} after {time.time() - t0:.1f}s\n")
     log.flush()
-    if proc.returncode not in tuple(accept):
-        why = error_line(proc.stderr) or "no error message"
-        kind = " (bad input)" if proc.returncode == EXIT_BAD_INPUT else ""
-        raise CommandFailed(f"`{shown}` exited {proc.returncode}{kind}: {why}")
+    if rc not in tuple(accept):
+        why = error_line(stderr) or "no error message"
+        kind = " (bad input)" if rc == EXIT_BAD_INPUT else ""
+        raise CommandFailed(f"`{shown}` exited {rc}{kind}: {why}")
     if stdout is not None:
-        atomic_write(stdout, proc.stdout)
-    return proc
+        atomic_write(stdout, out_text)
+    return subprocess.CompletedProcess(argv, rc, out_text, stderr)
 
 
 def _write_json(path: str | Path, obj) -> None:
@@ -136,19 +155,21 @@ def _config_name(name_or_path) -> str:
 
 
 def run_gates(*, family: str, composition: str, model: str, arch: str, seed: int, out_dir: str | Path,
-              record: str | Path, log: str | Path, threads: int | None = None) -> dict:
+              record: str | Path, log: str | Path, threads: int | None = None,
+              env: Mapping[str, str] | None = None) -> dict:
     """``isoexec gates run`` into ``out_dir``; writes and returns the run record.
 
     ``status`` is ``passed`` (exit 0), ``failed`` (exit 1, the run finished and some gate failed),
     ``no gates`` (exit 1, nothing to run) or ``error`` (exit 1 without a summary: the run stopped,
-    e.g. a kernel module that does not exist yet; ``error`` says why). Exit 2 raises."""
+    e.g. a kernel module that does not exist yet; ``error`` says why). Exit 2 raises. ``env`` is the
+    command's environment (default: this process's; the workflow passes one with the job's GPUs)."""
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ if env is None else env)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     args = ["gates", "run", "--family", family, "--composition", composition, "--model", model, "--arch", arch,
             "--seed", seed, "--out", out_dir, "--json"]
-    with open(log, "w") as lf:
+    with open(log, "a") as lf:
         proc = run_cli(args, lf, accept=(EXIT_OK, EXIT_CHECK_FAILED), env=env)
     summary = parse_stdout_json(proc.stdout)
     if summary is None:
@@ -184,7 +205,7 @@ def admit_contract(*, family: str, composition: str, build_args: Sequence, draft
     name the passing artifacts (a failure there is a real error and raises). If not, the draft is
     copied to ``out`` unchanged (pending discharges), so the next steps still have a contract to
     show and verify, and the record lists the entries that lack a passing gate."""
-    with open(log, "w") as lf:
+    with open(log, "a") as lf:
         rc, verdict = _verify(draft, gates_dir, lf)
         built = rc == EXIT_OK
         if built:
@@ -200,7 +221,7 @@ def admit_contract(*, family: str, composition: str, build_args: Sequence, draft
 
 def verify_contract(*, contract: str | Path, gates_dir: str | Path, record: str | Path, log: str | Path) -> dict:
     """Record ``contract verify --json`` (exit 0 admitted, 1 not admitted; anything else raises)."""
-    with open(log, "w") as lf:
+    with open(log, "a") as lf:
         rc, result = _verify(contract, gates_dir, lf)
     rec = {"contract": str(contract), "gates_dir": str(gates_dir), "returncode": rc,
            "admitted": bool(result["admitted"]), "result": result}

@@ -6,6 +6,8 @@ import csv
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -313,3 +315,36 @@ def test_run_cli_writes_stdout_to_a_file_only_on_success(fake_cli, tmp_path):
     with open(tmp_path / "log", "w") as lf, pytest.raises(report.CommandFailed, match="exited 3"):
         report.run_cli(["nothing"], lf, stdout=tmp_path / "never.json")
     assert not (tmp_path / "never.json").exists()
+
+
+def test_run_cli_streams_the_command_output_into_the_log(tmp_path, monkeypatch):
+    """The log shows what the command printed while it still runs (a long RL run or gate run is
+    followed live, and a job killed mid-way keeps its output)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    exe = bindir / "isoexec"
+    flag = tmp_path / "go"
+    exe.write_text(f"#!{sys.executable}\nimport os, sys, time\nprint('first line', file=sys.stderr, flush=True)\n"
+                   f"while not os.path.exists({str(flag)!r}):\n    time.sleep(0.05)\n"
+                   "print('{\"done\": true}')\nprint('isoexec: error: it went wrong', file=sys.stderr)\nsys.exit(1)\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    log = tmp_path / "job.log"
+    result = {}
+
+    def run():
+        with open(log, "a") as lf:
+            result["proc"] = report.run_cli(["gates", "run"], lf, accept=(0, 1))
+    t = threading.Thread(target=run)
+    t.start()
+    deadline = time.time() + 30
+    while "first line" not in (log.read_text() if log.exists() else "") and time.time() < deadline:
+        time.sleep(0.05)
+    assert "first line" in log.read_text() and t.is_alive()   # in the log while the command runs
+    flag.write_text("")
+    t.join(30)
+    proc = result["proc"]
+    assert proc.returncode == 1 and json.loads(proc.stdout) == {"done": True}
+    assert report.error_line(proc.stderr) == "it went wrong"
+    text = log.read_text()
+    assert text.startswith("$ isoexec gates run\nfirst line\n") and "# exit 1 after" in text
