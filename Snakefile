@@ -8,9 +8,11 @@
 # Step 1: per family and composition, build the execution contract; run the bitwise gates of
 # the isoexec composition; admit and verify the contracts against the gate artifacts; render
 # paper_figures/<run>/gates.md and contracts.md. Raw results go to results/<run>/.
-# Rules live in workflow/rules/*.smk; the logic they call lives in the isoexec package
-# (isoexec/report.py). Jobs rerun when their config files, params or rule code change; after a
-# change to the kernels or the package itself, rerun the gates with `--forcerun gates`.
+# Rules live in workflow/rules/*.smk; each job runs the `isoexec` command (shell:) or a script of
+# workflow/scripts/ (script:), its output streamed to its log. Jobs rerun when their config files,
+# params, rule code or the code version (a hash of the isoexec and kernel sources, results/<run>/
+# code_version.txt) change; RL runs start clean unless `--config resume=true` (docs/workflow.md).
+# `snakemake --report report.html` collects the tables and figures into one HTML file.
 
 from snakemake.utils import min_version, validate
 
@@ -21,6 +23,9 @@ configfile: "configs/config.yaml"
 
 
 validate(config, "workflow/schemas/config.schema.yaml")
+
+
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"

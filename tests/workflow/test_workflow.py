@@ -1,7 +1,7 @@
 """The Snakemake workflow: lint clean, the DAG it plans, the config schema, and real runs.
 
-Every run happens in a temporary copy of the workflow (Snakefile, workflow/, configs/, profiles/),
-so the tests neither lock nor write into the checkout. The ``isoexec`` CLI they call is the installed
+Every run happens in a temporary copy of the workflow (Snakefile, workflow/, configs/, profiles/,
+environment.yml), so the tests neither lock nor write into the checkout. The ``isoexec`` CLI they call is the installed
 package; a fake ``isoexec`` placed first on PATH stands in for `gates run` where a test needs the
 CLI to fail in a particular way.
 """
@@ -33,6 +33,7 @@ def copy_workflow(dst: Path) -> Path:
     shutil.copytree(REPO / "workflow", dst / "workflow", ignore=ignore)
     shutil.copytree(REPO / "configs", dst / "configs", ignore=ignore)
     shutil.copytree(REPO / "profiles", dst / "profiles", ignore=ignore)  # Snakemake reads profiles/default itself
+    shutil.copy2(REPO / "environment.yml", dst / "environment.yml")  # the rules' conda environment
     return dst
 
 
@@ -115,9 +116,12 @@ def test_profiles_parse(wf, profile):
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "Using" in out and "profile" in out
-    if "slurm" in profile:
-        gates_job = out.split("rule gates:", 1)[1].split("\n\n", 1)[0]
-        assert "gpu=1" in gates_job and "cpus_per_gpu=8" in gates_job and "slurm_partition=" in gates_job
+    if "slurm" in profile:   # every GPU job (gates, bench, rl_run) goes to the GPU partition
+        for rule in ("gates", "bench", "rl_run"):
+            job = out.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+            assert "gpu=1" in job and "slurm_partition=<your GPU partition>" in job, rule
+            mem = int(re.search(r"mem_mb=(\d+)", job).group(1))
+            assert mem >= 64000 and "cpus_per_gpu=" in job, rule
 
 
 # ------------------------------------------------------------------------------- config schema
@@ -192,7 +196,7 @@ def test_rl_arms_run_side_by_side_each_on_its_compositions_contract(wf):
     assert job_stats(r.stdout)["rl_run"] == 4
     for arm, comp in (("native", "native"), ("native_tis", "native"), ("native_tis_k3", "native"),
                       ("isoexec", "isoexec")):
-        block = r.stdout.split(f"res/cpu/runs/dense/{arm}/seed0/run.json", 1)
+        block = r.stdout.split(f"output: res/cpu/runs/dense/{arm}/seed0\n", 1)
         assert len(block) == 2, arm
         job = r.stdout[r.stdout.rfind("rule rl_run:", 0, len(block[0])):len(block[0]) + 400]
         assert f"res/cpu/contracts/dense/{comp}.json" in job, (arm, job)
@@ -287,6 +291,43 @@ def test_bad_input_to_the_gates_fails_the_job(wf, tmp_path):
     assert "exited 2 (bad input)" in out and "unknown composition 'nope'" in out
     assert not (wf / "figs/bad/gates.md").exists()
     assert not (wf / "res/bad/gates/dense").exists()  # a failed directory output is removed
+
+
+FAKE_GPU_ISOEXEC = """\
+#!{python}
+# `contract build` writes a stub; `gates run` records the devices it was given, holds them a while.
+import json, os, pathlib, sys, time
+args = sys.argv[1:]
+out = pathlib.Path(args[args.index("--out") + 1])
+if args[:2] == ["contract", "build"]:
+    out.write_text("{{}}")
+    sys.exit(0)
+family = args[args.index("--family") + 1]
+pathlib.Path(os.environ["CVD_LOG"], family).write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "unset"))
+time.sleep(3)
+print(json.dumps({{"passed": True, "gates": []}}))
+"""
+
+
+def test_local_gpu_jobs_each_get_a_device_of_their_own(wf, tmp_path):
+    """Two gate jobs at once (each asking for gpu=1, of gpu=2) on a machine whose visible GPUs are 3
+    and 5: one runs on 3, the other on 5, and each log says which."""
+    bindir = tmp_path / "fakebin"
+    bindir.mkdir()
+    (bindir / "isoexec").write_text(FAKE_GPU_ISOEXEC.format(python=sys.executable))
+    (bindir / "isoexec").chmod(0o755)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}", "CUDA_VISIBLE_DEVICES": "3,5",
+           "CVD_LOG": str(seen), "ISOEXEC_GPU_LOCK_DIR": str(tmp_path / "locks")}
+    r = snakemake(wf, "res/cpu/gate_runs/dense.json", "res/cpu/gate_runs/hybrid.json", "--cores", "2",
+                  "--resources", "gpu=2", "--set-resources", "gates:gpu=1", "--set-threads", "gates=1",
+                  "--config", "results_dir=res", env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = {f: (seen / f).read_text() for f in ("dense", "hybrid")}
+    assert sorted(got.values()) == ["3", "5"], got
+    for f, dev in got.items():
+        assert f"# CUDA_VISIBLE_DEVICES={dev}" in (wf / f"res/cpu/logs/gates/{f}.log").read_text()
 
 
 # The end-to-end test runs every job of the embedded default (real gates, contracts, benchmarks,

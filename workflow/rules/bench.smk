@@ -1,10 +1,12 @@
 # Kernel benchmarks (docs/benchmarks.md): `isoexec bench NAME` measures ours and the stock kernel in
-# the same run and writes results/<run>/bench/<name>.json; kernels_table renders them into
-# paper_figures/<run>/kernels.md. GPU results are committed, so on a GPU config an existing JSON
-# is kept (Snakemake reruns a benchmark only when it is missing or forced).
+# the same run and writes results/<run>/bench/<name>.json (workflow/scripts/bench.py; on a GPU
+# arch the job gets a GPU of its own); kernels_table renders them into paper_figures/<run>/kernels.md.
+# A benchmark reruns when it is missing, forced, or the code version changed.
 
 
 rule bench:
+    input:
+        code=CODE_VERSION,
     output:
         f"{RES}/bench/{{name}}.json",
     log:
@@ -15,30 +17,36 @@ rule bench:
     wildcard_constraints:
         name="gemm|attention|rmsnorm|logprob|engine|cpr|train",
     resources:
-        gpu=GATE_GPUS,
+        gpu=JOB_GPUS,
         runtime=30,
-    run:
-        isobench.run_bench(wildcards.name, output[0], params.device, params.quick, log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/bench.py"
 
 
 rule kernels_table:
     input:
-        [bench_path(n) for n in BENCHES],
+        results=[bench_path(n) for n in BENCHES],
+        code=CODE_VERSION,
     output:
         md=report(f"{FIG}/kernels.md", category="Benchmarks"),
-        csv=f"{FIG}/kernels.csv",
+        csv=report(f"{FIG}/kernels.csv", category="Benchmarks"),
     log:
         f"{LOGS}/kernels_table.log",
     params:
         run=RUN,
     localrule: True
-    run:
-        isobench.render(input, output.md, output.csv, params.run, log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/tables.py"
 
 
 rule cpr_table:
     input:
-        bench_path("cpr"),
+        result=bench_path("cpr"),
+        code=CODE_VERSION,
     output:
         report(f"{FIG}/cpr.md", category="Benchmarks"),
     log:
@@ -46,6 +54,7 @@ rule cpr_table:
     params:
         run=RUN,
     localrule: True
-    run:
-        n = isobench.write_cpr_table(input[0], output[0], params.run)
-        Path(log[0]).write_text(f"{n} CPR stages rendered\n")
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/tables.py"

@@ -1,15 +1,25 @@
 # Shared settings and path helpers of the workflow (no rules here: the linter wants functions and
-# rules in separate files). Everything below is derived from the validated config.
+# rules in separate files). Everything below is derived from the validated config. Nothing here
+# imports the isoexec package (it would load torch into the Snakemake process): the jobs run the
+# `isoexec` command (shell:) or a script of workflow/scripts/ (script:), docs/workflow.md.
 
+import json
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
 
 from snakemake.exceptions import WorkflowError
 
-from isoexec import report as isoreport
-from isoexec.bench import report as isobench
-from isoexec.rl import workflow_jobs as isorl
+SCRIPTS = Path(workflow.current_basedir).parent / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import code_version as _codever  # noqa: E402 - workflow/scripts/code_version.py
+
+# The software every job needs: the project's conda environment (the isoexec package and its
+# dependencies), used when Snakemake deploys software itself (--software-deployment-method conda);
+# otherwise the jobs run the `isoexec` of the environment Snakemake runs in.
+CONDA_ENV = "../../environment.yml"
 
 RUN = config["run_name"]
 ARCH = config["arch"]
@@ -17,8 +27,9 @@ FAMILIES = list(config["families"])
 COMPOSITIONS = list(config["compositions"])
 GATE_COMPOSITION = config["gates"]["composition"]
 GATE_SEED = int(config["gates"]["seed"])
-# One GPU per gate job on a GPU arch; none on cpu. The SLURM profile turns this into --gpus.
-GATE_GPUS = 0 if ARCH == "cpu" else 1
+# GPUs per GPU job (gates, bench, rl_run): one on a GPU arch, none on cpu. Locally each such job
+# gets its own device (workflow/scripts/gpus.py); the SLURM profile turns it into --gpus.
+JOB_GPUS = 0 if ARCH == "cpu" else 1
 
 RES = f"{config['results_dir']}/{RUN}"
 FIG = f"{config['figures_dir']}/{RUN}"
@@ -28,6 +39,19 @@ LOGS = f"{RES}/logs"
 # gate runner tells native from isoexec by name); make it resolve those names in this workflow's
 # configs/ folder, the same files the rules declare as inputs.
 os.environ.update(ISOEXEC_CONFIGS=str(Path("configs").resolve()))
+# shell: jobs call `isoexec`; when the environment it is installed in is not activated, find it
+# beside the Python that runs Snakemake (last on PATH, so an `isoexec` already on PATH wins).
+if shutil.which("isoexec") is None:
+    os.environ.update(PATH=os.pathsep.join(p for p in (os.environ.get("PATH"), str(Path(sys.executable).parent)) if p))
+
+# Code version (docs/workflow.md): a hash of the isoexec and kernel sources, written while the
+# workflow is parsed and only when it changed; every rule that runs package code takes the file as
+# an input, so an edit to the package or the kernels reruns those jobs, and nothing else does.
+CODE_VERSION = f"{RES}/code_version.txt"
+try:
+    _codever.write_if_changed(CODE_VERSION, _codever.version_text(_codever.package_dirs()))
+except RuntimeError as _exc:
+    raise WorkflowError(f"code version: {_exc}") from None
 
 _no_model = [f for f in FAMILIES if f not in config["models"]]
 if _no_model:
@@ -110,6 +134,11 @@ def bench_path(name):
 RL_CONF = dict(config.get("rl") or {})
 RL_SEEDS = list(RL_CONF.get("seeds", [0]))
 RL_ON = bool(RL_CONF.get("enabled", False))
+# `--config resume=true`: RL runs continue from their checkpoints instead of starting clean
+# (workflow/scripts/rl_run.py). Read here and by the job script, never a param: switching it on
+# must not count as a change of the runs.
+RL_RESUME = config.get("resume", False) in (True, "true")
+config["resume"] = RL_RESUME   # a boolean for the job scripts ("true" from --config is a string)
 
 
 # Arms run side by side (e.g. native, native + token TIS, native + TIS + K3 rejection, IsoExec):
@@ -168,8 +197,19 @@ def rl_data_input(wildcards):
     return [f"{RES}/data/synthetic.parquet"] if RL_CONF.get("dataset", "synthetic") == "synthetic" else []
 
 
+def rl_run_dir(family, arm, seed):
+    return f"{RES}/runs/{family}/{arm}/seed{seed}"
+
+
+def rl_run_output():
+    """The run folder, a directory output: removed by Snakemake before the job (a clean start), or,
+    with `--config resume=true`, kept for the run to continue from its checkpoint (update())."""
+    out = directory(rl_run_dir("{family}", "{arm}", "{seed}"))
+    return update(out) if RL_RESUME else out
+
+
 def rl_run_outputs():
-    return [f"{RES}/runs/{f}/{a}/seed{s}/run.json" for f in FAMILIES for a in RL_ARMS for s in RL_SEEDS]
+    return [rl_run_dir(f, a, s) for f in FAMILIES for a in RL_ARMS for s in RL_SEEDS]
 
 
 def final_targets():

@@ -4,23 +4,27 @@
 #                    with --gates (discharges name the passing artifacts), else keep the draft
 #   contract_show    digests, entry count, tolerance claims (`contract show --json`)
 #   contract_verify  the final verdict (`contract verify --json`), recorded, never a crash
-# The CLI runs in a subprocess; exit 2 (bad input) fails the job, "not admitted" is recorded.
+# Exit 2 (bad input) fails the job; "not admitted" is recorded (workflow/scripts/contracts.py).
 
 
 rule contract_draft:
     input:
         composition=composition_file,
         model=model_file,
+        code=CODE_VERSION,
     output:
         contract_path("{family}", "{composition}", ".draft"),
     log:
         f"{LOGS}/contract_draft/{{family}}_{{composition}}.log",
     params:
-        args=build_args,
+        model=lambda wc: model_name(wc.family),
+        arch=ARCH,
     localrule: True
-    run:
-        with open(log[0], "w") as lf:
-            isoreport.run_cli([*params.args, "--out", output[0]], lf)
+    conda:
+        CONDA_ENV
+    shell:
+        "isoexec contract build --family {wildcards.family} --composition {wildcards.composition}"
+        " --model {params.model:q} --arch {params.arch} --out {output:q} > {log:q} 2>&1"
 
 
 rule contract_admit:
@@ -29,6 +33,7 @@ rule contract_admit:
         model=model_file,
         draft=contract_path("{family}", "{composition}", ".draft"),
         gates=lambda wc: gates_dir(wc.family),
+        code=CODE_VERSION,
     output:
         contract=contract_path("{family}", "{composition}", ""),
         record=contract_path("{family}", "{composition}", ".admission"),
@@ -37,35 +42,38 @@ rule contract_admit:
     params:
         args=build_args,
     localrule: True
-    run:
-        isoreport.admit_contract(family=wildcards.family, composition=wildcards.composition,
-                                 build_args=params.args, draft=input.draft,
-                                 gates_dir=input.gates, out=output.contract, record=output.record,
-                                 log=log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/contracts.py"
 
 
 rule contract_show:
     input:
-        contract_path("{family}", "{composition}", ""),
+        contract=contract_path("{family}", "{composition}", ""),
+        code=CODE_VERSION,
     output:
         contract_path("{family}", "{composition}", ".show"),
     log:
         f"{LOGS}/contract_show/{{family}}_{{composition}}.log",
     localrule: True
-    run:
-        with open(log[0], "w") as lf:
-            isoreport.run_cli(["contract", "show", input[0], "--json"], lf, stdout=output[0])
+    conda:
+        CONDA_ENV
+    shell:
+        "isoexec contract show {input.contract:q} --json > {output:q} 2> {log:q}"
 
 
 rule contract_verify:
     input:
         contract=contract_path("{family}", "{composition}", ""),
         gates=lambda wc: gates_dir(wc.family),
+        code=CODE_VERSION,
     output:
         contract_path("{family}", "{composition}", ".verify"),
     log:
         f"{LOGS}/contract_verify/{{family}}_{{composition}}.log",
     localrule: True
-    run:
-        isoreport.verify_contract(contract=input.contract, gates_dir=input.gates, record=output[0],
-                                  log=log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/contracts.py"

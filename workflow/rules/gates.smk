@@ -3,7 +3,8 @@
 #          (a directory output: Snakemake empties it before a rerun, so no stale artifacts remain)
 #          and the run's outcome into results/<run>/gate_runs/<family>.json.
 # A failing gate or a run stopped by a kernel that does not exist yet (exit 1) is recorded and
-# rendered as missing; bad input (exit 2) fails the job. This is the job that needs a GPU on sm90.
+# rendered as missing; bad input (exit 2) fails the job (workflow/scripts/gates.py). On a GPU arch
+# the job gets a GPU of its own.
 
 
 rule gates:
@@ -11,6 +12,7 @@ rule gates:
         draft=contract_path("{family}", GATE_COMPOSITION, ".draft"),
         composition=gate_composition_file,
         model=model_file,
+        code=CODE_VERSION,
     output:
         artifacts=directory(gates_dir("{family}")),
         record=gate_run_record("{family}"),
@@ -23,9 +25,9 @@ rule gates:
         seed=GATE_SEED,
     threads: 4
     resources:
-        gpu=GATE_GPUS,
+        gpu=JOB_GPUS,
         runtime=60,
-    run:
-        isoreport.run_gates(family=wildcards.family, composition=params.composition, model=params.model,
-                            arch=params.arch, seed=params.seed, out_dir=output.artifacts,
-                            record=output.record, log=log[0], threads=threads)
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/gates.py"

@@ -1,48 +1,56 @@
 # RL runs (DAPO by default): the synthetic data set, one run per family x arm x seed (an arm is a
-# composition plus settings overrides; by default one arm per composition), and
-# the reproduction tables/figures. A run writes metrics.jsonl step by step and checkpoint.pt every
-# `checkpoint_every` steps into its folder; its declared output is run.json, written when the run
-# finishes, so a run killed mid-way keeps its checkpoint and metrics and resumes when rerun.
+# composition plus settings overrides; by default one arm per composition), and the reproduction
+# tables/figures. A run's folder is its directory output (metrics.jsonl, checkpoint.pt,
+# rl_config.json, inputs.json, run.json): it starts clean, unless `--config resume=true` asks the
+# runs to continue from their checkpoints (workflow/scripts/rl_run.py, docs/workflow.md).
 
 
 rule synthetic_data:
+    input:
+        code=CODE_VERSION,
     output:
         f"{RES}/data/synthetic.parquet",
     log:
         f"{LOGS}/synthetic_data.log",
     params:
-        synthetic=RL_CONF.get("synthetic", {"n": 512}),
+        synthetic=json.dumps(RL_CONF.get("synthetic", {"n": 512}), sort_keys=True),
         seed=RL_CONF.get("data_seed", 0),
     localrule: True
-    run:
-        isorl.make_synthetic(output[0], params.synthetic, params.seed, log[0])
+    conda:
+        CONDA_ENV
+    shell:
+        "isoexec data synthetic --params {params.synthetic:q} --seed {params.seed} --out {output:q} > {log:q} 2>&1"
 
 
 rule rl_run:
     input:
         contract=rl_contract,
         data=rl_data_input,
+        code=CODE_VERSION,
     output:
-        f"{RES}/runs/{{family}}/{{arm}}/seed{{seed}}/run.json",
+        rl_run_output(),
     log:
         f"{LOGS}/runs/{{family}}_{{arm}}_seed{{seed}}.log",
     params:
         rl=lambda wc: rl_settings(wc),
     threads: 2
     resources:
-        gpu=GATE_GPUS,
+        gpu=JOB_GPUS,
         runtime=600,
-    run:
-        isorl.run_job(params.rl, output[0], log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/rl_run.py"
 
 
 rule rl_tables:
     input:
-        rl_run_outputs(),
+        runs=rl_run_outputs(),
+        code=CODE_VERSION,
     output:
         lp=report(f"{FIG}/logprob_diff.md", category="RL runs"),
         st=report(f"{FIG}/step_time.md", category="RL runs"),
-        csv=f"{FIG}/runs.csv",
+        csv=report(f"{FIG}/runs.csv", category="RL runs"),
         lp_png=report(f"{FIG}/logprob_diff.png", category="RL runs"),
         st_png=report(f"{FIG}/step_time.png", category="RL runs"),
     log:
@@ -50,5 +58,7 @@ rule rl_tables:
     params:
         run=RUN,
     localrule: True
-    run:
-        isorl.render(input, output.lp, params.run, log[0])
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/tables.py"
