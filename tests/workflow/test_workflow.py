@@ -98,10 +98,44 @@ def test_dry_run_of_the_h200_config_asks_for_a_gpu(wf):
     assert "gpu=1" in gates_job
 
 
-def test_paper_config_dry_runs(wf):
+def test_paper_config_refuses_rl_without_checkpoints_and_data(wf):
+    """configs/paper.yaml runs RL on real weights and DAPO-Math-17k: until both are there it stops
+    before any job with one line naming what is missing, instead of random weights."""
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml")
-    assert r.returncode == 0, r.stderr
-    assert "paper_figures/paper/contracts.md" in r.stdout + r.stderr
+    assert r.returncode != 0
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
+    for missing in ("checkpoints.dense is not set", "checkpoints.hybrid is not set",
+                    "rl.dataset 'data/dapo-math-17k.parquet' does not exist", "set rl.enabled: false"):
+        assert missing in line, missing
+    bad = write_config(wf / "bad_ckpt.yaml", f"checkpoints: {{dense: {wf / 'nowhere'}, hybrid: {wf}}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml", str(bad))
+    assert r.returncode != 0 and "is not a Hugging Face checkpoint folder (no config.json)" in r.stdout + r.stderr
+
+
+def test_paper_config_dry_runs_with_checkpoints_and_data(wf):
+    for fam in ("dense", "hybrid"):
+        (wf / "ckpt" / fam).mkdir(parents=True)
+        (wf / "ckpt" / fam / "config.json").write_text("{}")
+    (wf / "data").mkdir()
+    (wf / "data/dapo-math-17k.parquet").write_bytes(b"PAR1")
+    given = write_config(wf / "given.yaml", f"checkpoints: {{dense: {wf / 'ckpt/dense'}, hybrid: {wf / 'ckpt/hybrid'}}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml", str(given))
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "paper_figures/paper/contracts.md" in out and "configs/models/dense_qwen3_8b.yaml" in out
+    assert job_stats(out)["rl_run"] == 4 and "results/paper/runs/dense/isoexec/seed0" in out
+
+
+def test_the_qwen3_8b_model_config_has_its_dimensions():
+    import yaml
+
+    cfg = yaml.safe_load((REPO / "configs/models/dense_qwen3_8b.yaml").read_text())["hf_config"]
+    assert {k: cfg[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings")} == {
+        "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "tie_word_embeddings": False}
+    assert cfg["rope_parameters"]["rope_theta"] == 1e6
+    assert yaml.safe_load((REPO / "configs/paper.yaml").read_text())["models"]["dense"] == "dense_qwen3_8b"
 
 
 def test_cpu_jobs_ask_for_no_gpu(wf):
@@ -137,6 +171,31 @@ def test_schema_refuses_an_unknown_key(wf):
     bad = write_config(wf / "bad.yaml", "famlies: [dense]\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
     assert r.returncode != 0 and "'famlies' was unexpected" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("dataset: {name: DAPO-Math-17k, path: null}\n", "'dataset' was unexpected"),   # removed: rl.dataset is the one
+    ("rl: {synthetic: {n: 10, max_operands: 9}}\n", "'max_operands' was unexpected"),
+    ("rl: {settings: {steps: banana}}\n", "'banana' is not of type 'integer'"),
+    ("rl: {settings: {engine: [1, 2]}}\n", "is not of type 'object'"),
+    ("rl: {settings: {dtype: float7}}\n", "'float7' is not one of"),
+    ("rl: {settings: {temperature: hot}}\n", "'hot' is not of type 'number'"),
+    ("rl: {require_checkpoints: maybe}\n", "'maybe' is not of type 'boolean'"),
+    ("resume: 3\n", "3 is not one of [True, False, 'true', 'false']"),
+])
+def test_schema_checks_every_key_and_type(wf, text, expect):
+    bad = write_config(wf / "bad.yaml", text)
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
+    assert r.returncode != 0 and expect in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_rl_settings_synthetic_is_refused_by_the_workflow(wf):
+    """The runs read the data set the workflow makes from rl.synthetic; rl.settings.synthetic would be
+    silently ignored, so it is refused with one line."""
+    bad = write_config(wf / "bad.yaml", "rl: {settings: {synthetic: {n: 10}}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
+    assert r.returncode != 0
+    assert "config: rl.settings set `synthetic`, which the workflow's runs do not read" in r.stdout + r.stderr
 
 
 def test_schema_refuses_a_bad_arch(wf):

@@ -150,6 +150,12 @@ if RL_ON and _arm_comps:
     raise WorkflowError(f"config: rl.arms use composition(s) {', '.join(_arm_comps)} that are not in "
                         f"`compositions` (no contract is built for them); add them there")
 
+_set_synthetic = ["rl.settings"] * ("synthetic" in (RL_CONF.get("settings") or {})) + [
+    f"rl.arms.{n}.settings" for n, a in RL_ARMS.items() if "synthetic" in a["settings"]]
+if RL_ON and _set_synthetic:
+    raise WorkflowError(f"config: {', '.join(_set_synthetic)} set `synthetic`, which the workflow's runs do not "
+                        "read (they get the data set the workflow makes); set `rl.synthetic` instead")
+
 wildcard_constraints:
     arm="|".join(map(re.escape, RL_ARMS)) or "(?!)",
 
@@ -188,9 +194,29 @@ def rl_settings(wildcards):
     return s
 
 
-if RL_ON and RL_CONF.get("dataset", "synthetic") != "synthetic" and not Path(RL_CONF["dataset"]).exists():
-    raise WorkflowError(f"config: rl.dataset {RL_CONF['dataset']!r} does not exist; download DAPO-Math-17k "
-                        "(verl parquet schema) to that path, or use `dataset: synthetic`")
+def _rl_refusals():
+    """Why the RL runs cannot start as configured (empty: they can). Real weights: with
+    rl.require_checkpoints every family needs `checkpoints.<family>`; a checkpoint named anywhere must
+    be a folder with a config.json. Data: rl.dataset must exist unless it is `synthetic`."""
+    out = []
+    ckpts = config.get("checkpoints") or {}
+    for f in FAMILIES:
+        path = ckpts.get(f)
+        if not path:
+            if RL_CONF.get("require_checkpoints", False):
+                out.append(f"checkpoints.{f} is not set (rl.require_checkpoints: true; random weights and a "
+                           "character tokenizer are not the paper's setup)")
+        elif not (Path(path) / "config.json").is_file():
+            out.append(f"checkpoints.{f} {path!r} is not a Hugging Face checkpoint folder (no config.json)")
+    ds = RL_CONF.get("dataset", "synthetic")
+    if ds != "synthetic" and not Path(ds).exists():
+        out.append(f"rl.dataset {ds!r} does not exist (download DAPO-Math-17k, verl parquet schema, to that path)")
+    return out
+
+
+if RL_ON and (_why := _rl_refusals()):
+    raise WorkflowError("config: the RL runs cannot start: " + "; ".join(_why)
+                        + "; fill these in, or set rl.enabled: false to run only the contracts and gates")
 
 
 def rl_data_input(wildcards):
