@@ -81,7 +81,6 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
     from .engine_gates import SIZES as ENGINE_SIZES
     from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
 
-    cfg = load_model_config(model or default_model_name(family))["hf_config"]
     results = []
     runs = [(composition, "invariant", None)]
     if composition != "native" and arch in NEGATIVE_CONTROLS and (not only or "negative_control" in only):

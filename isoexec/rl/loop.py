@@ -29,7 +29,8 @@ import torch
 from .. import kernel_compiles
 from ..assembly import installed_model
 from ..errors import ConfigError, IsoExecError
-from ..train.precompile import warm_up_engine, warm_up_kernel_shapes
+from ..engine.warmup import warm_up_engine
+from ..train.precompile import warm_up_kernel_shapes
 
 
 class LiveCheckFailed(IsoExecError):
@@ -244,11 +245,12 @@ class RLRun:
         if self.tok.vocab_size > hf_cfg["vocab_size"]:
             raise ConfigError(f"tokenizer has {self.tok.vocab_size} ids but the model's vocab is "
                               f"{hf_cfg['vocab_size']}")
-        # the engine's weights are the trainer's, copied in at every weight sync (seed=None: none here)
-        self.trainer_model, self.engine_model = (
-            installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, dtype=dtype, device=device,
-                            seed=seed, checkpoint=ckpt, contract=self.contract).model
-            for seed, ckpt in ((cfg.seed, cfg.checkpoint), (None, None)))
+        where = dict(dtype=dtype, device=device, contract=self.contract)
+        self.trainer_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=cfg.seed,
+                                             checkpoint=cfg.checkpoint, **where).model
+        # no weights of its own: the trainer's are copied in at every weight sync
+        self.engine_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None,
+                                            **where).model
         self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
         if cfg.dataset == "synthetic":
             problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))

@@ -10,10 +10,10 @@ compiles; ``kernels_compiled`` in the metrics now says which steps compiled.)
 
 ``warm_up_kernel_shapes`` runs the trainer's scoring forward (``trainer_score``) and its training
 forward + backward (``trainer_fwd``) on random tokens packed as one sequence and as two, at each
-packed length around every bucket bound (``b - 1, b, b + 1``, so both sides of each bound and both divisibility classes
-are met, for the body's rows and for the lm_head's rows, one fewer). The engine's eager prefill
-runs the same kernels at the same M buckets, so it is covered too; its decode steps are captured
-in CUDA graphs at start-up. Gradients are dropped afterwards and no optimizer state is touched:
+packed length around every bucket bound (``b - 1, b, b + 1``: both sides of each bound and both
+divisibility classes, for the body's rows and for the lm_head's rows, one fewer). The engine's
+eager prefill runs the same GEMMs at the same M buckets; its own variants (paged attention) are
+warmed by ``isoexec.engine.warmup``, and its decode steps are captured in CUDA graphs at start-up. Gradients are dropped afterwards and no optimizer state is touched:
 the run's results do not change, only where the compile time is paid.
 """
 
@@ -59,7 +59,6 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     lengths = warm_up_lengths(M_BUCKET_BOUNDS, largest)
-    params = [p for p in model.parameters() if p.requires_grad]
     cap = max(3, int(getattr(model.cfg, "max_position_embeddings", 1 << 30)))
     for n in lengths:
         # one sequence, and two (an integer argument equal to 1, such as a sequence count, is
@@ -71,7 +70,7 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
             packed = PackedSequences.from_lists(seqs, device)
             score_logprobs(model, packed, grad=False)
             score_logprobs(model, packed, grad=True).sum().backward()
-    for p in params:
+    for p in model.parameters():
         p.grad = None
     torch.cuda.synchronize(device)
     out = {"lengths": lengths, "seconds": time.perf_counter() - t0,
@@ -80,25 +79,3 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
         f"{out['kernels_compiled']} kernel(s) compiled")
     return out
 
-
-def warm_up_engine(engine, max_prompt_tokens: int, log: Callable[[str], None] = print) -> dict:
-    """A few short generations before the first timed step: prompts of one page, of several
-    pages and a mixed batch, two new tokens each, sampled (top-p on), so the engine's paged
-    attention variants (block-table width 1 and more), its chunked prefill and the sampler's
-    path are compiled. Request ids and seeds are the call's own; the engine is idle afterwards
-    and no state carries over. Only meaningful on a GPU (no-op elsewhere)."""
-    from ..engine import SamplingParams
-
-    if engine.runner.device.type != "cuda":
-        return {"seconds": 0.0, "kernels_compiled": 0}
-    kernel_compiles.install()
-    before = kernel_compiles.count()
-    t0 = time.perf_counter()
-    longest = max(2, min(int(max_prompt_tokens), engine.config.max_model_len - 2))
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=2, seed=0)
-    for prompts in ([[1]], [[1] * longest], [[1] * n for n in sorted({1, 2, longest // 2, longest})]):
-        engine.generate(prompts, [params] * len(prompts))
-    torch.cuda.synchronize(engine.runner.device)
-    out = {"seconds": time.perf_counter() - t0, "kernels_compiled": kernel_compiles.count() - before}
-    log(f"engine warm-up in {out['seconds']:.1f}s, {out['kernels_compiled']} kernel(s) compiled")
-    return out
