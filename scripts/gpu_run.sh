@@ -8,7 +8,7 @@
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
 #            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1, the
-#            attention tile sweep if ATTN_SWEEP=1
+#            attention tile sweep if ATTN_SWEEP=1, the engine decode profile if ENGINE_PROFILE=1
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -55,6 +55,12 @@ if [ "$MODE" = speed ]; then
     SECONDS=0
     python3 scripts/gemm_tile_sweep.py ${SWEEP_ARGS:-} --out "$OUT/gemm_sweep.json" > "$WORK/sweep.log" 2>&1
     echo "gemm sweep rc=$? (${SECONDS}s)"; cp "$WORK/sweep.log" "$OUT/"; grep -v "^ " "$WORK/sweep.log" | tail -50
+  fi
+  if [ "${ENGINE_PROFILE:-0}" = 1 ]; then
+    SECONDS=0
+    timeout ${ENGINE_PROFILE_TIMEOUT:-180} python3 scripts/engine_profile.py ${ENGINE_PROFILE_ARGS:-} \
+      > "$WORK/engine_profile.log" 2>&1
+    echo "engine profile rc=$? (${SECONDS}s)"; cp "$WORK/engine_profile.log" "$OUT/"; grep "^====" "$WORK/engine_profile.log"
   fi
   if [ "${ATTN_SWEEP:-0}" = 1 ]; then
     SECONDS=0

@@ -1,0 +1,90 @@
+"""Where the time of an engine decode step goes (a tuning tool, GPU only).
+
+Builds the dense model at Qwen3-0.6B dimensions under a composition, admits ``--seqs`` prompts of
+``--prompt`` tokens, runs the prefill, then profiles ``--steps`` decode steps (CUDA graphs on):
+per-step host time (until ``Engine.step`` returned) against wall time, torch.profiler's top CPU
+ops and CUDA kernels, and cProfile's top Python functions. Run it greedy and with top-p sampling
+so the sampler's share shows.
+
+    python3 scripts/engine_profile.py [--composition isoexec] [--seqs 64] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+
+def _decode_steps(engine, n: int) -> tuple[float, float]:
+    """Mean host and wall ms of n Engine.step calls."""
+    host = wall = 0.0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        engine.step()
+        host += time.perf_counter() - t0
+        torch.cuda.synchronize()
+        wall += time.perf_counter() - t0
+    return host / n * 1e3, wall / n * 1e3
+
+
+def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool) -> None:
+    from isoexec.bench.engine import _model
+    from isoexec.engine import Engine, EngineConfig, SamplingParams
+
+    model, contract, cfg = _model("dense_qwen3_0p6b", composition, "cuda", torch.bfloat16)
+    max_tokens = 3 * steps + 16
+    max_len = prompt + max_tokens + 16
+    ecfg = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=seqs, num_pages=seqs * (-(-max_len // 16)) + 8,
+                        max_model_len=max_len, cuda_graphs=True)
+    engine = Engine(model, contract, ecfg, trainer_contract=contract)
+    params = (SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=1) if sampled
+              else SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    engine.generate([[1, 2, 3]] * 2, params)        # compile kernels, capture graphs
+    gen = torch.Generator().manual_seed(0)
+    for i, p in enumerate(torch.randint(0, cfg["vocab_size"], (seqs, prompt), generator=gen).tolist()):
+        engine.add_request(p, params, 10_000 + i)
+    while engine.runner.graph_replays == 0 or len(engine.scheduler.waiting):
+        engine.step()                                 # prefill (chunked) until every sequence decodes
+    _decode_steps(engine, 3)
+    host, wall = _decode_steps(engine, steps)
+    tag = f"{composition} {'top-p sampled' if sampled else 'greedy'} {seqs} seqs"
+    print(f"==== {tag}: decode step host {host:.2f} ms, wall {wall:.2f} ms ({seqs / wall * 1e3:.0f} tok/s)",
+          flush=True)
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _decode_steps(engine, steps)
+    ka = prof.key_averages()
+    print(f"---- {tag}: top by self CPU time ({steps} steps)")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    print(f"---- {tag}: top by self device time ({steps} steps)")
+    print(ka.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
+    cp = cProfile.Profile()
+    cp.enable()
+    _decode_steps(engine, steps)
+    cp.disable()
+    s = io.StringIO()
+    pstats.Stats(cp, stream=s).sort_stats("tottime").print_stats(top)
+    print(f"---- {tag}: cProfile by own time ({steps} steps)\n" + "\n".join(s.getvalue().splitlines()[:top + 12]),
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--composition", default="isoexec")
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    for sampled in (False, True):
+        profile(args.composition, args.seqs, args.prompt, args.steps, args.top, sampled)
+
+
+if __name__ == "__main__":
+    main()
