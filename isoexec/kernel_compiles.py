@@ -8,12 +8,14 @@ bucket not seen before pays for new compiles inside its timing. The RL loop reco
 step (``kernels_compiled`` in metrics.jsonl) and warms the buckets up front
 (``isoexec.train.precompile``), so a step that still compiled is visible in the metrics.
 
-Counting uses Triton's post-compile hook; a hook already installed keeps being called.
+Counting uses Triton's post-compile hook; a hook already installed keeps being called. The hook's
+description of each compile (kernel name, launch options, argument types and specialisations) is
+kept too, so a step that compiled can say what it compiled (:func:`compiled_since`).
 """
 
 from __future__ import annotations
 
-_state = {"count": 0, "installed": False}
+_state = {"count": 0, "installed": False, "names": []}
 
 
 def install() -> bool:
@@ -28,6 +30,7 @@ def install() -> bool:
 
     def counting_hook(*args, **kwargs):
         _state["count"] += 1
+        _state.setdefault("names", []).append(str(kwargs.get("repr") or kwargs.get("key") or "?"))
         if previous is not None:
             return previous(*args, **kwargs)
         return None
@@ -40,3 +43,8 @@ def install() -> bool:
 def count() -> int:
     """Kernels compiled in this process since :func:`install` (0 before it)."""
     return _state["count"]
+
+
+def compiled_since(start: int) -> list[str]:
+    """Descriptions of the kernels compiled after the count was ``start``."""
+    return list(_state.get("names", [])[start:])

@@ -13,7 +13,7 @@ from isoexec import kernel_compiles  # noqa: E402
 
 @pytest.fixture
 def fresh_counter(monkeypatch):
-    monkeypatch.setattr(kernel_compiles, "_state", {"count": 0, "installed": False})
+    monkeypatch.setattr(kernel_compiles, "_state", {"count": 0, "installed": False, "names": []})
     monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", None)
     return kernel_compiles
 
@@ -27,6 +27,7 @@ def test_each_post_compile_call_counts_once_and_an_earlier_hook_still_runs(fresh
         knobs.runtime.jit_post_compile_hook(key=key, repr="", fn=None, compile=None, is_manual_warmup=False,
                                             already_compiled=False)
     assert fresh_counter.count() == 2 and seen == ["a", "b"]
+    assert fresh_counter.compiled_since(1) == ["b"]
 
 
 def test_count_is_zero_before_install(fresh_counter):

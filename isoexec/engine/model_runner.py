@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..model.batch import ForwardBatch, KVCache
@@ -64,8 +65,7 @@ class ModelRunner:
         """Hidden rows [T, H] of the step's new tokens and the case they ran under."""
         seqs, counts = batch.seqs, batch.num_tokens
         case = "engine_decode" if batch.is_decode else "engine_prefill"
-        ids = torch.tensor([t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed:s.num_computed + n]],
-                           dtype=torch.int64, device=self.device)
+        ids = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed:s.num_computed + n]]
         tables = [s.block_table for s in seqs]
         starts = [s.num_computed for s in seqs]
         state = {}
@@ -79,7 +79,7 @@ class ModelRunner:
             self.graph_replays += 1
             return self.graphs.run(ids, tables, starts, self.page_size, state.get("state_slots")), case
         fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device, **state)
-        return self.model.hidden_states(ids, fb), case
+        return self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), fb), case
 
     def reset_state(self, slots) -> None:
         """Zero the recurrent state of ``slots`` (all slots if None); a no-op for attention-only models."""
@@ -90,19 +90,26 @@ class ModelRunner:
     @torch.no_grad()
     def run(self, batch: ScheduledBatch) -> Optional[SampleOutput]:
         """Run the step; sample for each sequence whose chunk reaches its last token."""
-        hidden, case = self.forward(batch)
         samples = batch.samples
         if not any(samples):
+            self.forward(batch)
             return None
-        ends = torch.tensor(batch.num_tokens, dtype=torch.int64).cumsum(0) - 1
-        rows = ends[torch.tensor(samples)].to(self.device)
         picked = [s for s, keep in zip(batch.seqs, samples) if keep]
-        logits = self.model.logits(hidden[rows], case)
+        # everything the sampler needs goes to the device before the forward is launched, so no
+        # host-to-device copy has to wait for the forward (a pageable copy syncs the stream)
+        plan = self.sampler.plan([s.params for s in picked], [s.request_id for s in picked],
+                                 [s.num_tokens for s in picked], self.device)
+        rows = None
+        if not (batch.is_decode and all(samples)):          # decode: every row is its sequence's last
+            ends = torch.tensor(batch.num_tokens, dtype=torch.int64).cumsum(0) - 1
+            rows = ends[torch.tensor(samples)].to(self.device, non_blocking=True)
+        hidden, case = self.forward(batch)
+        logits = self.model.logits(hidden if rows is None else hidden[rows], case)
+
         def logprob(lg, targets):
             return self.model.logprobs_from_logits(lg, targets, case)
 
-        return self.sampler(logits, [s.params for s in picked], [s.request_id for s in picked],
-                            [s.num_tokens for s in picked], logprob)
+        return self.sampler.sample(logits, plan, logprob)
 
 
 class DecodeGraphs:
@@ -117,14 +124,26 @@ class DecodeGraphs:
         dev = model.embed.device
         self.sizes = tuple(sorted(batch_sizes))
         top = self.sizes[-1]
-        self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.block_table = torch.zeros(top, max_pages_per_seq, dtype=torch.int32, device=dev)
-        self.context_lens = torch.ones(top, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.int64, device=dev)
-        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.width = max_pages_per_seq
+        # The step's inputs are staged in two pinned host buffers (int64: ids, positions, slots;
+        # int32: block table, context lengths, state slots) and copied in two asynchronous copies
+        # into the device buffers the graphs read; the static inputs are views into those.
+        n64, n32 = 3 * top, top * (max_pages_per_seq + 2)
+        self.host64 = torch.zeros(n64, dtype=torch.int64, pin_memory=True)
+        self.host32 = torch.zeros(n32, dtype=torch.int32, pin_memory=True)
+        self.dev64 = torch.zeros(n64, dtype=torch.int64, device=dev)
+        self.dev32 = torch.zeros(n32, dtype=torch.int32, device=dev)
+        self.copied = None                          # event: the last staging copy has been read
+        self.ids, self.positions, self.slot_mapping = self.dev64[:top], self.dev64[top:2 * top], self.dev64[2 * top:]
+        tw = top * max_pages_per_seq
+        self.block_table = self.dev32[:tw].view(top, max_pages_per_seq)
+        self.context_lens = self.dev32[tw:tw + top]
         # recurrent families: padded lanes use the scratch slot (their state updates land there)
-        self.state_slots = torch.full((top,), scratch_slot, dtype=torch.int32, device=dev)
+        self.state_slots = self.dev32[tw + top:]
+        self.stage(0, [], [], [], 1, None)          # padded-lane values everywhere
+        self.dev64.copy_(self.host64)
+        self.dev32.copy_(self.host32)
+        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
@@ -155,30 +174,45 @@ class DecodeGraphs:
     def bucket(self, n: int) -> Optional[int]:
         return next((b for b in self.sizes if b >= n), None)
 
-    def run(self, ids: torch.Tensor, tables: list[list[int]], starts: list[int], page_size: int,
+    def stage(self, n: int, ids, tables: list[list[int]], starts: list[int], page_size: int,
+              state_slots: Optional[list[int]]) -> None:
+        """Write a step's inputs into the pinned host buffers: n real lanes, the rest padded
+        (id 0, position 0, slot -1: never writes the cache; one key on page 0: only reads)."""
+        top, width = len(self.context_lens), self.width
+        h64 = self.host64.numpy()
+        h32 = self.host32.numpy()
+        ids_h, pos_h, slot_h = h64[:top], h64[top:2 * top], h64[2 * top:]
+        bt = h32[:top * width].reshape(top, width)
+        ctx_h, st_h = h32[top * width:top * width + top], h32[top * width + top:]
+        ids_h[:] = 0
+        pos_h[:] = 0
+        slot_h[:] = -1
+        bt[:] = 0
+        ctx_h[:] = 1
+        st_h[:] = self.scratch_slot
+        if n:
+            ids_h[:n] = ids
+            pos = np.asarray(starts, dtype=np.int64)
+            pos_h[:n] = pos
+            ctx_h[:n] = pos + 1
+            for i, t in enumerate(tables):
+                bt[i, :len(t)] = t
+            page = bt[np.arange(n), pos // page_size].astype(np.int64)
+            slot_h[:n] = page * page_size + pos % page_size
+            if state_slots is not None:
+                st_h[:n] = state_slots
+
+    def run(self, ids: list[int], tables: list[list[int]], starts: list[int], page_size: int,
             state_slots: Optional[list[int]] = None) -> torch.Tensor:
         n = len(tables)
         bs = self.bucket(n)
-        width = self.block_table.shape[1]
-        bt = torch.zeros(bs, width, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            bt[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        pos = torch.zeros(bs, dtype=torch.int64)
-        pos[:n] = torch.tensor(starts, dtype=torch.int64)
-        ctx = torch.ones(bs, dtype=torch.int32)          # padded lanes: one key on page 0, read only
-        ctx[:n] = pos[:n].to(torch.int32) + 1
-        slots = torch.full((bs,), -1, dtype=torch.int64)  # padded lanes never write the cache
-        slots[:n] = torch.tensor([t[p // page_size] * page_size + p % page_size for t, p in zip(tables, starts)],
-                                 dtype=torch.int64)
-        self.ids[:bs].zero_()
-        self.ids[:n].copy_(ids)
-        self.positions[:bs].copy_(pos)
-        self.block_table[:bs].copy_(bt)
-        self.context_lens[:bs].copy_(ctx)
-        self.slot_mapping[:bs].copy_(slots)
-        if state_slots is not None:
-            lanes = torch.full((bs,), self.scratch_slot, dtype=torch.int32)
-            lanes[:n] = torch.tensor(state_slots, dtype=torch.int32)
-            self.state_slots[:bs].copy_(lanes)
+        if self.copied is not None:     # the previous step's copy must have left the host buffers
+            self.copied.synchronize()
+        self.stage(n, ids, tables, starts, page_size, state_slots)
+        self.dev64.copy_(self.host64, non_blocking=True)
+        self.dev32.copy_(self.host32, non_blocking=True)
+        if self.copied is None:
+            self.copied = torch.cuda.Event()
+        self.copied.record()
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

@@ -520,6 +520,9 @@ class RLRun:
         }
         self.metrics.write(line)
         self.log(summary_line(line))
+        if line["kernels_compiled"]:   # their compile time is inside this step's timings: say which
+            names = kernel_compiles.compiled_since(compiled_before)
+            self.log(f"step {step}: {len(names)} Triton kernel(s) compiled: " + "; ".join(n[:160] for n in names[:8]))
         self.step += 1
         every = self.cfg.checkpoint_every
         if every and (self.step % every == 0 or self.step == self.cfg.steps):

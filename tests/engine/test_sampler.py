@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from isoexec.engine import SamplingParams, Sampler
-from isoexec.engine.sampler import mix32, row_key, support_mask, uniform_noise
+from isoexec.engine.sampler import p_fixed, row_key, row_keys, support_cut
 from isoexec.gates.compare import compare_bits
 from isoexec_kernels.logprob import token_logprobs
 
@@ -18,22 +18,12 @@ def _logits(rows, seed=0, dtype=torch.float32, scale=2.0):
     return (torch.randn(rows, V, generator=g) * scale).to(dtype)
 
 
-def _lowbias32_py(x: int) -> int:
-    m = 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x7FEB352D) & m
-    x ^= x >> 15
-    x = (x * 0x846CA68B) & m
-    return x ^ (x >> 16)
-
-
-def test_hash_is_exact_32bit_arithmetic_in_int64_tensors():
-    xs = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 123456789, 0xDEADBEEF]
-    t = mix32(torch.tensor(xs, dtype=torch.int64))
-    assert t.tolist() == [_lowbias32_py(x) for x in xs] == [mix32(x) for x in xs]
-    u = uniform_noise(torch.tensor([row_key(0, 0, 0), row_key(2 ** 63 - 1, 2 ** 40, 10 ** 6)]), 4096)
-    assert u.dtype == torch.float64 and bool((u > 0).all()) and bool((u < 1).all())
-    assert abs(float(u.mean()) - 0.5) < 0.02
+def test_row_keys_are_row_key_of_each_row():
+    seeds = [0, 1, 2 ** 63 - 1, 12345678901234]
+    rids = [0, 2 ** 40, 7, 2 ** 63 - 5]
+    pos = [0, 10 ** 6, 3, 2 ** 31 + 7]
+    assert row_keys(seeds, rids, pos).tolist() == [row_key(s, r, p) for s, r, p in zip(seeds, rids, pos)]
+    assert all(0 <= k < 2 ** 32 for k in row_keys(seeds, rids, pos).tolist())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,11 +84,22 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
         assert set(tok.tolist()) == want, p
 
 
-def test_support_mask_keeps_ties_at_the_cut():
-    z = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]], dtype=torch.float64)
-    one = torch.tensor([1.0], dtype=torch.float64)
-    m = support_mask(z, one, torch.tensor([2]), one)
-    assert m.tolist() == [[True, False, True, True, False]]
+def test_support_cut_keeps_ties_at_the_cut():
+    z = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0], [3.0, 1.0, 2.0, 2.0, 0.0]])
+    one = torch.tensor([1.0, 1.0])
+    cut = support_cut(z, one, torch.tensor([2, 0]), torch.tensor([p_fixed(1.0), p_fixed(0.5)]))
+    assert cut.tolist() == [2.0, 3.0]          # top-2 keeps both 2.0s; p = 0.5 keeps the 3.0 alone
+
+
+def test_support_cut_row_alone_equals_row_in_batch():
+    g = torch.Generator().manual_seed(6)
+    z = torch.randn(23, 5000, generator=g) * 4
+    temp = torch.rand(23, generator=g) + 0.3
+    k = torch.tensor([[0, 7, 300][i % 3] for i in range(23)])
+    p = torch.tensor([p_fixed([1.0, 0.9, 0.35, 0.999][i % 4]) for i in range(23)])
+    full = support_cut(z, temp, k, p)
+    alone = torch.cat([support_cut(z[i:i + 1], temp[i:i + 1], k[i:i + 1], p[i:i + 1]) for i in range(23)])
+    assert torch.equal(full, alone)
 
 
 def test_sampling_follows_the_tempered_softmax():
