@@ -355,8 +355,10 @@ def _triton_2d(x2, w, bias, impl=None, tile=None):
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
         ensure_allocator(x2.device)
-        n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        programs = min(num_sms(x2.device), n_tiles)
+        # always one program per SM (those past the last tile find no work): the grid size is a
+        # compile-time constant, and min(SMs, tiles) would compile a new kernel for every tile
+        # count below the SM count, i.e. for almost every small M
+        programs = num_sms(x2.device)
         ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
         flatten = cfg.get("flatten", not ws)
         _gemm_tma_persistent_kernel[(programs,)](
