@@ -3,8 +3,9 @@
 Builds the dense model at Qwen3-0.6B dimensions under a composition, admits ``--seqs`` prompts of
 ``--prompt`` tokens, runs the prefill, then profiles ``--steps`` decode steps (CUDA graphs on):
 per-step host time (until ``Engine.step`` returned) against wall time, torch.profiler's top CPU
-ops and CUDA kernels, and cProfile's top Python functions. Run it greedy and with top-p sampling
-so the sampler's share shows.
+ops and CUDA kernels, and cProfile's top Python functions: greedy and top-p sampled decode steps
+in CUDA graphs (the sampler's share), then greedy eager steps (the host cost of the eager path,
+which every prefill step takes).
 
     python3 scripts/engine_profile.py [--composition isoexec] [--seqs 64] [--top 25]
 """
@@ -32,7 +33,7 @@ def _decode_steps(engine, n: int) -> tuple[float, float]:
     return host / n * 1e3, wall / n * 1e3
 
 
-def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool) -> None:
+def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool, graphs: bool = True) -> None:
     from isoexec.bench.engine import _model
     from isoexec.engine import Engine, EngineConfig, SamplingParams
 
@@ -40,7 +41,7 @@ def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, samp
     max_tokens = 3 * steps + 16
     max_len = prompt + max_tokens + 16
     ecfg = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=seqs, num_pages=seqs * (-(-max_len // 16)) + 8,
-                        max_model_len=max_len, cuda_graphs=True)
+                        max_model_len=max_len, cuda_graphs=graphs)
     engine = Engine(model, contract, ecfg, trainer_contract=contract)
     params = (SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=1) if sampled
               else SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -48,11 +49,11 @@ def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, samp
     gen = torch.Generator().manual_seed(0)
     for i, p in enumerate(torch.randint(0, cfg["vocab_size"], (seqs, prompt), generator=gen).tolist()):
         engine.add_request(p, params, 10_000 + i)
-    while engine.runner.graph_replays == 0 or len(engine.scheduler.waiting):
+    while len(engine.scheduler.waiting):
         engine.step()                                 # prefill (chunked) until every sequence decodes
     _decode_steps(engine, 3)
     host, wall = _decode_steps(engine, steps)
-    tag = f"{composition} {'top-p sampled' if sampled else 'greedy'} {seqs} seqs"
+    tag = f"{composition} {'top-p sampled' if sampled else 'greedy'} {seqs} seqs {'graphs' if graphs else 'eager'}"
     print(f"==== {tag}: decode step host {host:.2f} ms, wall {wall:.2f} ms ({seqs / wall * 1e3:.0f} tok/s)",
           flush=True)
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -82,8 +83,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    for sampled in (False, True):
-        profile(args.composition, args.seqs, args.prompt, args.steps, args.top, sampled)
+    for sampled, graphs in ((False, True), (True, True), (False, False)):
+        profile(args.composition, args.seqs, args.prompt, args.steps, args.top, sampled, graphs)
 
 
 if __name__ == "__main__":
