@@ -14,7 +14,9 @@ Two absolute yardsticks besides the ratio:
 * **staggered arrivals**: requests with random prompts (1..300 tokens) and random lengths arrive
   over the steps (``Engine.add_request`` + ``Engine.step``, chunked prefill, top-p sampling), at
   most 64 running; the row reports tok/s and the host's share of each ``Engine.step`` (time until
-  the step's launches returned vs until the device finished).
+  the step's launches returned vs until the device finished). With CUDA graphs it runs twice: at
+  the engine's default prefill interval (4: prefill chunks join a step after 4 decode-only steps)
+  and with prefills admitted on every step (interval 0).
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def decode_roofline_tok_s(model, batch: int, mean_context: float) -> float:
     return batch / ((weight_bytes + kv_bytes) / HBM_BYTES_PER_S)
 
 
-def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab: int, seed: int = 0) -> dict:
+def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab: int, seed: int = 0,
+                   prefill_interval=None) -> dict:
     """Random-traffic workload (module docstring): tok/s and the host share of Engine.step."""
     import random
 
@@ -89,7 +92,8 @@ def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab
     max_len = size["max_prompt"] + size["max_tokens"] + 16
     pages = size["max_num_seqs"] * (-(-max_len // 16)) + 8
     cfg = EngineConfig(max_num_batched_tokens=2048, max_num_seqs=size["max_num_seqs"], num_pages=pages,
-                       max_model_len=max_len, cuda_graphs=graphs and device == "cuda")
+                       max_model_len=max_len, cuda_graphs=graphs and device == "cuda",
+                       prefill_interval=prefill_interval)
     engine = Engine(model, contract, cfg, trainer_contract=contract)
     engine.generate([reqs[0][1]], reqs[0][2])      # warm-up: compile kernels, capture graphs
     sync = (torch.cuda.synchronize if device == "cuda" else (lambda: None))
@@ -110,7 +114,8 @@ def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab
         tokens += sum(len(r.ids) for r in done)
         steps += 1
     total = time.perf_counter() - t_start
-    return {"ms": total * 1000, "tokens": tokens, "steps": steps, "host_frac": round(host / wall, 3) if wall else None}
+    return {"ms": total * 1000, "tokens": tokens, "steps": steps, "host_frac": round(host / wall, 3) if wall else None,
+            "prefill_interval": engine.scheduler.prefill_interval}
 
 
 def _hf_run(model, cfg: dict, prompts, max_tokens: int, device: str, dtype) -> tuple[float, int]:
@@ -177,16 +182,20 @@ def bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
     log(f"engine isoexec vs transformers generate: {r['ours_tok_s']} vs {r['baseline_tok_s']} tok/s, "
         f"ratio {r['speed_ratio']:.3f}")
     st = STAGGERED["cpu" if device == "cpu" or quick else "cuda"]
-    ours = _staggered_run(iso, iso_c, device, variants[-1], st, cfg["vocab_size"])
-    nat_r = _staggered_run(nat, nat_c, device, variants[-1], st, cfg["vocab_size"])
-    r = row({"model": size["model"], "workload": "staggered", "requests": st["requests"],
-             "prompt_len": f"1-{st['max_prompt']}", "max_tokens": f"{st['min_tokens']}-{st['max_tokens']}",
-             "max_num_seqs": st["max_num_seqs"], "dtype": shape["dtype"], "cuda_graphs": variants[-1],
-             "ours_tok_s": round(ours["tokens"] / ours["ms"] * 1000, 1),
-             "baseline_tok_s": round(nat_r["tokens"] / nat_r["ms"] * 1000, 1), "ours_steps": ours["steps"],
-             "ours_host_frac": ours["host_frac"], "baseline_host_frac": nat_r["host_frac"]},
-            "native_engine", nat_r["ms"], ours["ms"])
-    rows.append(r)
-    log(f"engine staggered arrivals: {r['ours_tok_s']} vs {r['baseline_tok_s']} tok/s (native), host share of "
-        f"Engine.step {ours['host_frac']} vs {nat_r['host_frac']}")
+    # the engine's default prefill interval (4 with CUDA graphs), and prefills admitted every step
+    for interval in (None, 0) if variants[-1] else (None,):
+        ours = _staggered_run(iso, iso_c, device, variants[-1], st, cfg["vocab_size"], prefill_interval=interval)
+        nat_r = _staggered_run(nat, nat_c, device, variants[-1], st, cfg["vocab_size"], prefill_interval=interval)
+        r = row({"model": size["model"], "workload": "staggered", "requests": st["requests"],
+                 "prompt_len": f"1-{st['max_prompt']}", "max_tokens": f"{st['min_tokens']}-{st['max_tokens']}",
+                 "max_num_seqs": st["max_num_seqs"], "dtype": shape["dtype"], "cuda_graphs": variants[-1],
+                 "prefill_interval": ours["prefill_interval"],
+                 "ours_tok_s": round(ours["tokens"] / ours["ms"] * 1000, 1),
+                 "baseline_tok_s": round(nat_r["tokens"] / nat_r["ms"] * 1000, 1), "ours_steps": ours["steps"],
+                 "ours_host_frac": ours["host_frac"], "baseline_host_frac": nat_r["host_frac"]},
+                "native_engine", nat_r["ms"], ours["ms"])
+        rows.append(r)
+        log(f"engine staggered arrivals (prefill interval {ours['prefill_interval']}): {r['ours_tok_s']} vs "
+            f"{r['baseline_tok_s']} tok/s (native) in {ours['steps']} steps, host share of Engine.step "
+            f"{ours['host_frac']} vs {nat_r['host_frac']}")
     return rows

@@ -20,6 +20,10 @@ class EngineConfig:
     max_model_len: int | None = None     # longest sequence; None: the model's max positions
     cuda_graphs: bool = False            # capture decode steps (CUDA only; opt-in, see model_runner)
     graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 32, ... max_num_seqs
+    # while decodes run, prefill chunks join a step only after this many decode-only steps
+    # (scheduler docstring); None: 4 with CUDA graphs (an eager prefill step costs about ten
+    # graph decode steps of host time on the H200), 0 (every step) without
+    prefill_interval: int | None = None
     log_every: int = 0                   # one progress line to stderr every N steps; 0: silent
 
     def __post_init__(self):
@@ -33,9 +37,16 @@ class EngineConfig:
         assert self.num_state_slots >= 0, "num_state_slots must be >= 0"
         assert self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"
         assert self.log_every >= 0, "log_every must be >= 0"
+        assert self.prefill_interval is None or self.prefill_interval >= 0, "prefill_interval must be >= 0"
         if self.graph_batch_sizes is not None:
             self.graph_batch_sizes = tuple(sorted(set(self.graph_batch_sizes)))
             assert self.graph_batch_sizes and self.graph_batch_sizes[0] >= 1, "graph batch sizes must be >= 1"
+
+    def effective_prefill_interval(self, graphs_in_use: bool) -> int:
+        """``prefill_interval``, or its default: 4 when decode steps replay CUDA graphs, else 0."""
+        if self.prefill_interval is not None:
+            return self.prefill_interval
+        return 4 if graphs_in_use else 0
 
     def decode_buckets(self) -> tuple[int, ...]:
         """Batch sizes captured as CUDA graphs; a decode step of n sequences replays the

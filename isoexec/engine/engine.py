@@ -84,11 +84,12 @@ class Engine:
         slots = config.num_state_slots or (config.max_num_seqs if hasattr(model, "allocate_recurrent_state") else 0)
         self.config = replace(self.config, num_state_slots=slots)
         self.block_manager = BlockManager(config.num_pages, page_size, slots)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.chunk_align, max_model_len)
         self.runner = ModelRunner(model, config.num_pages, page_size, max_model_len, config.max_num_seqs,
                                   cuda_graphs=config.cuda_graphs, graph_batch_sizes=config.decode_buckets(),
                                   num_state_slots=slots)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.chunk_align, max_model_len,
+                                   config.effective_prefill_interval(self.runner.graphs is not None))
         self.handshake_result: Optional[HandshakeResult] = None
         self._trainer_offer: Optional[bytes] = None
         self.weight_version = 0

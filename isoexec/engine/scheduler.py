@@ -13,6 +13,13 @@ Policy (one step, a budget of ``max_num_batched_tokens`` tokens):
    queue that cannot get a chunk blocks the ones behind it (no overtaking). Skipped in a step
    that preempted, so a victim does not bounce straight back.
 
+**Prefill interval** (``prefill_interval`` = k > 0): while decodes are running, a step carries
+prefill chunks (steps 2 and 3) only once at least k decode-only steps have run since the last
+step that did; the steps in between are decode-only, which CUDA graphs serve. A step with a
+prefill chunk runs eagerly and on a GPU costs about as much host time as ten graph-replayed
+decode steps, so under staggered arrivals admitting every step keeps almost every step eager.
+New requests wait at most k short steps. With no decode running, prefills go at once.
+
 A chunk that does not finish its sequence's pending tokens ends on a multiple of
 ``chunk_align`` (absolute position), so chunk shapes follow the composition's largest grid
 (attention BLOCK_N = 64 by default). The kernels are invariant to any split; the alignment only
@@ -51,8 +58,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 chunk_align: int, max_model_len: int):
+                 chunk_align: int, max_model_len: int, prefill_interval: int = 0):
         assert max_num_batched_tokens >= chunk_align >= 1
+        assert prefill_interval >= 0
         self.bm = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -61,6 +69,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefill_interval = prefill_interval
+        self.decode_steps_since_prefill = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -108,6 +118,9 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 take(seq, 1)
+        # a decode-only step while the prefill interval has not passed (module docstring)
+        if seqs and self.decode_steps_since_prefill < self.prefill_interval:
+            return seqs, counts, preempted
         # 2. running prefills (continuing chunks), oldest first
         for seq in [s for s in self.running if s not in seqs]:
             n = self._chunk(seq, budget)
@@ -134,6 +147,7 @@ class Scheduler:
             seqs, counts, _ = self._plan()
             if seqs:
                 is_decode = all(n == 1 and s.num_computed > 0 for s, n in zip(seqs, counts))
+                self.decode_steps_since_prefill = self.decode_steps_since_prefill + 1 if is_decode else 0
                 return ScheduledBatch(seqs, counts, is_decode)
             if len(self.running) <= 1:   # alone with every page free and still stuck: it never fits
                 head = self.running[0] if self.running else self.waiting[0]

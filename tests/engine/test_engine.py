@@ -134,6 +134,37 @@ def test_chunked_prefill_small_budget_equals_large_budget_bitwise(iso_fp32):
     same_results(big, chunked)
 
 
+def test_prefill_interval_keeps_steps_decode_only_and_changes_no_bit(iso_fp32):
+    """Staggered arrivals: with a prefill interval of 3, prefill chunks join a step only after 3
+    decode-only steps while decodes run, and every token and logprob stays the same."""
+    gen = torch.Generator().manual_seed(60)
+    prompts = random_prompts(gen, 10, 3, 30)
+    params = _mixed_params(10, seed=61, max_tokens=(6, 12))
+
+    def run(interval):
+        e = _engine(iso_fp32, max_num_batched_tokens=32, chunk_align=8, prefill_interval=interval)
+        log = _record_batches(e)
+        out = {}
+        for step in range(400):
+            if step < 10:                       # one arrival per step
+                e.add_request(prompts[step], params[step], 500 + step)
+            for r in e.step():
+                out[r.request_id] = r
+            if step >= 10 and not e.has_unfinished():
+                break
+        return [out[k] for k in sorted(out)], log
+
+    every, log0 = run(0)
+    held, log3 = run(3)
+    same_results(every, held)
+    assert verify(iso_fp32, held).differing == 0
+    # after each step with a prefill chunk, the next 3 steps are decode-only whenever decodes ran
+    prefill_steps = [i for i, (dec, _, _) in enumerate(log3) if not dec]
+    for a, b in zip(prefill_steps, prefill_steps[1:]):
+        assert b - a > 3 or all(not dec for dec, _, _ in log3[a:b + 1]), (a, b)
+    assert sum(not dec for dec, _, _ in log3) < sum(not dec for dec, _, _ in log0)
+
+
 # ------------------------------------------------------------------------------------ (f)
 def test_weight_update_then_generate_then_verify_bitwise():
     model = tiny_model("isoexec", torch.float32, seed=1)

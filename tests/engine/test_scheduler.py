@@ -93,6 +93,31 @@ def test_running_decodes_are_scheduled_first():
     assert seen_decode_and_prefill, "the load never mixed decodes and prefill chunks"
 
 
+def test_prefill_interval_holds_admissions_while_decodes_run():
+    bm = BlockManager(64, 4, 0)
+    sched = Scheduler(bm, 32, 8, 8, 512, prefill_interval=2)
+    a, b = _seq(1, 5, 6), _seq(2, 5, 6)
+    sched.add(a)
+    first = sched.schedule()                       # nothing decodes yet: the prefill goes at once
+    assert first.seqs == [a] and not first.is_decode
+    sched.postprocess(first, [7], [-1.0])
+    sched.add(b)
+    kinds = []
+    for _ in range(3):
+        batch = sched.schedule()
+        kinds.append((batch.is_decode, [s.request_id for s in batch.seqs]))
+        sched.postprocess(batch, [7] * sum(batch.samples), [-1.0] * sum(batch.samples))
+    # two decode-only steps for a, then b is admitted beside a's decode
+    assert kinds == [(True, [1]), (True, [1]), (False, [1, 2])]
+
+
+def test_prefill_interval_never_stalls_a_load():
+    bm, sched = _make(budget=24, max_seqs=4, align=8)
+    sched.prefill_interval = 3
+    log = _drive(sched, _random_load(3, n=18))
+    assert sum(len(rows) for rows in log) > 0
+
+
 @pytest.mark.parametrize("align", [1, 8, 16])
 def test_nonfinal_prefill_chunks_end_on_chunk_align(align):
     bm, sched = _make(budget=40, max_seqs=6, align=align)
