@@ -1,5 +1,5 @@
 """The layer rule of docs/architecture.md, for the layers that have no exceptions: a module imports
-only layers below it (module level and inside functions), and kernels/ imports nothing from isoexec."""
+only layers below it (module level and inside functions), and isoexec_kernels/ imports nothing from isoexec."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ FORBIDDEN = {
                                 "isoexec.train", "isoexec.rl", "isoexec.bench", "isoexec.cli", "isoexec_kernels"),
     "isoexec/compose.py": ("isoexec.model", "isoexec.gates", "isoexec.engine", "isoexec.train", "isoexec.rl",
                            "isoexec.bench", "isoexec.cli"),
-    "kernels": ("isoexec",),
+    "isoexec_kernels": ("isoexec",),
 }
 
 
@@ -29,8 +29,6 @@ def _absolute(node: ast.ImportFrom, path: Path) -> str:
     if not node.level:
         return node.module or ""
     pkg = list(path.relative_to(ROOT).with_suffix("").parts)
-    if pkg[0] == "kernels":
-        pkg[0] = "isoexec_kernels"
     base = pkg[:-node.level] if path.name != "__init__.py" else pkg[:len(pkg) - node.level]
     return ".".join(base + ([node.module] if node.module else []))
 

@@ -8,7 +8,7 @@ Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chun
   decode            one token for each of 256 sequences that already hold context state (random
                     chunk fill, so about 256/64 lanes resynchronise per step, as in steady state)
 
-Baselines (``kernels/gdn_core_native.py``):
+Baselines (``isoexec_kernels/gdn_core/native.py``):
   native_mixed          chunk algorithm for trainer and prefill, fused recurrent step for decode
   recurrent_everywhere  the per-token recurrence for every stage
 Ours: ``gdn_cpr_varlen`` / ``gdn_cpr_engine`` / ``gdn_cpr_decode``.
@@ -85,7 +85,7 @@ def _graphed(fn, device):
 def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list[dict]:
     """The rows of :func:`bench_cpr` (one per (stage, baseline))."""
     from isoexec_kernels import gdn_core as cpr
-    from isoexec_kernels import gdn_core_native as nat
+    from isoexec_kernels.gdn_core import native as nat
 
     dims = QUICK_DIMS if quick else GDN_DIMS
     sizes = QUICK if quick else FULL

@@ -126,8 +126,7 @@ def _flash_backends(device: str):
 
 
 def bench_rmsnorm(device: str, quick: bool = False, log=print) -> list[dict]:
-    from isoexec_kernels.native import rms_norm_native
-    from isoexec_kernels.rmsnorm import rms_norm
+    from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [(1, 1024), (256, 1024), (4096, 1024), (10240, 1024), (4096, 4096), (10240, 4096)] \
@@ -146,8 +145,7 @@ def bench_rmsnorm(device: str, quick: bool = False, log=print) -> list[dict]:
 
 
 def bench_logprob(device: str, quick: bool = False, log=print) -> list[dict]:
-    from isoexec_kernels.logprob import token_logprobs
-    from isoexec_kernels.native import token_logprobs_native
+    from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [(1, 151936), (256, 151936), (2048, 151936), (8192, 151936)] if device == "cuda" and not quick \

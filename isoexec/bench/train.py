@@ -43,16 +43,13 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
-    from isoexec_kernels.activation import silu_and_mul
-    from isoexec_kernels.attention import varlen_attention
-    from isoexec_kernels.attention_native import attention_native_varlen
-    from isoexec_kernels.embedding import embedding
-    from isoexec_kernels.gemm import linear
-    from isoexec_kernels.logprob import token_logprobs
-    from isoexec_kernels.native import (apply_rope_native, embedding_native, linear_native, rms_norm_native,
-                                        silu_and_mul_native, token_logprobs_native)
-    from isoexec_kernels.rmsnorm import rms_norm
-    from isoexec_kernels.rope import apply_rope, rope_cache
+    from isoexec_kernels.activation import silu_and_mul, silu_and_mul_native
+    from isoexec_kernels.attention import attention_native_varlen, varlen_attention
+    from isoexec_kernels.embedding import embedding, embedding_native
+    from isoexec_kernels.gemm import linear, linear_native
+    from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
+    from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
+    from isoexec_kernels.rope import apply_rope, apply_rope_native, rope_cache
 
     big = device == "cuda" and not quick
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
