@@ -216,7 +216,8 @@ def build_entries(spec: dict, fam: registry.FamilySpec, arch: str, case_ids: tup
         for c in cases:
             if c not in case_ids:
                 raise CompositionError(f"{p}: unknown case {c!r} (declared: {', '.join(case_ids)})")
-            impl.entry_for(c)
+            if impl.half == "function":
+                registry.entry_for(impl, c)
         if "trainer_fwd" in cases and "grad" not in impl.capabilities and impl.half == "function":
             raise CompositionError(f"{p}: impl {impl.id!r} has no backward (capability 'grad') but runs in "
                                    "trainer_fwd")

@@ -15,7 +15,7 @@ FORBIDDEN = {
     "isoexec/contract": ("isoexec.registry", "isoexec.compose", "isoexec.model", "isoexec.gates", "isoexec.engine",
                          "isoexec.train", "isoexec.rl", "isoexec.bench", "isoexec.cli", "isoexec_kernels"),
     "isoexec/registry.py": ("isoexec.compose", "isoexec.model", "isoexec.gates", "isoexec.engine", "isoexec.train",
-                            "isoexec.rl", "isoexec.bench", "isoexec.cli", "isoexec_kernels"),
+                            "isoexec.rl", "isoexec.bench", "isoexec.cli"),
     "isoexec/model_config.py": ("isoexec.compose", "isoexec.model", "isoexec.gates", "isoexec.engine",
                                 "isoexec.train", "isoexec.rl", "isoexec.bench", "isoexec.cli", "isoexec_kernels"),
     "isoexec/compose.py": ("isoexec.model", "isoexec.gates", "isoexec.engine", "isoexec.train", "isoexec.rl",

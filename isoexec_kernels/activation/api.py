@@ -32,10 +32,6 @@ from .reference import _bwd_reference, _silu_ref, _split
 from .triton_kernels import _bwd_triton, _triton_fwd
 
 
-IMPL_REFERENCE = "ref_silu_mul"
-IMPL_TRITON = "triton_silu_mul"
-
-
 class _SiluMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, g, u):

@@ -3,7 +3,6 @@
 Public API
   ``embedding(ids, table)``            dispatcher, differentiable in ``table``
   ``embedding_reference(ids, table)``  the same function (one implementation on all devices)
-  ``IMPL``
 
 Why there is no Triton twin: a gather does no arithmetic. Each output element is a copy of one
 table element, so it is bitwise the table value on every device, batch size and row position;
@@ -20,9 +19,6 @@ from __future__ import annotations
 import torch
 
 from .reference import embedding_reference
-
-
-IMPL = "torch_gather"
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:

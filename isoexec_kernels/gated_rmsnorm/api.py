@@ -34,9 +34,6 @@ from .reference import _check, _eps32, _ROW_LEAF, _rows, gated_rms_norm_referenc
 from .triton_kernels import gated_rms_norm_triton
 
 
-IMPL = "gated_rmsnorm_fixed"
-
-
 def _forward(x, gate, weight, eps):
     if want_triton(x):
         return gated_rms_norm_triton(x, gate, weight, eps)

@@ -46,9 +46,6 @@ from .reference import _acc_ref, _check, _GRAD_ROW_LEAF, _sigmoid_ref, causal_co
 from .triton_kernels import causal_conv1d_triton
 
 
-IMPL = "conv_fixed_taps"
-
-
 def _forward(x, weight, cu, slots=None, conv_state=None):
     if want_triton(x):
         return causal_conv1d_triton(x, weight, cu, slots, conv_state)

@@ -7,8 +7,12 @@ Files: ``api.py`` (the public function and its rounding schedule, in the module 
 ``plan.py`` (argument checks and host-side planning shared by the twins), ``chunk_form.py`` (the
 gated delta rule in stock torch ops: the stock twin's CPU path and the backward of every trainer
 path).
+
+``IMPLS`` (at the end) declares the implementations isoexec's registry collects: the invariant
+kernel and its stock twin (``isoexec_kernels/impl.py``).
 """
 
+from ..impl import Constant, Impl, per_case
 from .state import CHUNK, GDNState
 from .api import gdn_cpr_decode, gdn_cpr_engine, gdn_cpr_varlen
 from .reference import (
@@ -22,6 +26,7 @@ from .chunk_form import torch_chunk_form, torch_recurrence
 from .native import gdn_chunk_engine, gdn_chunk_varlen, gdn_recurrent_decode, gdn_recurrent_engine, gdn_recurrent_varlen
 
 __all__ = [
+    "IMPLS",
     "CHUNK",
     "GDNState",
     "gdn_cpr_decode",
@@ -44,3 +49,13 @@ __all__ = [
     "gdn_recurrent_engine",
     "gdn_recurrent_varlen",
 ]
+
+IMPLS = (
+    Impl("gdn_cpr", "1", "gdn_core", per_case(gdn_cpr_varlen, gdn_cpr_engine, gdn_cpr_decode),
+         constants={"CHUNK": Constant(CHUNK, arg="chunk")},
+         doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
+             "partial chunk in its state slot so every split gives the trainer's bits"),
+    Impl("gdn_chunk_native", "1", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
+         constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
+         doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),
+)

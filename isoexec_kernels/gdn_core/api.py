@@ -101,10 +101,6 @@ from .state import CHUNK, GDNState
 from .triton_kernels import gdn_cpr_decode_triton, gdn_cpr_engine_triton, gdn_cpr_varlen_triton
 
 
-IMPL_REFERENCE = "ref_gdn_cpr"
-IMPL_TRITON = "triton_gdn_cpr"
-
-
 def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
     if want_triton(v):
         return gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, chunk=chunk)

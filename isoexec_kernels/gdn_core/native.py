@@ -36,8 +36,6 @@ from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_
 
 NATIVE_DOT_PRECISION = "tf32"
 """``tl.dot`` precision of the native chunk kernels on CUDA (Triton's default for fp32)."""
-IMPL_CHUNK = "native_gdn_chunk"
-IMPL_RECURRENT = "native_gdn_recurrent"
 
 
 @jit

@@ -41,9 +41,6 @@ from .reference import _check, _eps32, _ROW_LEAF, _scale32, gdn_prep_reference
 from .triton_kernels import gdn_prep_triton
 
 
-IMPL = "gdn_prep_fp32"
-
-
 def _forward(q, k, a, b, A_log, dt_bias, eps):
     if want_triton(q):
         return gdn_prep_triton(q, k, a, b, A_log, dt_bias, eps)

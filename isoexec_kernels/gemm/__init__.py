@@ -3,14 +3,19 @@
 Files: ``api.py`` (the public function and its rounding schedule, in the module docstring),
 ``reference.py`` (the fixed-order torch twin), ``triton_kernels.py`` (the Triton twin),
 ``native.py`` (the stock twin).
+
+``IMPLS`` (at the end) declares the implementations isoexec's registry collects: the invariant
+kernel and its stock twin (``isoexec_kernels/impl.py``).
 """
 
+from ..impl import Constant, Impl
 from .api import linear
 from .reference import BLOCK_K, block_k_for, linear_reference
 from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
 from .native import linear_native
 
 __all__ = [
+    "IMPLS",
     "linear",
     "BLOCK_K",
     "block_k_for",
@@ -22,3 +27,12 @@ __all__ = [
     "tile_for_m",
     "linear_native",
 ]
+
+IMPLS = (
+    Impl("gemm_fixed_k", "1", "linear", linear,
+         constants={"BLOCK_K": Constant(64, (32, 64, 128), fixed=BLOCK_K), "ACC_DTYPE": Constant("fp32")},
+         fusable=True, hazards=("signed_zero", "subnormal", "k_not_tile_multiple", "noncontiguous"),
+         doc="fixed BLOCK_K, sequential K-block accumulation in fp32 keyed on (N, K) only; no split-K"),
+    Impl("torch_linear", "torch", "linear", linear_native, fusable=True, native=True,
+         doc="torch.nn.functional.linear: cuBLAS / CPU BLAS, batch-variant"),
+)

@@ -6,7 +6,7 @@ Public API
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
   ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
-  ``gemm_path(N, K, dtype, device, M)``, ``IMPL_REFERENCE``, ``IMPL_TRITON``
+  ``gemm_path(N, K, dtype, device, M)``
 
 Rounding schedule (every output element, whatever M, the row's position or its neighbours)
   inputs bf16/fp16/fp32; products and accumulation in fp32; K is cut into fixed blocks of
@@ -42,13 +42,8 @@ import torch
 
 from .. import _ref
 from .._triton_util import want_triton
-from .reference import BLOCK_K  # noqa: F401  (pinned by the contract; isoexec.enforce reads it here)
 from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
 from .triton_kernels import _triton_2d
-
-
-IMPL_REFERENCE = "ref_gemm"
-IMPL_TRITON = "triton_gemm"
 
 
 def _linear_2d(x2, w, bias):

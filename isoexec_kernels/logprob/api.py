@@ -41,17 +41,12 @@ import torch
 from .. import _ref
 from .._triton_util import want_triton
 from .reference import _rows, log_softmax_reference, REF_LEAF_V, token_logprobs_reference
-from .triton_kernels import BLOCK_V  # noqa: F401  (pinned by the contract; isoexec.enforce reads it here)
 from .triton_kernels import (
     _token_logprobs_backward_triton,
     _triton_launch,
     log_softmax_triton,
     token_logprobs_triton,
 )
-
-
-IMPL_REFERENCE = "ref_logprob"
-IMPL_TRITON = "triton_logprob"
 
 
 def _softmax_from_log(ls: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,9 @@
 Files: ``api.py`` (the public function and its rounding schedule, in the module docstring),
 ``reference.py`` (the fixed-order torch twin), ``native.py`` (the stock twin), ``types.py`` (router
 kinds, weights, routing and dispatch records).
+
+No ``IMPLS`` yet: no model family the compositions cover runs an MoE layer, so the registry has
+no MoE implementation to bind.
 """
 
 from .api import moe_forward

@@ -27,7 +27,7 @@ Public API
   ``experts_forward(x, disp, gate_up, down)`` -> expert output rows [T*k, H] in dispatch order
   ``shared_expert_forward(x, gate_up, down, gate=None)`` -> (rows [T, H], fp32 gate [T, 1] | None)
   ``combine(expert_rows, disp, routing, shared=None, shared_gate=None)`` -> [T, H]
-  ``MoEWeights``, ``RouterSpec``, ``ROUTER_KINDS``, ``IMPL_REFERENCE``
+  ``MoEWeights``, ``RouterSpec``, ``ROUTER_KINDS``
 Weight layouts are transformers' (stacked 3-D expert parameters): ``gate_up [E, 2I, H]`` (the
 gate's I rows, then the up projection's I rows), ``down [E, H, I]``, router ``[E, H]``.
 
@@ -93,9 +93,6 @@ import torch
 
 from .reference import moe_forward_reference
 from .types import MoEWeights
-
-
-IMPL_REFERENCE = "ref_moe"
 
 
 def moe_forward(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k: int,

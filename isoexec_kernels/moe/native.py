@@ -31,9 +31,6 @@ import torch.nn.functional as F
 from .types import MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, RouterSpec
 
 
-IMPL = "native_moe"
-
-
 def route_native(x: torch.Tensor, weights: MoEWeights, spec: RouterSpec):
     """(top-k weights [T, k], top-k expert ids [T, k]) as transformers' routers compute them."""
     if spec.kind == ROUTER_SOFTMAX_TOPK:

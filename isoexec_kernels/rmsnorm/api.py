@@ -47,10 +47,6 @@ from .reference import _check, _ref_fwd, _rows, rms_norm_backward_reference
 from .triton_kernels import _triton_fwd, rms_norm_backward_triton
 
 
-IMPL_REFERENCE = "ref_rmsnorm"
-IMPL_TRITON = "triton_rmsnorm"
-
-
 class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centred=False):

@@ -39,9 +39,6 @@ from .reference import _check, apply_rope_reference, rope_cos_sin
 from .triton_kernels import _rope_triton
 
 
-IMPL = "rope_fp32"
-
-
 class _RopeFn(torch.autograd.Function):
     """Triton RoPE with a Triton backward: the gradient of a rotation is the transposed rotation
     (dx1 = dy1*cos + dy2*sin, dx2 = dy2*cos - dy1*sin, fp32, one rounding), one pass; channels

@@ -22,9 +22,6 @@ from .reference import _check, sigmoid_gate_reference
 from .triton_kernels import sigmoid_gate_triton
 
 
-IMPL = "sigmoid_gate_fp32"
-
-
 def _forward(x, gate):
     if want_triton(x):
         return sigmoid_gate_triton(x, gate)
