@@ -36,6 +36,7 @@ from .contract import (
     ToleranceClaim,
     check,
     frozen_mapping,
+    with_identities,
 )
 from .errors import CompositionError, ConfigError
 from .model_config import FAMILY_CONFIGS
@@ -285,8 +286,8 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
         composition=tuple(entries),
         claims=_claims(spec),
         identities=Identities("0" * 64, "0" * 64, "0" * 64),
-    ).with_identities()
-    return check(contract, frozenset(fam.ops))
+    )
+    return check(with_identities(contract), frozenset(fam.ops))
 
 
 def required_ops(c: ExecutionContract) -> frozenset[str]:

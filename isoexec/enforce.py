@@ -16,8 +16,11 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import torch.distributed as dist
+
 from . import registry
 from .contract import Entry, ExecutionContract
+from .envinfo import runtime_arch
 from .errors import BindingRefused, CompositionError, TopologyRefused
 
 
@@ -168,10 +171,6 @@ class RuntimeFacts:
 
     @classmethod
     def detect(cls) -> "RuntimeFacts":
-        import torch.distributed as dist
-
-        from .envinfo import runtime_arch
-
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return cls(arch=runtime_arch(), dp=world)
 
