@@ -1,32 +1,10 @@
-"""The batch-invariant linear layer ``out = x @ weight.T (+ bias)``, forward and backward.
-
-Files: ``api.py`` (the public function and its rounding schedule, in the module docstring),
-``reference.py`` (the fixed-order torch twin), ``triton_kernels.py`` (the Triton twin),
-``native.py`` (the stock twin).
-
-``IMPLS`` (at the end) declares the implementations isoexec's registry collects: the invariant
-kernel and its stock twin (``isoexec_kernels/impl.py``).
-"""
+"""The batch-invariant linear layer ``out = x @ weight.T (+ bias)``, forward and backward."""
 
 from ..impl import Constant, Impl
 from .api import linear
 from .reference import BLOCK_K, block_k_for, linear_reference
 from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
 from .native import linear_native
-
-__all__ = [
-    "IMPLS",
-    "linear",
-    "BLOCK_K",
-    "block_k_for",
-    "linear_reference",
-    "GROUP_M",
-    "M_BUCKET_BOUNDS",
-    "gemm_path",
-    "linear_triton",
-    "tile_for_m",
-    "linear_native",
-]
 
 IMPLS = (
     Impl("gemm_fixed_k", "1", "linear", linear,
@@ -36,3 +14,5 @@ IMPLS = (
     Impl("torch_linear", "torch", "linear", linear_native, fusable=True, native=True,
          doc="torch.nn.functional.linear: cuBLAS / CPU BLAS, batch-variant"),
 )
+
+__all__ = [name for name in dir() if not name.startswith("_")]
