@@ -18,18 +18,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from . import registry
+from .bench.common import default_device, write_result
+from .bench.kernels import BENCHES
+from .compose import build_contract, required_ops
+from .contract import check, decode, diff, encode, format_diff
+from .contract.codec import entry_obj
+from .envinfo import runtime_arch
 from .errors import IsoExecError
+from .gates.artifacts import PENDING, resolve_discharges, verify_contract
+from .gates.runner import gate_names, run_gates
+from .paths import atomic_write, check_output_path
+from .rl.data import synthetic_arithmetic, write_parquet
+from .rl.loop import RLConfig, run_rl
+from .yamlio import load_yaml
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
 def _read_contract(path: str):
-    from .compose import required_ops
-    from .contract import check, decode
-
     p = Path(path)
     if not p.is_file():
         raise IsoExecError(f"contract file {path!r} not found")
@@ -51,16 +61,8 @@ def _emit(args, obj, text: str) -> None:
 
 # ------------------------------------------------------------------------------------ contract
 def cmd_contract_build(args) -> int:
-    from .compose import build_contract
-    from .contract import encode
-    from .paths import atomic_write
-
     resolve = None
     if args.gates:   # the admitted contract: discharges point at the passing gate artifacts
-        from functools import partial
-
-        from .gates.artifacts import resolve_discharges
-
         resolve = partial(resolve_discharges, gates_dir=args.gates)
     c = build_contract(args.family, args.composition, args.arch, args.model, resolve)
     data = encode(c)
@@ -75,8 +77,6 @@ def cmd_contract_build(args) -> int:
 
 
 def _summary(c) -> dict:
-    from .contract.codec import entry_obj
-
     return {"family": c.model.family, "config_digest": c.model.config_digest,
             "cases": [x.id for x in c.cases],
             "identities": {"semantic": c.identities.semantic, "numerical_policy": c.identities.numerical_policy,
@@ -104,8 +104,6 @@ def cmd_contract_show(args) -> int:
 
 
 def cmd_contract_verify(args) -> int:
-    from .gates.artifacts import PENDING, verify_contract
-
     c = _read_contract(args.contract)
     needs = [e for e in c.composition if e.discharge is not None and e.discharge.kind == "gate"]
     if args.gates is None:
@@ -132,8 +130,6 @@ def cmd_contract_verify(args) -> int:
 
 
 def cmd_contract_diff(args) -> int:
-    from .contract import diff, format_diff
-
     a, b = _read_contract(args.a), _read_contract(args.b)
     diffs = diff(a, b)
     same = a.identities.numerical_policy == b.identities.numerical_policy
@@ -146,9 +142,6 @@ def cmd_contract_diff(args) -> int:
 
 # ------------------------------------------------------------------------------------ gates
 def cmd_gates_run(args) -> int:
-    from .envinfo import runtime_arch
-    from .gates.runner import gate_names, run_gates
-
     only = None
     if args.only:
         only = frozenset(x.strip() for x in args.only.split(",") if x.strip())
@@ -172,9 +165,6 @@ def cmd_gates_run(args) -> int:
 
 # ------------------------------------------------------------------------------------ bench
 def cmd_bench(args) -> int:
-    from .bench.common import default_device, write_result
-    from .bench.kernels import BENCHES
-
     device = args.device or default_device()
     arch = "cpu" if device == "cpu" else "sm90"
     print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
@@ -189,8 +179,6 @@ def cmd_bench(args) -> int:
 
 # ------------------------------------------------------------------------------------ RL runs
 def _load_mapping(path: str) -> dict:
-    from .yamlio import load_yaml
-
     data = load_yaml(path, "rl config") if path else {}
     if data is None:
         data = {}
@@ -200,8 +188,6 @@ def _load_mapping(path: str) -> dict:
 
 
 def cmd_run(args) -> int:
-    from .rl.loop import RLConfig, run_rl
-
     d = _load_mapping(args.config)
     if "rl" in d:   # a workflow-style file: the settings sit under `rl:`
         d = d["rl"]
@@ -224,8 +210,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_data_synthetic(args) -> int:
-    from .rl.data import synthetic_arithmetic, write_parquet
-
     params = {"n": args.n}
     if args.params:
         try:
@@ -328,8 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "out", None):
-            from .paths import check_output_path
-
             # gates and run write a folder; every other command writes one file
             check_output_path(args.out, folder=args.command in ("gates", "run"))
         return args.func(args)

@@ -36,6 +36,7 @@ from .contract import (
     ToleranceClaim,
     check,
     frozen_mapping,
+    with_identities,
 )
 from .errors import CompositionError, ConfigError
 from .model_config import FAMILY_CONFIGS
@@ -216,7 +217,8 @@ def build_entries(spec: dict, fam: registry.FamilySpec, arch: str, case_ids: tup
         for c in cases:
             if c not in case_ids:
                 raise CompositionError(f"{p}: unknown case {c!r} (declared: {', '.join(case_ids)})")
-            impl.entry_for(c)
+            if impl.half == "function":
+                registry.entry_for(impl, c)
         if "trainer_fwd" in cases and "grad" not in impl.capabilities and impl.half == "function":
             raise CompositionError(f"{p}: impl {impl.id!r} has no backward (capability 'grad') but runs in "
                                    "trainer_fwd")
@@ -284,8 +286,8 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
         composition=tuple(entries),
         claims=_claims(spec),
         identities=Identities("0" * 64, "0" * 64, "0" * 64),
-    ).with_identities()
-    return check(contract, frozenset(fam.ops))
+    )
+    return check(with_identities(contract), frozenset(fam.ops))
 
 
 def required_ops(c: ExecutionContract) -> frozenset[str]:

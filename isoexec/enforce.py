@@ -1,9 +1,10 @@
 """Run-time enforcement of a contract: binding, recording, refusing.
 
-``bind(entry, case)`` imports the callable the registry declares for the entry's impl, pins the
-contract's constants on it, and records what was ACTUALLY bound (module and qualified name of the
-object found, impl, constants). ``check_bindings`` refuses any record that differs from the
-contract (a monkey-patched kernel, a different impl, a constant the kernel would not take).
+``bind(entry, case)`` takes the callable the registry declares for the entry's impl (the kernel
+folder's ``IMPLS``), checks that it is still the object its module exports under its name (a
+monkey-patched kernel is refused), pins the contract's constants on it, and records what was bound
+(module and qualified name, impl, constants). ``check_bindings`` refuses any record that differs
+from the contract (a different callable or impl, other constants).
 ``check_topology`` compares runtime facts (TP/EP/SP/PP/DP/CP sizes, arch) with the contract's
 topology claims and refuses an unproven size before any compute.
 """
@@ -11,13 +12,15 @@ topology claims and refuses an unproven size before any compute.
 from __future__ import annotations
 
 import functools
-import importlib
-import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+import torch.distributed as dist
+
 from . import registry
 from .contract import Entry, ExecutionContract
+from .envinfo import runtime_arch
 from .errors import BindingRefused, CompositionError, TopologyRefused
 
 
@@ -47,17 +50,11 @@ class Bound:
         return self.fn(*args, **kwargs)
 
 
-def _import(target: str, where: str) -> Any:
-    module_name, _, qual = target.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise BindingRefused(f"{where}: cannot import {module_name!r} for {target!r}: {exc}") from None
-    for part in qual.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise BindingRefused(f"{where}: {module_name!r} has no {qual!r}") from None
+def _exported(module_name: str, qualname: str) -> Any:
+    """The object module ``module_name`` holds under ``qualname`` now (None if it holds none)."""
+    obj: Any = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
     return obj
 
 
@@ -75,40 +72,30 @@ def bind(entry: Entry, case: str) -> Bound:
         spec = registry.impl_by_ref(entry.impl.id, entry.impl.version, entry.impl.arch)
     except CompositionError as exc:
         raise BindingRefused(f"{where}: {exc}") from None
-    target = spec.entry_for(case)
-    fn = _import(target, where)
-    module_name, _, qual = target.partition(":")
-    actual_module, actual_qual = _origin(fn)
-    if (actual_module, actual_qual) != (module_name, qual):
-        raise BindingRefused(f"{where}: impl {spec.id} declares {target} but {module_name}.{qual} is now "
-                             f"{actual_module}.{actual_qual} (patched?)")
+    try:
+        fn = registry.entry_for(spec, case)
+    except CompositionError as exc:
+        raise BindingRefused(f"{where}: {exc}") from None
+    module_name, qual = _origin(fn)
+    live = _exported(module_name, qual)
+    if live is not fn:
+        found = "nothing" if live is None else ".".join(_origin(live))
+        raise BindingRefused(f"{where}: impl {spec.id} declares {module_name}.{qual}, but that name now holds "
+                             f"{found} (patched?)")
     kwargs = {}
-    params = _kwarg_names(fn)
-    module = importlib.import_module(module_name)
     for name, value in entry.constants.items():
-        if name not in spec.constants:
+        const = spec.constants.get(name)
+        if const is None:
             raise BindingRefused(f"{where}: impl {spec.id} declares no constant {name!r}")
-        if name.lower() in params:
-            kwargs[name.lower()] = value
-        elif hasattr(module, name):
-            live = getattr(module, name)
-            if live != value or type(live) is not type(value):
-                raise BindingRefused(f"{where}: contract pins {name}={value!r} but {module_name}.{name} is {live!r}")
-        elif len(spec.constants[name].allowed) > 1:
-            raise BindingRefused(f"{where}: {target} can neither take nor expose constant {name!r}")
+        if const.arg is not None:
+            kwargs[const.arg] = value
+        elif const.has_fixed and (const.fixed != value or type(const.fixed) is not type(value)):
+            raise BindingRefused(f"{where}: contract pins {name}={value!r} but {spec.id} runs with "
+                                 f"{name}={const.fixed!r}")
     bound_fn = functools.partial(fn, **kwargs) if kwargs else fn
-    rec = BoundRecord(entry.region, case, actual_module, actual_qual, spec.id, spec.version, entry.impl.arch,
+    rec = BoundRecord(entry.region, case, module_name, qual, spec.id, spec.version, entry.impl.arch,
                       dict(entry.constants))
     return Bound(bound_fn, rec)
-
-
-def _kwarg_names(fn: Any) -> set[str]:
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return set()
-    return {p.name for p in sig.parameters.values()
-            if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)}
 
 
 @dataclass
@@ -159,7 +146,7 @@ def check_bindings(contract: ExecutionContract, records: list[BoundRecord]) -> N
             problems.append(f"{where}: bound but not in the contract")
             continue
         spec = registry.impl_by_ref(e.impl.id, e.impl.version, e.impl.arch)
-        module_name, _, qual = spec.entry_for(r.case).partition(":")
+        module_name, qual = _origin(registry.entry_for(spec, r.case))
         if (r.impl_id, r.impl_version, r.impl_arch) != (e.impl.id, e.impl.version, e.impl.arch):
             problems.append(f"{where}: bound impl {r.impl_id} v{r.impl_version} ({r.impl_arch}) vs contract {e.impl}")
         if (r.module, r.qualname) != (module_name, qual):
@@ -184,10 +171,6 @@ class RuntimeFacts:
 
     @classmethod
     def detect(cls) -> "RuntimeFacts":
-        import torch.distributed as dist
-
-        from .envinfo import runtime_arch
-
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         return cls(arch=runtime_arch(), dp=world)
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import os
 import platform
 import subprocess
 from pathlib import Path
+
+import torch
 
 
 @functools.lru_cache(maxsize=None)
@@ -14,8 +17,6 @@ def git_commit() -> str:
     """``$ISOEXEC_COMMIT`` when set (a copied or extracted tree on a GPU machine, whose enclosing
     git metadata, if any, is not the code that runs), else HEAD of the checkout ("-dirty" if
     tracked files changed)."""
-    import os
-
     if os.environ.get("ISOEXEC_COMMIT"):
         return os.environ["ISOEXEC_COMMIT"]
     root = Path(__file__).resolve().parents[1]
@@ -39,8 +40,6 @@ def _version(mod: str) -> str:
 
 
 def device_name(arch: str | None = None) -> str:
-    import torch
-
     if torch.cuda.is_available() and arch != "cpu":
         return torch.cuda.get_device_name(0)
     return f"cpu ({platform.machine()}, {torch.get_num_threads()} threads)"
@@ -48,8 +47,6 @@ def device_name(arch: str | None = None) -> str:
 
 def runtime_arch() -> str:
     """'sm90' on a Hopper GPU, 'smXY' on another CUDA GPU, 'cpu' without CUDA."""
-    import torch
-
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(0)
         return f"sm{major}{minor}"

@@ -1,26 +1,37 @@
-"""The registry: ONE declarative table of logical ops, model families and implementations.
+"""The registry: the logical ops, the model families, and the implementations the kernels declare.
 
 - A logical op (``OPS``) is one step of a model's arithmetic (``q_proj``, ``attn_core``...). Its
   ``kind`` says which implementations may run it.
 - A family (``FAMILIES``) lists the logical ops its model executes; a contract for that family
   must place every one of them in exactly one region per case.
-- An implementation (``IMPLS``) is a kernel (or a stock torch op) for one op kind on one arch, with
-  a version, the callable it binds per case, the constants that can be pinned and their allowed
-  values, capabilities (``grad``, ``cuda_graph``, ``paged``) and the hazards its gates exercise.
+- An implementation (``IMPLS``) is a kernel (or a stock torch op) for one op kind, with a version,
+  the callable it binds per case, the constants that can be pinned and their allowed values,
+  capabilities (``grad``, ``cuda_graph``, ``paged``) and the hazards its gates exercise. Each op
+  folder of ``isoexec_kernels`` declares its own in ``IMPLS`` (``isoexec_kernels/impl.py``); this
+  module collects every folder's, and adds the deployment settings (``paged_kv``), which are not
+  kernels.
 
-Nothing here runs arithmetic; ``isoexec.enforce`` imports the callables and ``isoexec.compose``
+Nothing here runs arithmetic; ``isoexec.enforce`` binds the callables and ``isoexec.compose``
 turns a composition YAML plus this table into a contract.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+import pkgutil
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Callable, Mapping
+
+import isoexec_kernels
+from isoexec_kernels.impl import ARCHES
+from isoexec_kernels.impl import Constant as ConstantSpec
+from isoexec_kernels.impl import Impl as ImplSpec
 
 from .errors import CompositionError
 
-ARCHES = ("cpu", "sm90")
+__all__ = ["ARCHES", "OPS", "FAMILIES", "IMPLS", "OpSpec", "FamilySpec", "ImplSpec", "ConstantSpec", "family", "op",
+           "impl", "impl_by_ref", "entry_for", "native_counterpart"]
 
 
 @dataclass(frozen=True)
@@ -36,42 +47,6 @@ class FamilySpec:
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
     ops: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ConstantSpec:
-    default: int | str | bool
-    allowed: tuple[int | str | bool, ...]
-
-    def admits(self, value) -> bool:
-        # bool is an int in Python; True must not stand in for 1.
-        return any(type(value) is type(a) and value == a for a in self.allowed)
-
-
-@dataclass(frozen=True)
-class ImplSpec:
-    id: str
-    version: str
-    kind: str
-    archs: tuple[str, ...]
-    entry: Mapping[str, str]                 # case id (or "*") -> "module:qualified.name"
-    constants: Mapping[str, ConstantSpec] = field(default_factory=dict)
-    capabilities: frozenset[str] = frozenset()
-    hazards: tuple[str, ...] = ()
-    half: str = "function"
-    fusable: bool = False                     # may cover several ops of its kind in one region
-    native: bool = False                      # stock library path (negative-control side)
-    doc: str = ""
-
-    def entry_for(self, case: str) -> str:
-        if case in self.entry:
-            return self.entry[case]
-        if "*" in self.entry:
-            return self.entry["*"]
-        raise CompositionError(f"impl {self.id!r} has no callable for case {case!r}")
-
-    def default_constants(self) -> dict:
-        return {k: v.default for k, v in self.constants.items()}
 
 
 def _ops(*rows: tuple[str, str, str]) -> Mapping[str, OpSpec]:
@@ -147,114 +122,41 @@ FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({
 })
 
 
-def _c(default, *allowed) -> ConstantSpec:
-    return ConstantSpec(default, tuple(allowed) or (default,))
-
-
-_K = "isoexec_kernels"
-
 # ---------------------------------------------------------------------------------- implementations
-IMPLS: tuple[ImplSpec, ...] = (
-    # ---- IsoExec: batch-invariant kernels (Triton on sm90, fixed-order torch reference on cpu)
-    ImplSpec("embed_gather", "1", "embed", ARCHES, {"*": f"{_K}.embedding:embedding"},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="row gather: no arithmetic, invariant by construction"),
-    ImplSpec("rmsnorm_fixed", "1", "norm", ARCHES, {"*": f"{_K}.rmsnorm:rms_norm"},
-             constants={"ACC_DTYPE": _c("fp32")},
-             capabilities=frozenset({"grad", "cuda_graph"}), hazards=("signed_zero", "subnormal", "noncontiguous"),
-             doc="fp32 statistics, one fixed reduction order over the hidden dim"),
-    ImplSpec("gemm_fixed_k", "1", "linear", ARCHES, {"*": f"{_K}.gemm:linear"},
-             constants={"BLOCK_K": _c(64, 32, 64, 128), "ACC_DTYPE": _c("fp32")},
-             capabilities=frozenset({"grad", "cuda_graph"}), fusable=True,
-             hazards=("signed_zero", "subnormal", "k_not_tile_multiple", "noncontiguous"),
-             doc="fixed BLOCK_K, sequential K-block accumulation in fp32 keyed on (N, K) only; no split-K"),
-    ImplSpec("rope_fp32", "1", "rope", ARCHES, {"*": f"{_K}.rope:apply_rope"},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="fp32 phases from absolute positions, neox rotate-half"),
-    ImplSpec("attention_fixed_walk", "1", "attention", ARCHES,
-             {"trainer_fwd": f"{_K}.attention:varlen_attention", "trainer_score": f"{_K}.attention:varlen_attention",
-              "engine_prefill": f"{_K}.attention:paged_prefill_attention",
-              "engine_decode": f"{_K}.attention:paged_decode_attention"},
-             constants={"BLOCK_N": _c(64)},
-             capabilities=frozenset({"grad", "cuda_graph", "paged"}), hazards=("len_not_tile_multiple",),
-             doc="KV blocks of BLOCK_N at absolute positions walked in order with an fp32 online softmax"),
-    ImplSpec("silu_mul_fp32", "1", "activation", ARCHES, {"*": f"{_K}.activation:silu_and_mul"},
-             capabilities=frozenset({"grad", "cuda_graph"}), doc="elementwise: SiLU in fp32 then multiply"),
-    ImplSpec("logprob_fixed", "1", "logprob", ARCHES, {"*": f"{_K}.logprob:token_logprobs"},
-             constants={"BLOCK_V": _c(4096, 1024, 2048, 4096)},
-             capabilities=frozenset({"grad", "cuda_graph"}), hazards=("v_not_tile_multiple", "ties"),
-             doc="fp32 online max/sum-exp over fixed vocabulary blocks in order"),
-    # ---- IsoExec, hybrid family (Qwen3.5: Gated DeltaNet + gated attention)
-    ImplSpec("conv_fixed_taps", "1", "gdn_conv", ARCHES,
-             {"trainer_fwd": f"{_K}.gdn_conv:causal_conv1d_varlen",
-              "trainer_score": f"{_K}.gdn_conv:causal_conv1d_varlen",
-              "engine_prefill": f"{_K}.gdn_conv:causal_conv1d_engine",
-              "engine_decode": f"{_K}.gdn_conv:causal_conv1d_decode"},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="depthwise causal conv: fp32 taps summed in increasing tap order, then SiLU; the engine "
-                 "continues each sequence from its slot's conv window"),
-    ImplSpec("gdn_prep_fp32", "1", "gdn_prep", ARCHES, {"*": f"{_K}.gdn_prep:gdn_prep"},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="fp32 q/k L2 norm with a fixed-order row sum, q scaled by Dk**-0.5; g and beta in fp32"),
-    ImplSpec("gdn_cpr", "1", "gdn_core", ARCHES,
-             {"trainer_fwd": f"{_K}.gdn_core:gdn_cpr_varlen", "trainer_score": f"{_K}.gdn_core:gdn_cpr_varlen",
-              "engine_prefill": f"{_K}.gdn_core:gdn_cpr_engine",
-              "engine_decode": f"{_K}.gdn_core:gdn_cpr_decode"},
-             constants={"CHUNK": _c(64)},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
-                 "partial chunk in its state slot so every split gives the trainer's bits"),
-    ImplSpec("gated_rmsnorm_fixed", "1", "gated_norm", ARCHES, {"*": f"{_K}.gated_rmsnorm:gated_rms_norm"},
-             constants={"ACC_DTYPE": _c("fp32")},
-             capabilities=frozenset({"grad", "cuda_graph"}),
-             doc="fp32 statistics in one fixed order over the head dim, then weight and SiLU(gate)"),
-    ImplSpec("sigmoid_gate_fp32", "1", "gate", ARCHES, {"*": f"{_K}.sigmoid_gate:sigmoid_gate"},
-             capabilities=frozenset({"grad", "cuda_graph"}), doc="elementwise: x * sigmoid(gate) in fp32"),
-    # ---- native: stock torch / cuBLAS / SDPA / torch.log_softmax (the comparison baseline)
-    ImplSpec("torch_embedding", "torch", "embed", ARCHES, {"*": f"{_K}.native:embedding_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_rmsnorm", "torch", "norm", ARCHES, {"*": f"{_K}.native:rms_norm_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_linear", "torch", "linear", ARCHES, {"*": f"{_K}.native:linear_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), fusable=True, native=True,
-             doc="torch.nn.functional.linear: cuBLAS / CPU BLAS, batch-variant"),
-    ImplSpec("torch_rope", "torch", "rope", ARCHES, {"*": f"{_K}.native:apply_rope_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_sdpa", "torch", "attention", ARCHES,
-             {"trainer_fwd": f"{_K}.attention_native:attention_native_varlen",
-              "trainer_score": f"{_K}.attention_native:attention_native_varlen",
-              "engine_prefill": f"{_K}.attention_native:attention_native_paged_prefill",
-              "engine_decode": f"{_K}.attention_native:attention_native_paged_decode"},
-             capabilities=frozenset({"grad", "cuda_graph", "paged"}), native=True),
-    ImplSpec("torch_silu_mul", "torch", "activation", ARCHES, {"*": f"{_K}.native:silu_and_mul_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_log_softmax", "torch", "logprob", ARCHES, {"*": f"{_K}.native:token_logprobs_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_conv1d", "torch", "gdn_conv", ARCHES,
-             {"trainer_fwd": f"{_K}.gdn_native:conv1d_native_varlen",
-              "trainer_score": f"{_K}.gdn_native:conv1d_native_varlen",
-              "engine_prefill": f"{_K}.gdn_native:conv1d_native_engine",
-              "engine_decode": f"{_K}.gdn_native:conv1d_native_decode"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True, doc="F.conv1d per sequence + F.silu"),
-    ImplSpec("torch_gdn_prep", "torch", "gdn_prep", ARCHES, {"*": f"{_K}.gdn_native:gdn_prep_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("gdn_chunk_native", "1", "gdn_core", ARCHES,
-             {"trainer_fwd": f"{_K}.gdn_core_native:gdn_chunk_varlen",
-              "trainer_score": f"{_K}.gdn_core_native:gdn_chunk_varlen",
-              "engine_prefill": f"{_K}.gdn_core_native:gdn_chunk_engine",
-              "engine_decode": f"{_K}.gdn_core_native:gdn_recurrent_decode"},
-             constants={"CHUNK": _c(64)},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True,
-             doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),
-    ImplSpec("torch_gated_rmsnorm", "torch", "gated_norm", ARCHES, {"*": f"{_K}.gdn_native:gated_rms_norm_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    ImplSpec("torch_sigmoid_gate", "torch", "gate", ARCHES, {"*": f"{_K}.gdn_native:sigmoid_gate_native"},
-             capabilities=frozenset({"grad", "cuda_graph"}), native=True),
-    # ---- deployment settings
-    ImplSpec("paged_kv", "1", "deployment", ARCHES, {"*": "isoexec.engine.block_manager:BlockManager"},
-             constants={"PAGE_SIZE": _c(16, 16, 32, 64, 128, 256)}, half="deployment",
-             doc="page geometry changes memory layout only; attention walks absolute positions"),
+def _kernel_impls() -> tuple[ImplSpec, ...]:
+    """Every op folder's ``IMPLS``, folders in name order: a new folder is found without being
+    listed anywhere."""
+    found: list[ImplSpec] = []
+    for info in pkgutil.iter_modules(isoexec_kernels.__path__):
+        if info.ispkg:
+            found += getattr(importlib.import_module(f"isoexec_kernels.{info.name}"), "IMPLS", ())
+    return tuple(found)
+
+
+# Deployment settings: they change memory layout or scheduling, never a kernel, so they are not
+# bound to a callable (the engine reads them from the contract).
+DEPLOYMENT_IMPLS: tuple[ImplSpec, ...] = (
+    ImplSpec("paged_kv", "1", "deployment", None,
+             constants={"PAGE_SIZE": ConstantSpec(16, (16, 32, 64, 128, 256))}, capabilities=frozenset(),
+             half="deployment", doc="page geometry changes memory layout only; attention walks absolute positions"),
 )
+
+IMPLS: tuple[ImplSpec, ...] = _kernel_impls() + DEPLOYMENT_IMPLS
+
+
+def _check_table() -> None:
+    kinds = {o.kind for o in OPS.values()}
+    seen: set = set()
+    for i in IMPLS:
+        if i.kind not in kinds:
+            raise CompositionError(f"impl {i.id!r} implements kind {i.kind!r}, which no op in OPS has")
+        for a in i.archs:
+            if (i.id, a) in seen:
+                raise CompositionError(f"impl {i.id!r} is declared twice for arch {a!r}")
+            seen.add((i.id, a))
+
+
+_check_table()
 
 _BY_KEY = {(i.id, a): i for i in IMPLS for a in i.archs}
 
@@ -290,6 +192,14 @@ def impl_by_ref(impl_id: str, version: str, arch: str) -> ImplSpec:
         raise CompositionError(f"impl {impl_id!r} on {arch} is version {spec.version!r} in this isoexec, "
                                f"the contract says {version!r}")
     return spec
+
+
+def entry_for(spec: ImplSpec, case: str) -> Callable:
+    """The callable ``spec`` runs for ``case`` (refused if it serves no such case)."""
+    fn = spec.callable_for(case)
+    if fn is None:
+        raise CompositionError(f"impl {spec.id!r} has no callable for case {case!r}")
+    return fn
 
 
 def native_counterpart(kind: str, arch: str) -> ImplSpec | None:

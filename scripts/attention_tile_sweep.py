@@ -1,7 +1,7 @@
 """Tile sweep for the invariant attention kernel on a GPU (a tuning tool, not a benchmark of record).
 
 For each candidate launch (BLOCK_M, BLOCK_N, warps, stages, FMA contraction) of
-``isoexec_kernels.attention_triton``, this
+``isoexec_kernels.attention.triton_kernels``, this
 
 1. checks invariance with THAT candidate used for every case: the decode row of each sequence
    equals the last row of a one-shot paged prefill, a chunked prefill (chunks of 97 tokens)
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from isoexec.bench.common import time_ms
-from isoexec_kernels import attention_triton as at
+from isoexec_kernels.attention import triton_kernels as at
 
 HEADS = [("0.6b", 16, 8, 128), ("8b", 32, 8, 128)]
 PREFILL = [(8, 2048), (32, 512), (8, 512)]

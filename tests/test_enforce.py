@@ -15,13 +15,13 @@ def _entry(c, region):
 def test_bind_records_what_was_bound(dense_native_cpu):
     b = bind(_entry(dense_native_cpu, ("lm_head",)), "engine_decode")
     r = b.record
-    assert (r.module, r.qualname) == ("isoexec_kernels.native", "linear_native")
+    assert (r.module, r.qualname) == ("isoexec_kernels.gemm.native", "linear_native")
     assert (r.impl_id, r.impl_arch) == ("torch_linear", "cpu")
     check_bindings(dense_native_cpu, [r])
 
 
 def test_a_patched_kernel_is_refused(dense_native_cpu, monkeypatch):
-    import isoexec_kernels.native as native
+    import isoexec_kernels.gemm.native as native
 
     def impostor(x, w, bias=None):
         return x @ w.T

@@ -8,7 +8,7 @@ Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chun
   decode            one token for each of 256 sequences that already hold context state (random
                     chunk fill, so about 256/64 lanes resynchronise per step, as in steady state)
 
-Baselines (``kernels/gdn_core_native.py``):
+Baselines (``isoexec_kernels/gdn_core/native.py``):
   native_mixed          chunk algorithm for trainer and prefill, fused recurrent step for decode
   recurrent_everywhere  the per-token recurrence for every stage
 Ours: ``gdn_cpr_varlen`` / ``gdn_cpr_engine`` / ``gdn_cpr_decode``.
@@ -29,6 +29,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from isoexec_kernels import gdn_core as cpr
+from isoexec_kernels.gdn_core import GDNState
+from isoexec_kernels.gdn_core import native as nat
+
+from ..envinfo import env_info
 from .common import print_rows, row, time_ms
 
 GDN_DIMS = dict(Hk=16, H=32, Dk=128, Dv=128, chunk=64)
@@ -52,8 +57,6 @@ def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
 
 
 def _decode_state(B, dims, device, seed):
-    from isoexec_kernels.gdn_core import GDNState
-
     gen = torch.Generator(device="cpu").manual_seed(seed)
     C = dims["chunk"]
     st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
@@ -84,9 +87,6 @@ def _graphed(fn, device):
 
 def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list[dict]:
     """The rows of :func:`bench_cpr` (one per (stage, baseline))."""
-    from isoexec_kernels import gdn_core as cpr
-    from isoexec_kernels import gdn_core_native as nat
-
     dims = QUICK_DIMS if quick else GDN_DIMS
     sizes = QUICK if quick else FULL
     C = dims["chunk"]
@@ -157,8 +157,6 @@ def bench_cpr(quick: bool = False, device: str = "cuda", log=print) -> dict:
     """Run the CPR per-layer benchmark; returns the docs/benchmarks.md result object
     ``{"name": "cpr", "env": {...}, "rows": [...]}`` (the caller writes it to
     ``results/<run>/bench/cpr.json``)."""
-    from ..envinfo import env_info
-
     rows = bench_cpr_rows(device, quick, log)
     env = env_info("cpu" if device == "cpu" else None)
     env = {k: env[k] for k in ("device", "torch", "triton", "transformers", "commit", "date")}

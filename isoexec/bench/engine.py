@@ -21,12 +21,15 @@ Two absolute yardsticks besides the ratio:
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 
 import torch
 
 from ..assembly import installed_model
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..model.loading import to_hf_state_dict
 from .common import row
 
 SIZES = {"cuda": dict(model="dense_qwen3_0p6b", requests=64, prompt_len=256, max_tokens=128),
@@ -44,8 +47,6 @@ def _model(name: str, composition: str, device: str, dtype):
 
 
 def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: bool) -> tuple[float, int]:
-    from ..engine import Engine, EngineConfig, SamplingParams
-
     pages = len(prompts) * (-(-(len(prompts[0]) + max_tokens) // 16)) + 8
     # max_model_len bounds the block-table width the decode graphs are captured with (the native
     # attention gathers that many keys per sequence); the same for both compositions.
@@ -78,9 +79,6 @@ def decode_roofline_tok_s(model, batch: int, mean_context: float) -> float:
 def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab: int, seed: int = 0,
                    prefill_interval=None) -> dict:
     """Random-traffic workload (module docstring): tok/s and the host share of Engine.step."""
-    import random
-
-    from ..engine import Engine, EngineConfig, SamplingParams
 
     rng = random.Random(seed)
     reqs = []
@@ -121,8 +119,6 @@ def _staggered_run(model, contract, device: str, graphs: bool, size: dict, vocab
 def _hf_run(model, cfg: dict, prompts, max_tokens: int, device: str, dtype) -> tuple[float, int]:
     sys.modules.setdefault("fla", None)
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from ..model.loading import to_hf_state_dict
 
     hf_cfg = AutoConfig.for_model(**cfg)
     hf = AutoModelForCausalLM.from_config(hf_cfg).to(device=device, dtype=dtype).eval()

@@ -13,8 +13,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend
+
+from isoexec_kernels.attention import paged_decode_attention, varlen_attention
+from isoexec_kernels.gemm import linear
+from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
+from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
 
 from .common import print_rows, rotating, row, time_ms
+from .cpr import bench_cpr_rows
+from .engine import bench_engine
+from .train import bench_train
 
 # (name, K, N): the dense family's projections at Qwen3-0.6B and Qwen3-8B dimensions.
 GEMM_SHAPES = [
@@ -29,8 +38,6 @@ def bench_gemm(device: str, quick: bool = False, log=print) -> list[dict]:
     """Ours vs cuBLAS per (shape, M). On CUDA both are timed as CUDA-graph replays (kernel time, as
     the engine's decode graphs and a busy trainer step see it; eager timing of a 10 us kernel
     measures Python launch overhead) and, for reference, eagerly (``eager_*`` fields)."""
-    from isoexec_kernels.gemm import linear
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = GEMM_SHAPES if device == "cuda" and not quick else [("tiny.qkv", 64, 128), ("tiny.down", 128, 64)]
     ms = GEMM_M if device == "cuda" and not quick else [1, 64, 256]
@@ -60,8 +67,6 @@ def bench_gemm(device: str, quick: bool = False, log=print) -> list[dict]:
 
 
 def bench_attention(device: str, quick: bool = False, log=print) -> list[dict]:
-    from isoexec_kernels.attention import paged_decode_attention, varlen_attention
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, hkv, d = (16, 8, 128) if device == "cuda" else (4, 2, 16)
     scale = d ** -0.5
@@ -118,17 +123,12 @@ def bench_attention(device: str, quick: bool = False, log=print) -> list[dict]:
 
 
 def _flash_backends(device: str):
-    from torch.nn.attention import SDPBackend
-
     if device == "cuda":
         return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     return [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]
 
 
 def bench_rmsnorm(device: str, quick: bool = False, log=print) -> list[dict]:
-    from isoexec_kernels.native import rms_norm_native
-    from isoexec_kernels.rmsnorm import rms_norm
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [(1, 1024), (256, 1024), (4096, 1024), (10240, 1024), (4096, 4096), (10240, 4096)] \
         if device == "cuda" and not quick else [(1, 64), (256, 64)]
@@ -146,9 +146,6 @@ def bench_rmsnorm(device: str, quick: bool = False, log=print) -> list[dict]:
 
 
 def bench_logprob(device: str, quick: bool = False, log=print) -> list[dict]:
-    from isoexec_kernels.logprob import token_logprobs
-    from isoexec_kernels.native import token_logprobs_native
-
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = [(1, 151936), (256, 151936), (2048, 151936), (8192, 151936)] if device == "cuda" and not quick \
         else [(1, 1000), (64, 1000)]
@@ -166,20 +163,14 @@ def bench_logprob(device: str, quick: bool = False, log=print) -> list[dict]:
 
 
 def _bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
-    from .engine import bench_engine
-
     return bench_engine(device, quick, log)
 
 
 def _bench_cpr(device: str, quick: bool = False, log=print) -> list[dict]:
-    from .cpr import bench_cpr_rows
-
     return bench_cpr_rows(device, quick, log)
 
 
 def _bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict], dict]:
-    from .train import bench_train
-
     return bench_train(device, quick, log)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Iterable
 
 from ..paths import atomic_write
+from ..report import run_cli
 
 TIME_FIELDS = ("baseline", "baseline_ms", "ours_ms", "speed_ratio")
 
@@ -94,8 +95,6 @@ def write_bench_report(paths: Iterable[str | Path], md_out: str | Path, csv_out:
 
 def run_bench(name: str, out: str, device: str, quick: bool, log: str) -> None:
     """The workflow's bench job: ``isoexec bench NAME`` with its output logged."""
-    from ..report import run_cli
-
     with open(log, "w") as lf:
         run_cli(["bench", name, "--out", out, "--device", device, *(["--quick"] if quick else [])], lf)
 

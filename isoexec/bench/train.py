@@ -20,7 +20,20 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from isoexec_kernels.activation import silu_and_mul, silu_and_mul_native
+from isoexec_kernels.attention import attention_native_varlen, varlen_attention
+from isoexec_kernels.embedding import embedding, embedding_native
+from isoexec_kernels.gemm import linear, linear_native
+from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
+from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
+from isoexec_kernels.rope import apply_rope, apply_rope_native, rope_cache
+
+from ..assembly import installed_model
+from ..compose import load_model_config
+from ..envinfo import runtime_arch
+from ..model import ForwardBatch
 from .common import print_rows, rotating, row, time_ms
 
 # Qwen3-0.6B projections (K, N) and its attention / vocabulary shapes
@@ -43,17 +56,6 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
-    from isoexec_kernels.activation import silu_and_mul
-    from isoexec_kernels.attention import varlen_attention
-    from isoexec_kernels.attention_native import attention_native_varlen
-    from isoexec_kernels.embedding import embedding
-    from isoexec_kernels.gemm import linear
-    from isoexec_kernels.logprob import token_logprobs
-    from isoexec_kernels.native import (apply_rope_native, embedding_native, linear_native, rms_norm_native,
-                                        silu_and_mul_native, token_logprobs_native)
-    from isoexec_kernels.rmsnorm import rms_norm
-    from isoexec_kernels.rope import apply_rope, rope_cache
-
     big = device == "cuda" and not quick
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     T = 8192 if big else 64
@@ -130,11 +132,6 @@ def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
 
 def _model_steps(device: str, quick: bool):
     """(name, T, seqs, {composition: step function}) for the whole trainer step."""
-    from ..assembly import installed_model
-    from ..compose import load_model_config
-    from ..envinfo import runtime_arch
-    from ..model import ForwardBatch
-
     name = "dense_qwen3_0p6b" if device == "cuda" and not quick else "dense_tiny"
     arch = "cpu" if device == "cpu" else runtime_arch()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -167,8 +164,6 @@ def profile_step(step, device: str, top: int = _TOP_KERNELS, warmup: bool = True
     """One step under torch.profiler (after one warm-up step unless ``warmup`` is False): host
     time of the step (until the last launch returns), wall time (until the device is done), total
     device time, and the ``top`` kernels by device time (on a CPU: ops by self CPU time)."""
-    from torch.profiler import ProfilerActivity, profile
-
     if warmup:
         step()
     _sync(device)

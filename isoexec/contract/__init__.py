@@ -2,7 +2,7 @@
 
 from .codec import canonical_json, decode, encode, parse_json_strict
 from .diff import Difference, diff, format_diff, policy_differences
-from .digests import compute_identities
+from .digests import compute_identities, with_identities
 from .handshake import HandshakeResult, handshake, offer, receive
 from .schema import (
     SCHEMA_VERSION,

@@ -17,7 +17,14 @@ from typing import Any, Callable
 
 from ..errors import ContractDecodeError
 from .schema import (
+    DISCHARGE_KINDS,
+    HALVES,
+    ROLES,
     SCHEMA_VERSION,
+    SHAPES,
+    STATES,
+    TOPOLOGY_AXES,
+    TOPOLOGY_KINDS,
     Bounds,
     Case,
     Claims,
@@ -28,8 +35,8 @@ from .schema import (
     ImplRef,
     ModelSpec,
     StateClaim,
-    TopologyClaim,
     ToleranceClaim,
+    TopologyClaim,
     frozen_mapping,
 )
 
@@ -258,8 +265,6 @@ def _read_model(r: _Reader) -> ModelSpec:
 
 
 def _read_case(r: _Reader) -> Case:
-    from .schema import ROLES, SHAPES, STATES
-
     f = r.obj(("id", "role", "grad", "state", "shape"))
     return Case(
         id=f["id"].str(),
@@ -271,8 +276,6 @@ def _read_case(r: _Reader) -> Case:
 
 
 def _read_entry(r: _Reader) -> Entry:
-    from .schema import DISCHARGE_KINDS, HALVES
-
     f = r.obj(("region", "cases", "impl", "constants", "discharge", "half"))
     impl = f["impl"].obj(("id", "version", "arch"))
     consts = f["constants"]
@@ -302,8 +305,6 @@ def _read_entry(r: _Reader) -> Entry:
 
 
 def _read_topology(r: _Reader) -> TopologyClaim:
-    from .schema import TOPOLOGY_AXES, TOPOLOGY_KINDS
-
     f = r.obj(("axis", "kind", "domain", "proof"))
     domain = _read_list(f["domain"], lambda x: x.int())
     return TopologyClaim(

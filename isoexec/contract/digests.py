@@ -14,6 +14,7 @@ rotates a digest.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 from .codec import canonical_json, entry_obj, model_obj, state_obj, tolerance_obj, topology_obj
 from .schema import ExecutionContract, Identities
@@ -69,3 +70,8 @@ def compute_identities(c: ExecutionContract) -> Identities:
     return Identities(
         semantic=semantic_digest(c), numerical_policy=numerical_policy_digest(c), deployment=deployment_digest(c)
     )
+
+
+def with_identities(c: ExecutionContract) -> ExecutionContract:
+    """A copy of ``c`` whose stored identities are recomputed from its content."""
+    return replace(c, identities=compute_identities(c))

@@ -8,7 +8,8 @@ as ``"f32:0x3f800000"`` so that no decimal rounding can ever enter a contract.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from decimal import Decimal
 from types import MappingProxyType
 from typing import Mapping, Optional, Union
 
@@ -101,8 +102,6 @@ class Bounds:
 
     @property
     def is_zero(self) -> bool:
-        from decimal import Decimal
-
         return Decimal(self.mean_abs) == 0 and Decimal(self.max_abs) == 0
 
 
@@ -152,9 +151,3 @@ class ExecutionContract:
             if op in e.region and case in e.cases:
                 return e
         return None
-
-    def with_identities(self) -> "ExecutionContract":
-        """A copy whose stored identities are recomputed from its content."""
-        from .digests import compute_identities
-
-        return replace(self, identities=compute_identities(self))

@@ -16,6 +16,7 @@ from ..contract import Discharge, Entry, ExecutionContract, canonical_json, pars
 from ..contract.digests import sha256_hex
 from ..errors import ContractDecodeError, IsoExecError, NotAdmitted
 from ..paths import atomic_write
+from .kinds import gate_families_for
 
 PENDING = "pending"
 REF_SEP = "+"
@@ -84,12 +85,6 @@ def passing_for(e: Entry, artifacts: dict[str, dict]) -> list[dict]:
             if a["gate"]["family"] != "negative_control" and artifact_key(a) == key]
 
 
-def _required_families(e: Entry) -> tuple[str, ...]:
-    from .kernel_gates import gate_families_for
-
-    return gate_families_for(e)
-
-
 def check_entry(e: Entry, artifacts: dict[str, dict]) -> DischargeCheck:
     name = f"region {e.region_name} ({e.impl})"
     d = e.discharge
@@ -104,7 +99,7 @@ def check_entry(e: Entry, artifacts: dict[str, dict]) -> DischargeCheck:
         for a in sorted(cands, key=lambda a: a["env"]["date"]):
             if a["verdict"] == "pass" or a["gate"]["family"] not in by_family:
                 by_family[a["gate"]["family"]] = a
-        missing = [f for f in _required_families(e) if f not in by_family]
+        missing = [f for f in gate_families_for(e) if f not in by_family]
         failing = [f for f, a in by_family.items() if a["verdict"] != "pass"]
         ids = tuple(sorted(a["id"] for a in by_family.values() if a["verdict"] == "pass"))
         if missing or failing:
@@ -129,7 +124,7 @@ def check_entry(e: Entry, artifacts: dict[str, dict]) -> DischargeCheck:
             problems.append(f"artifact {i[:12]}… is for {'+'.join(g['region'])} {g['impl']['id']} "
                             f"v{g['impl']['version']} ({g['impl']['arch']}) {g['constants']}, not this entry")
     fams = {artifacts[i]["gate"]["family"] for i in ids if i in artifacts}
-    missing = [f for f in _required_families(e) if f not in fams]
+    missing = [f for f in gate_families_for(e) if f not in fams]
     if missing:
         problems.append(f"no passing artifact for gate(s) {', '.join(missing)}")
     return DischargeCheck(name, not problems, ids, "; ".join(problems))

@@ -21,8 +21,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from isoexec_kernels.gdn_core import GDNState
+
 from .compare import BitReport, compare_bits
-from .kernel_gates import GATE_FAMILIES, GATE_RUNNERS, TOLERANCE, GateOutcome, _rand, _rowwise_invariance, rel_err
+from .kernel_gates import TOLERANCE, GateOutcome, _rand, _rowwise_invariance, rel_err
 
 
 def _dims(cfg: dict) -> dict:
@@ -132,8 +134,6 @@ def _recurrence64(q, k, v, g, beta) -> torch.Tensor:
 
 
 def gate_gdn_core(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants, binds=None) -> GateOutcome:
-    from isoexec_kernels.gdn_core import GDNState
-
     d = _dims(cfg)
     chunk = int(constants.get("CHUNK", 64))
     make = _core_inputs(d, dtype, gen, device)
@@ -237,14 +237,3 @@ def gate_sigmoid_gate(fn, region, cfg, family, dtype, device, gen, sizes, hazard
     return GateOutcome(family, {"width": width, "M": list(sizes)}, str(dtype), reports,
                        rel_err(call(x), xd[:, :width] * torch.sigmoid(xd[:, width:])), TOLERANCE[dtype], {})
 
-
-GDN_GATE_FAMILIES = {"gdn_core": ("batch_invariance", "case_parity"), "gdn_conv": ("batch_invariance", "case_parity"),
-                     "gdn_prep": ("batch_invariance",), "gated_norm": ("batch_invariance",),
-                     "gate": ("batch_invariance",)}
-GDN_GATE_RUNNERS = {"gdn_core": gate_gdn_core, "gdn_conv": gate_gdn_conv, "gdn_prep": gate_gdn_prep,
-                    "gated_norm": gate_gated_norm, "gate": gate_sigmoid_gate}
-SEQUENCE_KINDS = frozenset({"attention", "gdn_core", "gdn_conv"})   # gated across cases: bind every case
-
-# registered into the kernel gates' tables on import (isoexec.gates imports this module)
-GATE_FAMILIES.update(GDN_GATE_FAMILIES)
-GATE_RUNNERS.update(GDN_GATE_RUNNERS)

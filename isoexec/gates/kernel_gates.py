@@ -1,4 +1,5 @@
-"""Kernel-level gates (docs/gates.md families 1, 6, 7) for every region kind.
+"""Kernel-level gates (docs/gates.md families 1, 6, 7) of the row-wise region kinds and attention
+(which kind gets which gates: ``kinds.KINDS``).
 
 Each gate draws fresh seeded random inputs at the model's own shapes, runs the bound
 implementation, and compares integer views:
@@ -26,31 +27,13 @@ from typing import Callable
 
 import torch
 
+from isoexec_kernels.attention import compute_slot_mapping, write_kv_pages
+
+from .. import registry
 from ..contract import Entry, ImplRef, frozen_mapping
 from .compare import BitReport, compare_bits, merge
 
-GATE_FAMILIES = {
-    "linear": ("batch_invariance", "hazards"),
-    "norm": ("batch_invariance", "hazards"),
-    "embed": ("batch_invariance",),
-    "activation": ("batch_invariance",),
-    "rope": ("batch_invariance",),
-    "logprob": ("batch_invariance", "hazards"),
-    "attention": ("batch_invariance", "case_parity"),
-}
-
-# Kinds whose stock kernel is known to be batch-variant on an arch (measured; docs/gpu_notes.md): the
-# negative control must fail to be invariant there.
-NEGATIVE_CONTROLS = {"cpu": ("linear",), "sm90": ("linear", "attention")}
-
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
-def gate_families_for(entry: Entry) -> tuple[str, ...]:
-    from .. import registry
-    from . import gdn_gates  # noqa: F401  (registers the Gated DeltaNet gate families)
-
-    return GATE_FAMILIES.get(registry.OPS[entry.region[0]].kind, ())
 
 
 @dataclass
@@ -237,12 +220,7 @@ def gate_logprob(fn, region, cfg, family, dtype, device, gen, sizes, hazards, co
                        exercised, hazards if family == "hazards" else ())
 
 
-GATE_RUNNERS = {"linear": gate_linear, "norm": gate_norm, "logprob": gate_logprob}
-
-
 def entry_with_impl(entry: Entry, impl: ImplRef) -> Entry:
-    from .. import registry
-
     spec = registry.impl_by_ref(impl.id, impl.version, impl.arch)
     return Entry(region=entry.region, cases=entry.cases, impl=impl, constants=frozen_mapping(spec.default_constants()),
                  discharge=None, half="function")
@@ -324,8 +302,6 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     prompt split at random points into chunks == decode rows for the tail tokens, with pages
     of the cache shuffled; lengths not multiples of BLOCK_N exercise the hazard.
     """
-    from isoexec_kernels.attention import compute_slot_mapping, write_kv_pages
-
     nh, nkv, hd = _heads(cfg)
     scale = hd ** -0.5
     block_n = int(constants.get("BLOCK_N", 64))
@@ -438,8 +414,4 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     return GateOutcome(family, {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len,
                                 "sequences": counts}, str(dtype), reports, err, TOLERANCE[dtype], exercised,
                        hazards)
-
-
-GATE_RUNNERS.update({"rope": gate_rope, "activation": gate_activation, "embed": gate_embed,
-                     "attention": gate_attention})
 

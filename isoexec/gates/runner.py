@@ -17,14 +17,17 @@ import torch
 
 from .. import registry
 from ..assembly import installed_model
-from ..compose import build_contract, load_model_config, default_model_name
+from ..compose import build_contract, default_model_name, load_model_config
 from ..contract import Entry, ImplRef
+from ..enforce import bind
 from ..envinfo import env_info
 from .artifacts import write_artifact
 from .compare import merge
-from .gdn_gates import SEQUENCE_KINDS
-from .kernel_gates import GATE_FAMILIES, GATE_RUNNERS, NEGATIVE_CONTROLS, GateOutcome, entry_with_impl
-from ..enforce import bind
+from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
+from .engine_gates import SIZES as ENGINE_SIZES
+from .kernel_gates import GateOutcome, entry_with_impl
+from .kinds import KINDS, NEGATIVE_CONTROLS, kernel_gate_names
+from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
 
 BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
@@ -68,19 +71,12 @@ MODEL_GATE_NAMES = ("model_case_parity", "model_batch_invariance", "backward_det
 def gate_names() -> frozenset:
     """Every gate name ``--only`` accepts: kernel gate families, model and engine gates, and
     ``negative_control``."""
-    from .engine_gates import ENGINE_GATES
-
-    kernel = {f for fams in GATE_FAMILIES.values() for f in fams}
-    return frozenset(kernel | set(MODEL_GATE_NAMES) | set(ENGINE_GATES) | {"negative_control"})
+    return frozenset(kernel_gate_names() | set(MODEL_GATE_NAMES) | set(ENGINE_GATES) | {"negative_control"})
 
 
 def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
                     log: Callable[[str], None], only: frozenset | None = None) -> list[GateResult]:
     """Whole-model case parity and needle-in-batch, plus the native composition as negative control."""
-    from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
-    from .engine_gates import SIZES as ENGINE_SIZES
-    from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
-
     results = []
     runs = [(composition, "invariant", None)]
     if composition != "native" and arch in NEGATIVE_CONTROLS and (not only or "negative_control" in only):
@@ -169,9 +165,9 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
     fn = bind(entry, entry.cases[0] if "trainer_score" not in entry.cases else "trainer_score")
     gen = torch.Generator().manual_seed(seed)
     extra = {}
-    if kind in SEQUENCE_KINDS:
+    if KINDS[kind].across_cases:
         extra["binds"] = {c: bind(entry, c) for c in entry.cases}
-    outcome = GATE_RUNNERS[kind](fn, entry.region, cfg, of or family, dtype, DEVICE[arch], gen, BATCH_SIZES[arch],
+    outcome = KINDS[kind].run(fn, entry.region, cfg, of or family, dtype, DEVICE[arch], gen, BATCH_SIZES[arch],
                                  spec.hazards, dict(entry.constants), **extra)
     body = _body(entry, family, outcome, seed, arch, expect, of)
     gid, path = write_artifact(out_dir, body)
@@ -183,7 +179,8 @@ def _run_one(entry: Entry, family: str, cfg: dict, dtype, arch: str, seed: int, 
 def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, seed: int = 0,
               model: str | None = None, log: Callable[[str], None] = print,
               skipped: list[dict] | None = None, only: frozenset | None = None) -> list[GateResult]:
-    """Run the gates; gates that have no runner yet are appended to ``skipped`` (if given).
+    """Run the gates; regions of a kind without gates (no row in ``kinds.KINDS``) are appended to
+    ``skipped`` (if given).
     ``only``: run just these gate names (see :func:`gate_names`), e.g. to re-check one gate."""
     contract = build_contract(family, composition, arch, model)
     cfg = load_model_config(model or default_model_name(family))["hf_config"]
@@ -197,13 +194,13 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
             continue
         kind = registry.OPS[e.region[0]].kind
         spec = registry.impl_by_ref(e.impl.id, e.impl.version, e.impl.arch)
-        for fam in GATE_FAMILIES.get(kind, ()):
+        if kind not in KINDS:
+            log(f"SKIP {'-':<17} {e.region_name:<28} {e.impl.id:<22} (no gate for {kind} regions yet)")
+            skipped.append({"family": "-", "region": e.region_name, "impl": e.impl.id,
+                            "reason": f"no gate for {kind} regions yet"})
+            continue
+        for fam in KINDS[kind].families:
             if only and fam not in only:
-                continue
-            if kind not in GATE_RUNNERS:
-                log(f"SKIP {fam:<17} {e.region_name:<28} {e.impl.id:<22} (no {kind} {fam} gate yet)")
-                skipped.append({"family": fam, "region": e.region_name, "impl": e.impl.id,
-                                "reason": f"no {kind} {fam} gate yet"})
                 continue
             if fam == "hazards" and not spec.hazards:
                 continue
@@ -216,7 +213,7 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
                 results.append(r)
                 log(r.line())
         # negative control: the stock kernel for this region must NOT be invariant here
-        if (kind in NEGATIVE_CONTROLS.get(arch, ()) and not spec.native and kind in GATE_RUNNERS
+        if (kind in NEGATIVE_CONTROLS.get(arch, ()) and not spec.native and kind in KINDS
                 and (not only or "negative_control" in only)):
             native = registry.native_counterpart(kind, arch)
             if native is not None:

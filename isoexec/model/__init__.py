@@ -1,5 +1,8 @@
 """The unified model: one definition for trainer and engine, arithmetic bound from a contract."""
 
+import torch
+
+from ..errors import ConfigError
 from .batch import ForwardBatch, KVCache
 from ..model_config import DenseConfig, HybridConfig, hf_config_from_dict
 from .dense import DenseModel
@@ -11,9 +14,6 @@ FAMILY_MODELS = {"dense": (DenseModel, DenseConfig), "hybrid": (HybridModel, Hyb
 
 def build_model(family: str, hf_config: dict, dtype=None, device="cpu"):
     """An uninitialised model of ``family`` from a transformers config dict."""
-    import torch
-
-    from ..errors import ConfigError
 
     if family not in FAMILY_MODELS:
         raise ConfigError(f"the unified model has no {family!r} family yet (have: {', '.join(FAMILY_MODELS)})")

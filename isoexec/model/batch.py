@@ -18,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from isoexec_kernels.attention import compute_slot_mapping
+
 
 @dataclass
 class KVCache:
@@ -77,8 +79,6 @@ class ForwardBatch:
               state_slots: Optional[Sequence[int]] = None) -> "ForwardBatch":
         """An engine batch: sequence b has ``starts[b]`` tokens cached and ``q_lens[b]`` new ones
         (recurrent families: and its recurrent state in slot ``state_slots[b]``)."""
-        from isoexec_kernels.attention import compute_slot_mapping
-
         width = max((len(t) for t in block_tables), default=1) or 1
         bt = torch.zeros((len(block_tables), width), dtype=torch.int32)
         for b, t in enumerate(block_tables):

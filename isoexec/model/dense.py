@@ -15,11 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from isoexec_kernels.attention import write_kv_pages
+from isoexec_kernels.rope import rope_cache
+
 from ..contract import ExecutionContract
 from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
+from ..envinfo import runtime_arch
 from ..errors import BindingRefused
-from .batch import ForwardBatch
 from ..model_config import DenseConfig
+from .batch import ForwardBatch
 
 
 class DenseLayer(nn.Module):
@@ -58,7 +62,6 @@ class DenseModel(nn.Module):
         the topology or the bound callables differ from the contract."""
         if contract.model.family != self.family:
             raise BindingRefused(f"contract is for the {contract.model.family} family, model is {self.family}")
-        from ..envinfo import runtime_arch
 
         facts = facts or RuntimeFacts(arch="cpu" if self.embed.device.type == "cpu" else runtime_arch())
         check_topology(contract, facts)
@@ -93,8 +96,6 @@ class DenseModel(nn.Module):
         is bitwise the same as one computed on the fly for that position."""
         dev = str(self.embed.device)
         if dev not in self._rope_tables:
-            from isoexec_kernels.rope import rope_cache
-
             self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.head_dim,
                                                 self.cfg.rope_theta, self.embed.device)
         return self._rope_tables[dev]
@@ -118,7 +119,6 @@ class DenseModel(nn.Module):
         attn = plan["attn_core"]
         if not batch.is_engine:
             return attn(q, k, v, batch.cu_seqlens, batch.max_seqlen, scale)
-        from isoexec_kernels.attention import write_kv_pages
 
         kc, vc = batch.kv.k[layer], batch.kv.v[layer]
         write_kv_pages(k, v, kc, vc, batch.slot_mapping)  # a copy: no arithmetic, part of attn_core

@@ -20,9 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from isoexec_kernels.gdn_core import CHUNK, GDNState
+from isoexec_kernels.rope import rope_cache
+
 from ..errors import BindingRefused
-from .batch import ForwardBatch
 from ..model_config import HybridConfig
+from .batch import ForwardBatch
 from .dense import DenseModel
 
 
@@ -101,8 +104,6 @@ class HybridModel(DenseModel):
         position, built once per device."""
         dev = str(self.embed.device)
         if dev not in self._rope_tables:
-            from isoexec_kernels.rope import rope_cache
-
             self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.rotary_dim,
                                                 self.cfg.rope_theta, self.embed.device)
         return self._rope_tables[dev]
@@ -115,7 +116,6 @@ class HybridModel(DenseModel):
         for e in self.contract.composition:
             if "gdn_core" in e.region and "CHUNK" in e.constants:
                 return int(e.constants["CHUNK"])
-        from isoexec_kernels.gdn_core import CHUNK
 
         return CHUNK
 
@@ -123,8 +123,6 @@ class HybridModel(DenseModel):
         """(gdn_states, conv_states) for ``num_slots`` sequences: one GDNState ([S, Hv, Dk, Dv] fp32
         plus its partial-chunk buffers) and one conv window [S, conv_dim, W-1] (model dtype) per GDN
         layer, all zero."""
-        from isoexec_kernels.gdn_core import GDNState
-
         cfg = self.cfg
         device = device or self.embed.device
         chunk = self._chunk()

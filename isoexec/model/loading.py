@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open
 
 from ..errors import IsoExecError
 from ..model_config import DenseConfig, HybridConfig
@@ -45,9 +47,6 @@ def _shards(path: Path) -> list[Path]:
 
 
 def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import safe_open
-
     for shard in _shards(Path(path)):
         try:
             with safe_open(str(shard), framework="pt") as f:

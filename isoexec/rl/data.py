@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import IsoExecError
+from ..paths import atomic_writer
 
 #: Columns of a verl RL parquet, in the published order. The first two are required to read.
 DAPO_COLUMNS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
@@ -249,7 +250,6 @@ def write_parquet(rows: Iterable[dict], path: str | os.PathLike) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ..paths import atomic_writer
 
     path = Path(path)
     table = pa.Table.from_pylist(list(rows), schema=_arrow_schema())

@@ -26,11 +26,23 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .. import kernel_compiles
+from .. import kernel_compiles, registry
 from ..assembly import installed_model
-from ..errors import ConfigError, IsoExecError
+from ..compose import build_contract, load_model_config
+from ..contract import check as check_contract
+from ..contract import decode
+from ..debug import first_divergence
+from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.warmup import warm_up_engine
+from ..errors import ConfigError, IsoExecError
+from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
+from ..train.trainer import TrainBatch, TrainConfig, Trainer
+from .advantages import GroupFiller, TooManyRounds, dynamic_sampling, group_advantages
+from .data import PromptStream, load_problems, problems_from_rows, synthetic_arithmetic
+from .metrics import MetricsWriter, logprob_diff_stats, summary_line
+from .reward import reward
+from .tokenizer import CharTokenizer, HFTokenizer, prompt_for
 
 
 class LiveCheckFailed(IsoExecError):
@@ -155,11 +167,6 @@ class RLConfig:
         return cfg
 
     def _check(self) -> None:
-        from .. import registry
-        from ..engine.config import EngineConfig
-        from ..train.trainer import TrainConfig
-        from .data import synthetic_arithmetic
-
         def bad(msg):
             raise ConfigError(f"rl config: {msg}")
 
@@ -221,15 +228,6 @@ class RLRun:
     """Holds the colocated trainer and engine of one run and executes its steps."""
 
     def __init__(self, cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print):
-        from ..compose import build_contract, load_model_config
-        from ..contract import decode
-        from ..contract import check as check_contract
-        from ..engine import Engine, EngineConfig
-        from ..train.trainer import TrainConfig, Trainer
-        from .data import PromptStream, load_problems, problems_from_rows, synthetic_arithmetic
-        from .metrics import MetricsWriter
-        from .tokenizer import CharTokenizer, HFTokenizer
-
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         device = "cpu" if cfg.arch == "cpu" else "cuda"
         dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
@@ -312,8 +310,6 @@ class RLRun:
         warm_up_engine(self.engine, self.cfg.max_prompt_tokens, self.log)
 
     def _save(self) -> None:
-        from ..paths import atomic_write
-
         buf = io.BytesIO()
         torch.save({"config": asdict(self.cfg), "step": self.step, "trainer": self.trainer.state_dict(),
                     "stream": self.stream.state_dict()}, buf)
@@ -352,8 +348,6 @@ class RLRun:
         one, else the plain base-model frame (:func:`~isoexec.rl.tokenizer.prompt_for`).
         ``compact`` keeps only the expression of a synthetic problem ("12+7*3=") as the user
         message: the tiny CPU models cannot afford the 250-character DAPO instruction."""
-        from .tokenizer import prompt_for
-
         text = problem.prompt_text
         if self.cfg.prompt_style == "compact":
             m = re.search(r"Compute (.+?)\.", text)
@@ -386,8 +380,6 @@ class RLRun:
 
     # ------------------------------------------------------------------------------ one step
     def _generate(self, problems, step: int, round_: int):
-        from ..engine import SamplingParams
-
         cfg = self.cfg
         prompts, params, owners = [], [], []
         for pi, p in enumerate(problems):
@@ -405,7 +397,6 @@ class RLRun:
         """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
         if not first:
             return ""
-        from ..debug import first_divergence
 
         seq_i, tok_i = first
         tokens = seqs[seq_i][:plens[seq_i] + tok_i + 1]
@@ -416,11 +407,6 @@ class RLRun:
         return f"; {d}" if d else "; the locator found no differing region (a sampling-path difference?)"
 
     def run_step(self) -> dict:
-        from ..train.trainer import TrainBatch
-        from .advantages import GroupFiller, TooManyRounds, dynamic_sampling, group_advantages
-        from .metrics import logprob_diff_stats, summary_line
-        from .reward import reward
-
         cfg, step = self.cfg, self.step
         compiled_before = kernel_compiles.count()
         t_step = self._clock()

@@ -3,14 +3,15 @@ from dataclasses import replace
 
 import pytest
 
-from isoexec.contract import diff, encode, frozen_mapping, handshake, offer, policy_differences, receive
+from isoexec.contract import (diff, encode, frozen_mapping, handshake, offer, policy_differences, receive,
+                              with_identities)
 from isoexec.errors import ContractMismatch
 
 
 def _bump(c, region, **constants):
     comp = tuple(replace(e, constants=frozen_mapping({**e.constants, **constants})) if e.region == region else e
                  for e in c.composition)
-    return replace(c, composition=comp).with_identities()
+    return with_identities(replace(c, composition=comp))
 
 
 def test_identical_contracts_have_no_differences(dense_isoexec_cpu):

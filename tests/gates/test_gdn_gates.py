@@ -7,7 +7,7 @@ import torch
 import pytest
 
 from isoexec.compose import build_contract, load_model_config
-from isoexec.gates.kernel_gates import GATE_FAMILIES
+from isoexec.gates.kinds import KINDS
 from isoexec.gates.runner import _run_one
 
 CFG = load_model_config("hybrid_tiny")["hf_config"]
@@ -20,7 +20,7 @@ def entry(composition: str, region: str):
 
 def test_every_gdn_region_kind_has_gate_families():
     for kind in ("gdn_core", "gdn_conv", "gdn_prep", "gated_norm", "gate"):
-        assert GATE_FAMILIES[kind]
+        assert KINDS[kind].families
 
 
 @pytest.mark.parametrize("region,family", [("gdn_core", "case_parity"), ("gdn_core", "batch_invariance"),

@@ -1,4 +1,4 @@
-"""Gates for silu_and_mul (kernels/activation.py) and the position-free exp it relies on."""
+"""Gates for silu_and_mul (isoexec_kernels/activation/) and the position-free exp it relies on."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from isoexec_kernels import _ref, activation, native
+from isoexec_kernels import _ref, activation
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -33,7 +33,7 @@ def test_silu_and_mul_matches_float64(kb, dtype):
     out = activation.silu_and_mul(gate, up)
     assert out.dtype == dtype
     assert kb.rel_l2(out, _f64(gate, up)) < kb.TOL[dtype]
-    assert kb.rel_l2(native.silu_and_mul_native(gate, up), _f64(gate, up)) < kb.TOL[dtype]
+    assert kb.rel_l2(activation.silu_and_mul_native(gate, up), _f64(gate, up)) < kb.TOL[dtype]
 
 
 def test_concatenated_gate_up_equals_two_tensor_form_bitwise(kb):
@@ -41,8 +41,8 @@ def test_concatenated_gate_up_equals_two_tensor_form_bitwise(kb):
     gu = torch.randn(6, 2, 2 * 40, generator=g).bfloat16()
     kb.assert_bitwise(activation.silu_and_mul(gu), activation.silu_and_mul(gu[..., :40], gu[..., 40:]),
                       "concatenated vs split")
-    kb.assert_bitwise(native.silu_and_mul_native(gu),
-                      native.silu_and_mul_native(gu[..., :40], gu[..., 40:]), "native forms")
+    kb.assert_bitwise(activation.silu_and_mul_native(gu),
+                      activation.silu_and_mul_native(gu[..., :40], gu[..., 40:]), "native forms")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -124,8 +124,8 @@ def interp_case_silu_and_mul_matches_float64_and_row_invariant(kb):
 def interp_case_silu_and_mul_backward_matches_reference(kb):
     g = torch.Generator().manual_seed(7)
     gate, up, dy = (torch.randn(5, 70, generator=g) for _ in range(3))
-    dg_t, du_t = activation._bwd_triton(dy, gate, up)
-    dg_r, du_r = activation._bwd_reference(dy, gate, up)
+    dg_t, du_t = activation.triton_kernels._bwd_triton(dy, gate, up)
+    dg_r, du_r = activation.reference._bwd_reference(dy, gate, up)
     assert kb.rel_l2(dg_t, dg_r) < 1e-6 and kb.rel_l2(du_t, du_r) < 1e-6
 
 

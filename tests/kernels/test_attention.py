@@ -1,4 +1,4 @@
-"""Gates for the batch-invariant attention family (kernels/attention*.py).
+"""Gates for the batch-invariant attention family (isoexec_kernels/attention/).
 
 Bits are compared through integer views (int16 for bf16/fp16, int32 for fp32); a gate passes
 only with 0 differing elements. Each gate draws fresh seeded inputs (the seed is in the test id
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from isoexec_kernels import attention as att
-from isoexec_kernels import attention_native as nat
-from isoexec_kernels import attention_reference as ref
+from isoexec_kernels.attention import native as nat
+from isoexec_kernels.attention import reference as ref
 
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -89,7 +89,7 @@ class TritonDirect(PublicAPI):
 
     def __init__(self):
         super().__init__("cpu")
-        from isoexec_kernels import attention_triton as tri
+        from isoexec_kernels.attention import triton_kernels as tri
 
         self.tri = tri
 
@@ -792,7 +792,7 @@ def test_cuda_varlen_gradients_match_float64():
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "h{hq}-{hkv}-d{d}".format(**s))
 def test_cuda_triton_forward_and_backward_match_float64(dtype, causal, shape):
-    from isoexec_kernels import attention_triton as tri
+    from isoexec_kernels.attention import triton_kernels as tri
 
     errs = grad_errors(tri, dtype, causal, lens=(1, 63, 200, 333), device="cuda", **shape)
     tol = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]

@@ -1,4 +1,4 @@
-"""The stock attention twins (kernels/attention_native.py) compute attention correctly: the trainer's
+"""The stock attention twins (isoexec_kernels/attention/native.py) compute attention correctly: the trainer's
 FlashAttention-2 varlen path on a GPU against float64, gradients included, and its agreement with
 the padded-SDPA path it replaces there."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoexec_kernels import attention_native as nat
+from isoexec_kernels.attention import native as nat
 
 
 def _f64_varlen(q, k, v, lens, scale):

@@ -1,11 +1,11 @@
-"""Gates for the embedding lookup (kernels/embedding.py): an exact gather."""
+"""Gates for the embedding lookup (isoexec_kernels/embedding/): an exact gather."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from isoexec_kernels import embedding, native
+from isoexec_kernels import embedding
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -20,7 +20,7 @@ def test_embedding_rows_are_exact_table_rows_bitwise(kb, dtype):
     for i in range(2):
         for j in range(4):
             kb.assert_bitwise(out[i, j], table[ids[i, j]], f"id {int(ids[i, j])}")
-    kb.assert_bitwise(native.embedding_native(ids, table), out, "native")
+    kb.assert_bitwise(embedding.embedding_native(ids, table), out, "native")
 
 
 def test_embedding_token_alone_equals_token_in_batch_bitwise(kb):

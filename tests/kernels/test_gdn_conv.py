@@ -1,4 +1,4 @@
-"""Gates for the GDN short convolution (kernels/gdn_conv.py): correctness against float64
+"""Gates for the GDN short convolution (isoexec_kernels/gdn_conv/): correctness against float64
 F.conv1d, split/resume invariance of the engine window, decode == prefill, batch invariance,
 the stock twin, and the backward."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from isoexec_kernels import gdn_conv, gdn_native
+from isoexec_kernels import gdn_conv
 
 W = 4
 
@@ -44,7 +44,7 @@ def test_varlen_matches_float64_and_native(kb, dtype, tol):
     want = _f64(x, w, lens)
     out = gdn_conv.causal_conv1d_varlen(x, w, _cu(lens))
     assert out.dtype == dtype and kb.rel_l2(out, want) < tol
-    assert kb.rel_l2(gdn_native.conv1d_native_varlen(x, w, _cu(lens)), want) < tol
+    assert kb.rel_l2(gdn_conv.conv1d_native_varlen(x, w, _cu(lens)), want) < tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,7 +88,7 @@ def test_engine_continues_from_window_like_float64(kb):
     out = gdn_conv.causal_conv1d_engine(x, w, _cu(lens), torch.tensor([0, 1]), state)
     assert kb.rel_l2(out, _f64(x, w, lens, hist)) < 1e-6
     st2 = hist.clone()
-    nat = gdn_native.conv1d_native_engine(x, w, _cu(lens), torch.tensor([0, 1]), st2)
+    nat = gdn_conv.conv1d_native_engine(x, w, _cu(lens), torch.tensor([0, 1]), st2)
     assert kb.rel_l2(nat, out) < 1e-6 and torch.equal(st2, state)
     # a 3-token piece keeps 3 = W-1 inputs; a shorter one keeps part of the old window
     st3 = hist.clone()

@@ -1,4 +1,4 @@
-"""Gated DeltaNet core: CPR (kernels/gdn_core.py) and the stock baselines (gdn_core_native.py).
+"""Gated DeltaNet core: CPR (isoexec_kernels/gdn_core/) and the stock baselines (its native.py).
 
 Invariance (bitwise, int32 views): trainer varlen == engine prefill split anywhere == decode;
 a sequence alone == inside a batch; padded decode lanes are inert; reset restarts a slot.
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from isoexec_kernels import gdn_core as G
-from isoexec_kernels import gdn_core_native as N
+from isoexec_kernels.gdn_core import native as N
 
 SMALL = dict(Hk=2, H=4, Dk=16, Dv=16, C=16)
 
@@ -472,7 +472,7 @@ def _native_decode_triton(q, k, v, g, beta, slots, state, chunk):
     lanes = torch.arange(B, dtype=torch.int32)
     o = torch.empty(B, H, v.shape[2])
     s32 = slots.to(torch.int32)
-    G.launch_recurrent(q, k, v, g, beta, o, state.running, state.running, lanes, torch.ones_like(lanes),
+    G.triton_kernels.launch_recurrent(q, k, v, g, beta, o, state.running, state.running, lanes, torch.ones_like(lanes),
                        s32, s32, H, H // Hk)
     return o
 

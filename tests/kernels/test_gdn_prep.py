@@ -1,4 +1,4 @@
-"""Gates for the GDN input preparation (kernels/gdn_prep.py): q/k L2 norm, g and beta against
+"""Gates for the GDN input preparation (isoexec_kernels/gdn_prep/): q/k L2 norm, g and beta against
 float64, the stock twin, row invariance, softplus extremes and the backward."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from isoexec_kernels import gdn_native, gdn_prep
+from isoexec_kernels import gdn_prep
 
 
 def _inputs(T, Hk, Dk, H, dtype, seed, a_scale=3.0):
@@ -35,7 +35,7 @@ def test_prep_matches_float64_and_native(kb, dtype):
     args = _inputs(37, 2, 16, 4, dtype, 1)
     outs = gdn_prep.gdn_prep(*args)
     want = _f64(*args)
-    nat = gdn_native.gdn_prep_native(*args)
+    nat = gdn_prep.gdn_prep_native(*args)
     for name, o, w, n in zip(("q", "k", "g", "beta"), outs, want, nat):
         assert o.dtype == torch.float32, name
         assert kb.rel_l2(o, w) < 1e-6, name

@@ -1,4 +1,4 @@
-"""The linear backward on CUDA (kernels/gemm.py): cuBLAS products, correct against float64 and
+"""The linear backward on CUDA (isoexec_kernels/gemm/): cuBLAS products, correct against float64 and
 deterministic run to run (only forward bits must match trainer and engine; the backward must give
 the same gradient bits for the same inputs, which bit-identical resume needs)."""
 

@@ -1,11 +1,11 @@
-"""Gates for token logprobs / log-softmax (kernels/logprob.py) and the position-free log."""
+"""Gates for token logprobs / log-softmax (isoexec_kernels/logprob/) and the position-free log."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from isoexec_kernels import _ref, logprob, native
+from isoexec_kernels import _ref, logprob
 
 BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
 
@@ -34,7 +34,7 @@ def test_logprobs_match_float64(kb, dtype, V):
     assert (lp.double() - want).abs().max() < 1e-5
     ls = logprob.log_softmax(z)
     assert kb.rel_l2(ls, torch.log_softmax(z.double(), -1)) < 1e-6
-    assert (native.token_logprobs_native(z, t).double() - want).abs().max() < 1e-5
+    assert (logprob.token_logprobs_native(z, t).double() - want).abs().max() < 1e-5
 
 
 def test_token_logprobs_equal_gathered_log_softmax_bitwise(kb):
@@ -163,13 +163,13 @@ def interp_case_logprob_triton_backward_matches_float64_and_is_deterministic(kb)
     z = torch.randn(4, V, generator=g) * 3
     t = torch.randint(0, V, (4,), generator=g)
     dy = torch.randn(4, generator=g)
-    lp, _, stats = logprob._triton_launch(z, t, True, False, want_stats=True)
+    lp, _, stats = logprob.triton_kernels._triton_launch(z, t, True, False, want_stats=True)
     kb.assert_bitwise(lp, logprob.token_logprobs_triton(z, t), "forward with stats vs without")
-    dz = logprob._token_logprobs_backward_triton(z, t, stats, dy)
+    dz = logprob.triton_kernels._token_logprobs_backward_triton(z, t, stats, dy)
     z64 = z.double().requires_grad_()
     (_f64_logprobs(z64, t) * dy.double()).sum().backward()
     assert kb.rel_l2(dz, z64.grad) < 1e-6
-    kb.assert_bitwise(logprob._token_logprobs_backward_triton(z, t, stats, dy), dz, "run to run")
+    kb.assert_bitwise(logprob.triton_kernels._token_logprobs_backward_triton(z, t, stats, dy), dz, "run to run")
 
 
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))

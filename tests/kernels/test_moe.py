@@ -1,4 +1,4 @@
-"""Gates for the batch-invariant MoE layer (kernels/moe.py) and its stock twin (kernels/moe_native.py).
+"""Gates for the batch-invariant MoE layer (isoexec_kernels/moe/) and its stock twin (isoexec_kernels/moe/native.py).
 
 Bits are compared through integer views (``kb``); every expected value is computed in this run,
 on this machine. Tiny shapes keep the module at a few seconds.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoexec_kernels import moe, moe_native
+from isoexec_kernels import moe
+from isoexec_kernels.moe import native as moe_native
 
 DTYPES = (torch.float32, torch.bfloat16)
 DT_IDS = ("fp32", "bf16")

@@ -1,4 +1,4 @@
-"""Gates for the rotary embedding (kernels/rope.py) and the position-free sin/cos."""
+"""Gates for the rotary embedding (isoexec_kernels/rope/) and the position-free sin/cos."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from isoexec_kernels import _ref, native, rope
+from isoexec_kernels import _ref, rope
 
 THETA = 1e6
 
 
 def _f64_rope(x, positions, R, theta=THETA):
     """float64 RoPE from the same fp32 phases (transformers' formula)."""
-    inv = rope._inv_freq(R, theta)
+    inv = rope.reference._inv_freq(R, theta)
     phase = (positions.float()[:, None] * inv[None, :]).double()
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (R // 2,)
     cos, sin = torch.cos(phase).reshape(shape), torch.sin(phase).reshape(shape)
@@ -35,7 +35,7 @@ def test_sincos64_is_accurate_over_the_rope_phase_range():
 def test_inv_freq_matches_transformers_formula_within_one_ulp(kb):
     for R, theta in ((64, 1e6), (128, 1e6), (128, 1e4), (32, 5e5)):
         hf = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.int64).float() / R))
-        ours = rope._inv_freq(R, theta)
+        ours = rope.reference._inv_freq(R, theta)
         assert int((kb.bits(hf).long() - kb.bits(ours).long()).abs().max()) <= 1
 
 
@@ -58,7 +58,7 @@ def test_apply_rope_matches_float64(kb, dtype, D, R):
     out = rope.apply_rope(x, torch.arange(T), cache)
     assert out.dtype == dtype and out.shape == x.shape
     assert kb.rel_l2(out, _f64_rope(x, pos, R)) < kb.TOL[dtype]
-    assert kb.rel_l2(native.apply_rope_native(x, pos, theta=THETA, rotary_dim=R), _f64_rope(x, pos, R)) < 2e-2
+    assert kb.rel_l2(rope.apply_rope_native(x, pos, theta=THETA, rotary_dim=R), _f64_rope(x, pos, R)) < 2e-2
     # partial rotary: the pass-through channels are copied bit for bit
     if R < D:
         kb.assert_bitwise(out[..., R:], x[..., R:], "pass-through channels")
@@ -141,13 +141,13 @@ def interp_case_rope_triton_backward_is_the_transposed_rotation(kb):
         dy = torch.randn(T, NH, D, generator=g)
         pos = torch.randint(0, 1000, (T,), generator=g)
         cache = rope.rope_cache(1000, R, THETA)
-        dx = rope._rope_triton(dy, pos, cache, transpose=True)
+        dx = rope.triton_kernels._rope_triton(dy, pos, cache, transpose=True)
         x64 = x.double().requires_grad_()
         _f64_rope(x64, pos, R).backward(dy.double())
         assert kb.rel_l2(dx, x64.grad) < 1e-6
         kb.assert_bitwise(dx[..., R:], dy[..., R:], "pass-through channels")
         # the transposed rotation undoes the rotation (to fp32 rounding)
-        back = rope._rope_triton(rope.apply_rope_triton(x, pos, cache), pos, cache, transpose=True)
+        back = rope.triton_kernels._rope_triton(rope.apply_rope_triton(x, pos, cache), pos, cache, transpose=True)
         assert kb.rel_l2(back, x) < 1e-6
 
 

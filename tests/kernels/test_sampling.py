@@ -1,4 +1,4 @@
-"""The fused Gumbel-max sampling kernel (kernels/sampling.py): its reference twin on CPU, the
+"""The fused Gumbel-max sampling kernel (isoexec_kernels/sampling/): its reference twin on CPU, the
 Triton kernel under the interpreter and on CUDA. A row's token depends only on (its logits,
 temperature, cut, key), the kernel agrees with its twin except at near-ties, and the choice
 follows the tempered softmax restricted to the cut."""

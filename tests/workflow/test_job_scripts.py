@@ -107,7 +107,7 @@ def test_slurm_jobs_lock_in_a_folder_of_their_own():
 
 # ------------------------------------------------------------------------------- code version
 def test_the_code_version_follows_python_sources_only(tmp_path):
-    pkg, kern = tmp_path / "isoexec", tmp_path / "kernels"
+    pkg, kern = tmp_path / "isoexec", tmp_path / "isoexec_kernels"
     for d in (pkg / "sub", kern, pkg / "__pycache__"):
         d.mkdir(parents=True)
     (pkg / "a.py").write_text("x = 1\n")

@@ -119,7 +119,7 @@ def reruns(tmp_path_factory):
     pkgs = tmp / "pkgs"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "isoexec", pkgs / "isoexec", ignore=ignore)
-    shutil.copytree(REPO / "kernels", pkgs / "isoexec_kernels", ignore=ignore)
+    shutil.copytree(REPO / "isoexec_kernels", pkgs / "isoexec_kernels", ignore=ignore)
     bindir = tmp / "bin"
     bindir.mkdir()
     (bindir / "isoexec").write_text(FAKE_ISOEXEC.format(python=sys.executable))

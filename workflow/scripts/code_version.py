@@ -1,7 +1,7 @@
 """The code version the workflow's results depend on (docs/workflow.md, "Code version").
 
-A SHA-256 over every ``*.py`` file of the ``isoexec`` package and the ``isoexec_kernels`` package
-(the checkout's ``isoexec/`` and ``kernels/``; the copies Python imports, found without importing
+A SHA-256 over every ``*.py`` file of the ``isoexec`` and ``isoexec_kernels`` packages (the
+checkout's ``isoexec/`` and ``isoexec_kernels/``; the copies Python imports, found without importing
 them), each file named by its path inside its package. The Snakefile writes it to
 ``results/<run>/code_version.txt`` while it parses, *only when it differs* from what the file
 holds, and every rule that runs package code takes that file as an input: an edit to the package

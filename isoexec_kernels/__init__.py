@@ -1,0 +1,17 @@
+"""isoexec's kernel library: batch-invariant kernels and their stock twins (torch, and triton when
+installed; nothing of ``isoexec``).
+
+One folder per op: ``rmsnorm``, ``gemm`` (the linear layer), ``rope``, ``attention``,
+``activation``, ``embedding``, ``logprob``, ``gated_rmsnorm``, ``sigmoid_gate``, ``gdn_conv``,
+``gdn_prep``, ``gdn_core`` and ``moe``. In each: ``api.py`` is the public function (CUDA tensors to
+the Triton twin, anything else to the reference twin) and its module docstring is the op's rounding
+schedule; ``reference.py`` is the fixed-order torch twin; ``triton_kernels.py`` the Triton twin;
+``native.py`` the stock twin (the native composition and the gates' negative control). The op's
+``__init__.py`` re-exports its public names.
+
+Shared by the ops: ``_ref.py`` (fixed-order sums and float64 exp/log/sin/cos from basic
+operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator).
+
+The import name is ``isoexec_kernels``, not ``kernels``: transformers treats an importable
+top-level ``kernels`` module as the Hugging Face kernel hub and changes its behaviour.
+"""

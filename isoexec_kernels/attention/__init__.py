@@ -1,0 +1,31 @@
+"""Batch-invariant causal attention over packed (trainer) and paged (engine) KV.
+
+``triton_kernels.py`` imports triton itself, so ``api.py`` imports it only on the CUDA path (triton
+is optional on a CPU machine).
+"""
+
+from ..impl import Constant, Impl, per_case
+from .api import (
+    BLOCK_N,
+    attention_constants,
+    compute_slot_mapping,
+    paged_decode_attention,
+    paged_prefill_attention,
+    varlen_attention,
+    write_kv_pages,
+)
+from .reference import naive_attention_float64, paged_attention_reference, varlen_attention_reference
+from .native import attention_native_paged_decode, attention_native_paged_prefill, attention_native_varlen
+
+_PAGED = frozenset({"grad", "cuda_graph", "paged"})
+IMPLS = (
+    Impl("attention_fixed_walk", "1", "attention",
+         per_case(varlen_attention, paged_prefill_attention, paged_decode_attention),
+         constants={"BLOCK_N": Constant(64, fixed=BLOCK_N)}, capabilities=_PAGED, hazards=("len_not_tile_multiple",),
+         doc="KV blocks of BLOCK_N at absolute positions walked in order with an fp32 online softmax"),
+    Impl("torch_sdpa", "torch", "attention",
+         per_case(attention_native_varlen, attention_native_paged_prefill, attention_native_paged_decode),
+         capabilities=_PAGED, native=True),
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

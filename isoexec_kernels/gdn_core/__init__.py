@@ -1,0 +1,33 @@
+"""Gated DeltaNet core by CPR (chunkwise-parallel recurrent): one rounding schedule for the trainer,
+engine prefill (split anywhere) and engine decode.
+
+Besides the usual files (``isoexec_kernels/__init__.py``): ``state.py`` (the engine's per-slot state
+and the chunk size), ``plan.py`` (argument checks and host-side planning shared by the twins),
+``chunk_form.py`` (the gated delta rule in stock torch ops: the stock twin's CPU path and the
+backward of every trainer path).
+"""
+
+from ..impl import Constant, Impl, per_case
+from .state import CHUNK, GDNState
+from .api import gdn_cpr_decode, gdn_cpr_engine, gdn_cpr_varlen
+from .reference import (
+    chunk_update_reference,
+    gdn_cpr_decode_reference,
+    gdn_cpr_engine_reference,
+    gdn_cpr_varlen_reference,
+)
+from .triton_kernels import BLOCK_DK, BLOCK_DV, gdn_cpr_decode_triton, gdn_cpr_engine_triton, gdn_cpr_varlen_triton
+from .chunk_form import torch_chunk_form, torch_recurrence
+from .native import gdn_chunk_engine, gdn_chunk_varlen, gdn_recurrent_decode, gdn_recurrent_engine, gdn_recurrent_varlen
+
+IMPLS = (
+    Impl("gdn_cpr", "1", "gdn_core", per_case(gdn_cpr_varlen, gdn_cpr_engine, gdn_cpr_decode),
+         constants={"CHUNK": Constant(CHUNK, arg="chunk")},
+         doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
+             "partial chunk in its state slot so every split gives the trainer's bits"),
+    Impl("gdn_chunk_native", "1", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
+         constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
+         doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,153 @@
+"""Gated DeltaNet core by CPR (chunkwise-parallel recurrent): one rounding schedule for the
+trainer, engine prefill (split anywhere) and engine decode.
+
+Public API
+  ``CHUNK``                                  chunk size C (64), pinned in the contract
+  ``GDNState``                               per-layer recurrent state of S engine slots
+  ``gdn_cpr_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
+  ``gdn_cpr_engine(q, k, v, g, beta, cu_seqlens_q, slots, state, *, chunk)`` engine prefill
+  ``gdn_cpr_decode(q, k, v, g, beta, slots, state, *, chunk)``             engine decode
+  ``*_reference`` / ``*_triton`` twins of the three; CUDA tensors go to Triton, others to the
+  reference (``want_triton``).
+
+The function (one value head h, key head ``h // (H // Hk)``, fp32 state S [Dk, Dv] starting at
+zero; q and k are L2-normalised by the caller and q is already scaled by Dk^-0.5)::
+
+    S = S * exp(g_t);  kv = S^T k_t;  delta = (v_t - kv) * beta_t;  S = S + k_t delta^T;
+    o_t = S^T q_t
+
+Shapes: q, k [T, Hk, Dk] fp32; v [T, H, Dv] bf16/fp32; g (log decay <= 0), beta [T, H] fp32;
+o [T, H, Dv] fp32. (float64 inputs run the reference in float64: used by gradcheck only.)
+
+CPR schedule (the same for every case)
+--------------------------------------
+Positions are absolute within a sequence. Chunk c holds positions [cC, cC + C).
+
+* Boundary states: B_0 = 0 and B_{c+1} = chunk_update(B_c, the C tokens of chunk c), only for
+  complete chunks. ``chunk_update`` (WY/UT form, fp32, fixed order)::
+
+      G_t   = (((+0 + g_0) + g_1) + ... + g_t)              running sum in token order
+      A_ij  = ((k_i . k_j) * beta_i) * exp(G_i - G_j)        j < i, else 0
+      T     = (I + A)^-1                                     forward substitution, row i:
+              T_i = e_i - sum_j A_ij T_j                      (rows in order 1..C-1)
+      W     = T @ (k * (beta * exp(G)))     U = T @ (v * beta)
+      Vnew  = U - W @ B_c
+      B_c+1 = B_c * exp(G_{C-1}) + (k * exp(G_{C-1} - G))^T @ Vnew
+
+* Token outputs: token t of chunk c runs the per-token step above from B_c through the tokens
+  of chunk c up to t; o_t is read from the state after the step. The state after the last
+  token of a complete chunk is dropped (the next chunk starts from B_{c+1}).
+
+* Cases. trainer / prefill: pass 1 = the B_c chain (sequential over chunks, parallel over
+  sequences and heads), pass 2 = every chunk's in-chunk recurrence in parallel. Engine prefill
+  of a piece continues from the slot's state: the tokens of the open chunk buffered in the state
+  are prepended to the piece (their outputs are dropped), so the piece is processed as a
+  sequence that starts on a boundary, from B_c. Decode: one step from ``running``; the token is
+  appended to the buffer; when the chunk completes, ``boundary = chunk_update(boundary, buffer)``
+  and ``running = boundary``.
+  Since chunk_update always sees the same C tokens from the same boundary, and the per-token
+  step always starts from the same boundary (the buffered prefix reproduces ``running`` exactly),
+  every case gives the same bits, provided the two functions are the same code with the same
+  reduction order in every case. They are: one reference function each, one Triton kernel each.
+
+Reference twin (impl ``ref_gdn_cpr``): built from IEEE basic ops only: exp by
+:func:`isoexec_kernels._ref.exp64` rounded once; every dot product (over Dk, or over the C
+tokens of a chunk) by the halves tree of :func:`isoexec_kernels._ref.tree_sum0`; the forward
+substitution's sum over j runs over all C rows (zero terms for j >= i) by the same tree. Batch
+rows never mix, so results do not depend on batch composition, padding or case.
+
+Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
+  ``_gdn_prep_kernel`` (per complete chunk and head: G by ``tl.cumsum``, k.k^T by ``tl.dot``
+  over Dk blocks of ``BLOCK_DK`` accumulated in order, T by forward substitution in registers
+  (masked ``tl.sum`` over the C rows), W/U by ``tl.dot``); ``_gdn_state_kernel`` (the B_c chain,
+  one program per (sequence or lane, head, Dv tile of ``BLOCK_DV``); Vnew and B_c+1 by
+  ``tl.dot``); ``_gdn_recurrent_kernel`` (the per-token step over a segment of tokens, one
+  program per (segment, head, Dv tile); ``tl.sum`` over Dk). Every fp32 ``tl.dot`` uses
+  ``input_precision="ieee"`` (no TF32); exp is ``tl.exp``; tiles and warps are fixed constants
+  that depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same
+  prep/state kernels for all lanes; a lane whose chunk is not complete has a chunk count of 0
+  on device and its programs store nothing, so decode has no host sync and no data-dependent
+  Python control flow (CUDA-graph capturable). Only the loop trip counts and base addresses
+  differ between the cases, never the arithmetic.
+
+NOT verified on a GPU by the author (no GPU access when written): the Triton kernels ran only
+in the Triton CPU interpreter (fp32). In particular: bitwise equality of varlen / engine split /
+decode on the H200 (the GPU tests in tests/kernels/test_gdn_core.py assert it), speed, register
+pressure of the prep/state kernels (num_warps 8), and CUDA-graph capture of the decode path.
+Known speed gap: the prep kernel inverts (I + A) by 63 row steps of masked reductions over the
+64 x 64 tile; a blocked inverse (16 x 16 diagonal blocks merged by ``tl.dot``, as stock chunk
+kernels do) should be faster. The native chunk baseline shares this prep kernel (with TF32), so
+a faster inverse must go into both or the benchmark flatters CPR.
+
+Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
+[chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]
+fp32). Decode allocates the prep scratch for all B lanes every step (3 x [B, H, C, D] fp32,
+about 0.8 GB at B=256, H=32, D=128; freed after the step, reused inside a CUDA graph pool).
+
+Backward (trainer): the gradient of a differentiable torch chunk-form evaluation of the same
+function (``chunk_form.torch_chunk_form``), recomputed in the backward; correct at
+tolerance, not on the invariant path (the rollout never differentiates).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton_util import want_triton
+from .chunk_form import chunk_form_backward
+from .plan import _check
+from .reference import gdn_cpr_decode_reference, gdn_cpr_engine_reference, gdn_cpr_varlen_reference
+from .state import CHUNK, GDNState
+from .triton_kernels import gdn_cpr_decode_triton, gdn_cpr_engine_triton, gdn_cpr_varlen_triton
+
+
+def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
+    if want_triton(v):
+        return gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, chunk=chunk)
+    return gdn_cpr_varlen_reference(q, k, v, g, beta, cu_seqlens, chunk=chunk)
+
+
+class _CPRVarlenFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
+        ctx.chunk = chunk
+        ctx.req = [x.requires_grad for x in (q, k, v, g, beta)]
+        return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, beta, cu = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
+        grads = chunk_form_backward(inputs, cu, ctx.chunk, do)
+        return (*grads, None, None)
+
+
+def gdn_cpr_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Trainer case: sequences ``cu_seqlens[b]:cu_seqlens[b+1]`` each from the zero state;
+    returns o [T, H, Dv] fp32. Differentiable w.r.t. q, k, v, g, beta. Schedule: module
+    docstring (Triton on CUDA, reference elsewhere)."""
+    _check(q, k, v, g, beta, "gdn_cpr_varlen")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        return _CPRVarlenFn.apply(q, k, v, g, beta, cu_seqlens, chunk)
+    return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+
+
+def gdn_cpr_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine prefill: any number of new tokens per sequence (``cu_seqlens_q``), sequence b
+    continuing from state slot ``slots[b]``; updates ``state`` in place, returns o [T, H, Dv]
+    fp32. Bitwise equal to the trainer rows of the same positions."""
+    with torch.no_grad():
+        if want_triton(v):
+            return gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+        return gdn_cpr_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+
+
+def gdn_cpr_decode(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode: one token per lane (q, k [B, Hk, Dk], v [B, H, Dv], g, beta [B, H]) from
+    slot ``slots[b]``; updates ``state`` (resync at chunk completion), returns o [B, H, Dv] fp32.
+    Padded lanes point at a scratch slot and touch only that slot. CUDA-graph capturable on GPU."""
+    with torch.no_grad():
+        if want_triton(v):
+            return gdn_cpr_decode_triton(q, k, v, g, beta, slots, state, chunk=chunk)
+        return gdn_cpr_decode_reference(q, k, v, g, beta, slots, state, chunk=chunk)

@@ -1,0 +1,143 @@
+"""The gated delta rule in stock torch ops, differentiable: the chunkwise-parallel form and the per-
+token recurrence. The stock twin runs them on the CPU; every trainer path (CPR's and the stock
+twin's) takes its backward from the chunk form (``chunk_form_backward``): correct at tolerance, not
+on the invariant path (the rollout never differentiates)."""
+
+from __future__ import annotations
+
+import torch
+
+from .plan import _host_lens
+from .state import CHUNK
+
+
+def _pad_seqs(x, starts, lens, width):
+    """[T, ...] rows of B segments -> [B, width, ...] zero padded (differentiable)."""
+    B = len(lens)
+    dev = x.device
+    if B == 0:
+        return x.new_zeros((0, width) + tuple(x.shape[1:]))
+    src = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, lens)])
+    dst = torch.cat([torch.arange(n, device=dev) + b * width for b, n in enumerate(lens)])
+    flat = x.new_zeros((B * width,) + tuple(x.shape[1:]))
+    flat = flat.index_copy(0, dst, x.index_select(0, src))
+    return flat.view(B, width, *x.shape[1:])
+
+
+def _unpad_seqs(x, starts, lens, T):
+    """[B, width, ...] -> [T, ...] (rows of segment b at starts[b])."""
+    B, width = x.shape[:2]
+    dev = x.device
+    out = x.new_zeros((T,) + tuple(x.shape[2:]))
+    if B == 0 or T == 0:
+        return out
+    src = torch.cat([torch.arange(n, device=dev) + b * width for b, n in enumerate(lens)])
+    dst = torch.cat([torch.arange(s, s + n, device=dev) for s, n in zip(starts, lens)])
+    return out.index_copy(0, dst, x.reshape(B * width, *x.shape[2:]).index_select(0, src))
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, width_multiple):
+    starts, lens = _host_lens(cu_seqlens)
+    T, Hk, Dk = k.shape
+    H = v.shape[1]
+    rep = H // Hk
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    L = max(lens + [1])
+    width = -(-L // width_multiple) * width_multiple
+    heads = torch.arange(H, device=v.device) // rep  # GQA by indexing
+    xs = [_pad_seqs(x.to(dt), starts, lens, width) for x in (q, k, v, g, beta)]
+    qp, kp = xs[0][:, :, heads], xs[1][:, :, heads]
+    # [B, H, width, ...]
+    qp, kp, vp = (x.transpose(1, 2) for x in (qp, kp, xs[2]))
+    gp, bp = (x.transpose(1, 2) for x in xs[3:])
+    return starts, lens, T, dt, qp, kp, vp, gp, bp
+
+
+def torch_chunk_form(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK, initial_state=None,
+                     output_final_state: bool = False):
+    """The chunkwise-parallel gated delta rule with stock torch ops (differentiable).
+
+    Sequences are zero padded to a common multiple of ``chunk`` (padding tokens have g = 0,
+    beta = 0, k = 0 and leave the state unchanged). Per chunk: G = cumsum(g); the UT system
+    (I + A) with A_ij = beta_i (k_i . k_j) exp(G_i - G_j), j < i, is solved by
+    ``torch.linalg.solve_triangular`` for U (values) and W (decayed keys); then sequentially
+    Vnew = U - W S, o = (q e^G) S + (q k^T * decay, causal) Vnew,
+    S = e^{G_last} S + (k e^{G_last - G})^T Vnew. Returns o [T, H, Dv] (and the final states
+    [B, H, Dk, Dv] if asked); computed in fp32 (fp64 for fp64 inputs)."""
+    starts, lens, T, dt, qp, kp, vp, gp, bp = _prepare(q, k, v, g, beta, cu_seqlens, chunk)
+    B, H, W_, Dk = kp.shape
+    Dv = vp.shape[-1]
+    C = chunk
+    nc = W_ // C
+    qc, kc, vc = (x.reshape(B, H, nc, C, -1) for x in (qp, kp, vp))
+    gc, bc = gp.reshape(B, H, nc, C), bp.reshape(B, H, nc, C)
+    G = gc.cumsum(-1)
+    idx = torch.arange(C, device=v.device)
+    incl = idx[None, :] <= idx[:, None]
+    strict = idx[None, :] < idx[:, None]
+    dG = G[..., :, None] - G[..., None, :]
+    decay = torch.where(incl, dG, torch.full_like(dG, float("-inf"))).exp()
+    A = (bc[..., :, None] * (kc @ kc.transpose(-1, -2))) * decay
+    A = torch.where(strict, A, torch.zeros_like(A))
+    eye = torch.eye(C, dtype=dt, device=v.device)
+    rhs = torch.cat([vc * bc[..., None], kc * (bc * G.exp())[..., None]], dim=-1)
+    X = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    U, Wk = X[..., :Dv], X[..., Dv:]
+    qk = (qc @ kc.transpose(-1, -2)) * decay
+    q_dec = qc * G.exp()[..., None]
+    g_last = G[..., -1]
+    k_tail = kc * (g_last[..., None] - G).exp()[..., None]
+    if initial_state is not None:
+        S = initial_state.to(dt)
+    else:
+        S = torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device)
+    outs = []
+    for c in range(nc):
+        vnew = U[:, :, c] - Wk[:, :, c] @ S
+        outs.append(q_dec[:, :, c] @ S + qk[:, :, c] @ vnew)
+        S = S * g_last[:, :, c, None, None].exp() + k_tail[:, :, c].transpose(-1, -2) @ vnew
+    o = torch.stack(outs, dim=2).reshape(B, H, W_, Dv).transpose(1, 2)
+    o = _unpad_seqs(o, starts, lens, T)
+    return (o, S) if output_final_state else o
+
+
+def torch_recurrence(q, k, v, g, beta, cu_seqlens, *, initial_state=None, output_final_state: bool = False):
+    """The per-token gated delta rule with stock torch ops (differentiable), all sequences
+    stepped together (zero padding leaves a finished sequence's state unchanged)."""
+    starts, lens, T, dt, qp, kp, vp, gp, bp = _prepare(q, k, v, g, beta, cu_seqlens, 1)
+    B, H, L, Dk = kp.shape
+    Dv = vp.shape[-1]
+    if initial_state is not None:
+        S = initial_state.to(dt)
+    else:
+        S = torch.zeros(B, H, Dk, Dv, dtype=dt, device=v.device)
+    outs = []
+    for t in range(L):
+        S = S * gp[:, :, t].exp()[..., None, None]
+        kt = kp[:, :, t]
+        kv = (S * kt[..., None]).sum(-2)
+        delta = (vp[:, :, t] - kv) * bp[:, :, t, None]
+        S = S + kt[..., None] * delta[..., None, :]
+        outs.append((S * qp[:, :, t, :, None]).sum(-2))
+    o = torch.stack(outs, dim=2).transpose(1, 2) if outs else vp.new_zeros(B, L, H, Dv)
+    o = _unpad_seqs(o, starts, lens, T)
+    return (o, S) if output_final_state else o
+
+
+def chunk_form_backward(inputs, cu_seqlens, chunk, grad_out):
+    """Gradients of the torch chunk form (``chunk_form.torch_chunk_form``) at ``inputs``
+    = (q, k, v, g, beta): the backward of every trainer path of this package."""
+    with torch.enable_grad():
+        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+        o = torch_chunk_form(*xs, cu_seqlens, chunk=chunk)
+        want = [x for x, orig in zip(xs, inputs) if orig.requires_grad]
+        grads = torch.autograd.grad(o, want, grad_out.to(o.dtype), allow_unused=True)
+    it = iter(grads)
+    out = []
+    for x, orig in zip(xs, inputs):
+        if orig.requires_grad:
+            gr = next(it)
+            out.append(torch.zeros_like(orig) if gr is None else gr.to(orig.dtype))
+        else:
+            out.append(None)
+    return out

@@ -1,0 +1,64 @@
+"""Argument checks and host-side planning shared by the CPR twins (and the stock twin)."""
+
+from __future__ import annotations
+
+import torch
+
+from .state import GDNState
+
+
+def _check(q, k, v, g, beta, name: str) -> tuple[int, int, int, int, int]:
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"{name}: q and k must be [T, Hk, Dk] with the same shape; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    T, Hk, Dk = q.shape
+    if v.dim() != 3 or v.shape[0] != T:
+        raise ValueError(f"{name}: v must be [T, H, Dv] with T={T}; got {tuple(v.shape)}")
+    H, Dv = v.shape[1], v.shape[2]
+    if H % Hk:
+        raise ValueError(f"{name}: value heads H={H} must be a multiple of key heads Hk={Hk}")
+    if g.shape != (T, H) or beta.shape != (T, H):
+        raise ValueError(f"{name}: g and beta must be [T, H]=[{T}, {H}]; got g {tuple(g.shape)}, "
+                         f"beta {tuple(beta.shape)}")
+    if q.dtype not in (torch.float32, torch.float64) or k.dtype != q.dtype:
+        raise TypeError(f"{name}: q and k must be float32 (float64 for gradcheck); got {q.dtype}, {k.dtype}")
+    if v.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"{name}: v must be bf16/fp16/fp32; got {v.dtype}")
+    return T, Hk, Dk, H, Dv
+
+
+def _check_state(state: GDNState, H: int, Dk: int, Dv: int, chunk: int, name: str) -> None:
+    S_, H_, Dk_, Dv_ = state.boundary.shape
+    if (H_, Dk_, Dv_) != (H, Dk, Dv) or state.chunk != chunk:
+        raise ValueError(f"{name}: state holds H={H_}, Dk={Dk_}, Dv={Dv_}, chunk={state.chunk} but the "
+                         f"inputs have H={H}, Dk={Dk}, Dv={Dv}, chunk={chunk}; allocate the state "
+                         "with the layer's dimensions")
+
+
+def _host_lens(cu: torch.Tensor) -> tuple[list[int], list[int]]:
+    cu = [int(x) for x in cu.tolist()]
+    return cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+
+
+def _float(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _virtual_rows(state, slots_l, fills, starts, lens, chunk):
+    """Index lists that lay out, per sequence b, the buffered prefix (fills[b] rows of slot
+    slots_l[b]) followed by its new rows: returns (vstarts, vlens, new_dst, new_src, pre_dst,
+    pre_slot, pre_pos)."""
+    vstarts, vlens = [], []
+    new_dst, new_src, pre_dst, pre_slot, pre_pos = [], [], [], [], []
+    pos = 0
+    for b, (s, n) in enumerate(zip(starts, lens)):
+        f = fills[b]
+        vstarts.append(pos)
+        vlens.append(f + n)
+        pre_dst += range(pos, pos + f)
+        pre_slot += [slots_l[b]] * f
+        pre_pos += range(f)
+        new_dst += range(pos + f, pos + f + n)
+        new_src += range(s, s + n)
+        pos += f + n
+    return vstarts, vlens, new_dst, new_src, pre_dst, pre_slot, pre_pos

@@ -1,0 +1,57 @@
+"""The Gated DeltaNet core's engine state: what an engine slot keeps between calls (the boundary state,
+the running state and the tokens of the open chunk), and the chunk size C."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+
+CHUNK = 64
+"""Chunk size C: boundary states sit at positions that are multiples of C."""
+
+
+@dataclass
+class GDNState:
+    """Recurrent state of one GDN layer for ``S`` engine slots (all fp32 except ``fill``).
+
+    boundary [S, H, Dk, Dv]   state at the last chunk boundary
+    running  [S, H, Dk, Dv]   state after the last token (== boundary when fill == 0)
+    buf_k    [S, C, H, Dk]    keys of the open chunk, per value head (GQA-expanded)
+    buf_v    [S, C, H, Dv]    values of the open chunk
+    buf_g    [S, C, H]        log decays of the open chunk
+    buf_beta [S, C, H]        betas of the open chunk
+    fill     [S] int32        tokens since the last boundary (0 <= fill < C)
+    """
+
+    boundary: torch.Tensor
+    running: torch.Tensor
+    buf_k: torch.Tensor
+    buf_v: torch.Tensor
+    buf_g: torch.Tensor
+    buf_beta: torch.Tensor
+    fill: torch.Tensor
+
+    @classmethod
+    def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK) -> "GDNState":
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(
+            boundary=torch.zeros(num_slots, H, Dk, Dv, **f32),
+            running=torch.zeros(num_slots, H, Dk, Dv, **f32),
+            buf_k=torch.zeros(num_slots, chunk, H, Dk, **f32),
+            buf_v=torch.zeros(num_slots, chunk, H, Dv, **f32),
+            buf_g=torch.zeros(num_slots, chunk, H, **f32),
+            buf_beta=torch.zeros(num_slots, chunk, H, **f32),
+            fill=torch.zeros(num_slots, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def chunk(self) -> int:
+        return self.buf_k.shape[1]
+
+    def reset_(self, slots: torch.Tensor) -> None:
+        """Zero the given slots in place (new sequence, preemption, weight update)."""
+        slots = slots.to(device=self.fill.device, dtype=torch.long)
+        for f in fields(self):
+            getattr(self, f.name).index_fill_(0, slots, 0)

@@ -1,0 +1,411 @@
+"""The Gated DeltaNet core by CPR: the Triton twin. Four kernels (prep, state chain, per-token
+recurrence, decode append), their launchers (shared with the stock twin in ``native.py``, which
+passes its own dot precision) and the three cases. The schedule is the docstring of ``api.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton_util import jit, next_pow2, tl
+from .plan import _check, _check_state, _host_lens, _virtual_rows
+from .state import CHUNK, GDNState
+
+
+BLOCK_DV = 32
+"""Dv tile of the Triton state and recurrent kernels (columns of S are independent)."""
+BLOCK_DK = 32
+"""Dk block of the Triton prep kernel (k.k^T accumulated over Dk blocks in order)."""
+
+
+@jit
+def _gdn_prep_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, row0_ptr, nrow_ptr,
+    w_ptr, u_ptr, kd_ptr, el_ptr,
+    H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
+    C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    # One program per (chunk p, value head h). nrow[p] valid rows (the rest are zero: g = 0,
+    # beta = 0, k = 0, which leaves the state untouched); nrow == 0 -> the program stores nothing.
+    p = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    n = tl.load(nrow_ptr + p)
+    if n > 0:
+        r0 = tl.load(row0_ptr + p).to(tl.int64)
+        kh = h // REP
+        t = tl.arange(0, C)
+        ok = t < n
+        rows = r0 + t
+        g = tl.load(g_ptr + rows * s_gt + h, mask=ok, other=0.0).to(tl.float32)
+        beta = tl.load(b_ptr + rows * s_bt + h, mask=ok, other=0.0).to(tl.float32)
+        G = tl.cumsum(g, axis=0)
+        kk = tl.zeros((C, C), dtype=tl.float32)
+        for d0 in tl.static_range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            kb = tl.load(k_ptr + rows[:, None] * s_kt + kh * s_kh + dc[None, :],
+                         mask=ok[:, None] & (dc[None, :] < DK), other=0.0).to(tl.float32)
+            kk = tl.dot(kb, tl.trans(kb), kk, input_precision=PREC)
+        i2 = t[:, None]
+        j2 = t[None, :]
+        lower = j2 < i2
+        A = tl.where(lower, (kk * beta[:, None]) * tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
+        # T = (I + A)^-1 by forward substitution: row i = e_i - sum_j A[i, j] T[j, :]
+        Tm = tl.where(i2 == j2, 1.0, 0.0)
+        for i in range(1, C):
+            a_i = tl.sum(tl.where(i2 == i, A, 0.0), axis=0)
+            x = tl.sum(a_i[:, None] * Tm, axis=0)
+            Tm = tl.where(i2 == i, (tl.where(t == i, 1.0, 0.0) - x)[None, :], Tm)
+        g_last = tl.sum(tl.where(t == C - 1, G, 0.0), axis=0)
+        coef = beta * tl.exp(G)
+        tail = tl.exp(g_last - G)
+        base = (p * H + h) * C
+        for d0 in tl.static_range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            kb = tl.load(k_ptr + rows[:, None] * s_kt + kh * s_kh + dc[None, :],
+                         mask=ok[:, None] & dm, other=0.0).to(tl.float32)
+            w = tl.dot(Tm, kb * coef[:, None], input_precision=PREC)
+            off = (base + t[:, None]) * DK + dc[None, :]
+            tl.store(w_ptr + off, w, mask=dm)
+            tl.store(kd_ptr + off, kb * tail[:, None], mask=dm)
+        for v0 in tl.static_range(0, DVP, BV):
+            vc = v0 + tl.arange(0, BV)
+            vm = vc[None, :] < DV
+            vb = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + vc[None, :],
+                         mask=ok[:, None] & vm, other=0.0).to(tl.float32)
+            u = tl.dot(Tm, vb * beta[:, None], input_precision=PREC)
+            tl.store(u_ptr + (base + t[:, None]) * DV + vc[None, :], u, mask=vm)
+        tl.store(el_ptr + p * H + h, tl.exp(g_last))
+
+
+@jit
+def _gdn_state_kernel(
+    w_ptr, u_ptr, kd_ptr, el_ptr, init_ptr, starts_ptr, fin_ptr, fin2_ptr, vnew_ptr,
+    chunk0_ptr, nchunk_ptr, init_idx_ptr, starts0_ptr, fin_idx_ptr, fin2_idx_ptr,
+    H, DK, DV,
+    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, STORE_VNEW: tl.constexpr,
+):
+    # One program per (sequence/lane p, head h, Dv tile). S = init[init_idx] (zeros if < 0);
+    # for c < nchunk: starts[starts0 + c] = S (if starts0 >= 0); S = chunk_update(S, chunk
+    # chunk0 + c). Then starts[starts0 + nchunk] = S, and fin[fin_idx] = fin2[fin2_idx] = S when
+    # nchunk > 0 and the index is >= 0. init and fin may alias (one program owns its tile).
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    vt = tl.program_id(2)
+    n = tl.load(nchunk_ptr + p)
+    c0 = tl.load(chunk0_ptr + p).to(tl.int64)
+    ii = tl.load(init_idx_ptr + p).to(tl.int64)
+    s0 = tl.load(starts0_ptr + p).to(tl.int64)
+    dk = tl.arange(0, DKP)
+    dv = vt * BV + tl.arange(0, BV)
+    sm = (dk[:, None] < DK) & (dv[None, :] < DV)
+    soff = dk[:, None] * DV + dv[None, :]
+    hs = DK * DV
+    S = tl.load(init_ptr + (tl.maximum(ii, 0) * H + h) * hs + soff, mask=sm & (ii >= 0), other=0.0)
+    t = tl.arange(0, C)
+    for c in range(0, n):
+        tl.store(starts_ptr + ((tl.maximum(s0, 0) + c) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
+        q = (c0 + c) * H + h
+        km = dk[None, :] < DK
+        W = tl.load(w_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
+        Kd = tl.load(kd_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
+        U = tl.load(u_ptr + (q * C + t[:, None]) * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+        el = tl.load(el_ptr + q)
+        Vn = U - tl.dot(W, S, input_precision=PREC)
+        if STORE_VNEW:
+            tl.store(vnew_ptr + (q * C + t[:, None]) * DV + dv[None, :], Vn, mask=dv[None, :] < DV)
+        S = S * el + tl.dot(tl.trans(Kd), Vn, input_precision=PREC)
+    tl.store(starts_ptr + ((tl.maximum(s0, 0) + n) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
+    fi = tl.load(fin_idx_ptr + p).to(tl.int64)
+    tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0) & (n > 0))
+    f2 = tl.load(fin2_idx_ptr + p).to(tl.int64)
+    tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0) & (n > 0))
+
+
+@jit
+def _gdn_recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, init_ptr, fin_ptr,
+    row0_ptr, nrow_ptr, init_idx_ptr, fin_idx_ptr,
+    H, REP, DK, DV, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
+    DKP: tl.constexpr, BV: tl.constexpr,
+):
+    # One program per (segment p, head h, Dv tile): S = init[init_idx] (zeros if < 0), then the
+    # per-token step for rows row0 .. row0 + nrow - 1 (output row = input row); finally
+    # fin[fin_idx] = S if fin_idx >= 0. init and fin may alias (one program owns its tile).
+    p = tl.program_id(0)
+    h = tl.program_id(1)
+    vt = tl.program_id(2)
+    n = tl.load(nrow_ptr + p)
+    r0 = tl.load(row0_ptr + p).to(tl.int64)
+    ii = tl.load(init_idx_ptr + p).to(tl.int64)
+    kh = h // REP
+    dk = tl.arange(0, DKP)
+    dv = vt * BV + tl.arange(0, BV)
+    km = dk < DK
+    vm = dv < DV
+    sm = km[:, None] & vm[None, :]
+    soff = dk[:, None] * DV + dv[None, :]
+    hs = DK * DV
+    S = tl.load(init_ptr + (tl.maximum(ii, 0) * H + h) * hs + soff, mask=sm & (ii >= 0), other=0.0)
+    for i in range(0, n):
+        r = r0 + i
+        qv = tl.load(q_ptr + r * s_qt + kh * s_qh + dk, mask=km, other=0.0).to(tl.float32)
+        kv = tl.load(k_ptr + r * s_kt + kh * s_kh + dk, mask=km, other=0.0).to(tl.float32)
+        vv = tl.load(v_ptr + r * s_vt + h * s_vh + dv, mask=vm, other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + r * s_gt + h).to(tl.float32)
+        bt = tl.load(b_ptr + r * s_bt + h).to(tl.float32)
+        S = S * tl.exp(gt)
+        mem = tl.sum(S * kv[:, None], axis=0)
+        delta = (vv - mem) * bt
+        S = S + kv[:, None] * delta[None, :]
+        o = tl.sum(S * qv[:, None], axis=0)
+        tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
+    fi = tl.load(fin_idx_ptr + p).to(tl.int64)
+    tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0))
+
+
+@jit
+def _gdn_append_kernel(
+    k_ptr, v_ptr, g_ptr, b_ptr, slots_ptr, fill_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr,
+    H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
+    C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+):
+    # Decode: buf[slot, fill[slot]] = this lane's token (k expanded to the value head).
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    f = tl.minimum(tl.load(fill_ptr + slot), C - 1).to(tl.int64)
+    row = (slot * C + f) * H + h
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DVP)
+    kv = tl.load(k_ptr + b * s_kt + (h // REP) * s_kh + dk, mask=dk < DK, other=0.0).to(tl.float32)
+    tl.store(bk_ptr + row * DK + dk, kv, mask=dk < DK)
+    vv = tl.load(v_ptr + b * s_vt + h * s_vh + dv, mask=dv < DV, other=0.0).to(tl.float32)
+    tl.store(bv_ptr + row * DV + dv, vv, mask=dv < DV)
+    tl.store(bg_ptr + row, tl.load(g_ptr + b * s_gt + h).to(tl.float32))
+    tl.store(bb_ptr + row, tl.load(b_ptr + b * s_bt + h).to(tl.float32))
+
+
+def tile_constants(Dk: int, Dv: int) -> dict:
+    """Triton tiles and warps, a function of (Dk, Dv) only (pinned; never of T or batch)."""
+    return dict(DKP=max(16, next_pow2(Dk)), DVP=max(16, next_pow2(Dv)),
+                BK=min(BLOCK_DK, max(16, next_pow2(Dk))), BV=min(BLOCK_DV, max(16, next_pow2(Dv))),
+                prep_warps=8, state_warps=8, rec_warps=4)
+
+
+def _i32(xs, dev) -> torch.Tensor:
+    return torch.tensor(list(xs), dtype=torch.int32, device=dev)
+
+
+def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee"):
+    """Prep for P chunks (row0/nrow int32 device tensors [P]); k [*, Hk, Dk] (rows by token),
+    v [*, H, Dv], g, beta [*, H], last dims contiguous. Returns (W, U, Kd, e_last)."""
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    P = row0.shape[0]
+    tc = tile_constants(Dk, Dv)
+    dev = v.device
+    W = torch.empty(P, H, chunk, Dk, dtype=torch.float32, device=dev)
+    U = torch.empty(P, H, chunk, Dv, dtype=torch.float32, device=dev)
+    Kd = torch.empty_like(W)
+    el = torch.empty(P, H, dtype=torch.float32, device=dev)
+    if P:
+        _gdn_prep_kernel[(P, H)](
+            k, v, g, beta, row0, nrow, W, U, Kd, el, H, rep, Dk, Dv,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            C=chunk, DKP=tc["DKP"], DVP=tc["DVP"], BK=tc["BK"], BV=tc["BV"], PREC=prec,
+            num_warps=tc["prep_warps"])
+    return W, U, Kd, el
+
+
+def launch_state(prep, init, starts, fin, fin2, chunk0, nchunk, init_idx, starts0, fin_idx, fin2_idx,
+                 chunk, prec="ieee", vnew=None):
+    """Pass 1 / resync over P sequences or lanes (index tensors int32 [P]); see the kernel."""
+    W, U, Kd, el = prep
+    H, Dk, Dv = init.shape[1], init.shape[2], init.shape[3]
+    P = chunk0.shape[0]
+    tc = tile_constants(Dk, Dv)
+    if P:
+        grid = (P, H, triton_cdiv(Dv, tc["BV"]))
+        _gdn_state_kernel[grid](
+            W, U, Kd, el, init, starts, fin, fin2, vnew if vnew is not None else U,
+            chunk0, nchunk, init_idx, starts0, fin_idx, fin2_idx, H, Dk, Dv,
+            C=chunk, DKP=tc["DKP"], BV=tc["BV"], PREC=prec, STORE_VNEW=vnew is not None,
+            # the tf32 (native) variant's pipelined buffers overflow Hopper's 227 KB of shared
+            # memory at Dk = Dv = 128 (measured: 240 KB); 3 is Triton's default, kept for CPR
+            num_warps=tc["state_warps"], num_stages=3 if prec == "ieee" else 1)
+
+
+def launch_recurrent(q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep):
+    """Per-token recurrence over P segments (index tensors int32 [P]); see the kernel."""
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    P = row0.shape[0]
+    tc = tile_constants(Dk, Dv)
+    if P:
+        grid = (P, H, triton_cdiv(Dv, tc["BV"]))
+        _gdn_recurrent_kernel[grid](
+            q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep, Dk, Dv,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
+            DKP=tc["DKP"], BV=tc["BV"], num_warps=tc["rec_warps"])
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _rows3(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk):
+    """CPR over B segments (each starting on a chunk boundary) by the Triton kernels.
+    Returns (o [T, H, Dv] fp32, boundary [B, H, Dk, Dv], running [B, H, Dk, Dv])."""
+    T, Hk, Dk = k.shape
+    H, Dv = v.shape[1], v.shape[2]
+    dev = v.device
+    B = len(lens)
+    C = chunk
+    q, k, v = _rows3(q), _rows3(k), _rows3(v)
+    g, beta = g.contiguous(), beta.contiguous()
+    # host plan
+    p_row0, chunk0, nchunk, starts0 = [], [], [], []
+    seg_row0, seg_n, seg_init, seg_fin = [], [], [], []
+    n_starts = 0
+    for b, (s, L) in enumerate(zip(starts, lens)):
+        nf = L // C
+        chunk0.append(len(p_row0))
+        nchunk.append(nf)
+        starts0.append(n_starts)
+        p_row0 += [s + c * C for c in range(nf)]
+        for c in range((L + C - 1) // C):
+            seg_row0.append(s + c * C)
+            seg_n.append(min(C, L - c * C))
+            seg_init.append(n_starts + c)
+            seg_fin.append(b if (c == L // C) else -1)  # the trailing partial chunk
+        n_starts += nf + 1
+    P = len(p_row0)
+    prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C)
+    init_t = init if init is not None else torch.zeros(1, H, Dk, Dv, dtype=torch.float32, device=dev)
+    boundary = (init.clone() if init is not None
+                else torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev))
+    starts_t = torch.empty(max(n_starts, 1), H, Dk, Dv, dtype=torch.float32, device=dev)
+    launch_state(prep, init_t, starts_t, boundary, boundary, _i32(chunk0, dev), _i32(nchunk, dev),
+                 _i32(range(B) if init is not None else [-1] * B, dev), _i32(starts0, dev),
+                 _i32(range(B), dev), _i32([-1] * B, dev), C)
+    o = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)
+    running = boundary.clone()
+    launch_recurrent(q, k, v, g, beta, o, starts_t, running, _i32(seg_row0, dev), _i32(seg_n, dev),
+                     _i32(seg_init, dev), _i32(seg_fin, dev), H, rep)
+    return o, boundary, running
+
+
+def gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Trainer case by the Triton kernels (forward only). CUDA, or CPU under the interpreter."""
+    T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_varlen_triton")
+    starts, lens = _host_lens(cu_seqlens)
+    o, _, _ = _core_triton(q, k, v, g, beta, starts, lens, None, H // Hk, chunk)
+    return o
+
+
+def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *,
+                          chunk: int = CHUNK) -> torch.Tensor:
+    """Engine prefill by the Triton kernels; updates ``state`` in place. One host sync (the
+    slots' fill counts and the sequence lengths plan the launch)."""
+    T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_engine_triton")
+    _check_state(state, H, Dk, Dv, chunk, "gdn_cpr_engine_triton")
+    rep = H // Hk
+    dev = v.device
+    starts, lens = _host_lens(cu_seqlens_q)
+    slots_l = [int(s) for s in slots.tolist()]
+    fills = [int(x) for x in state.fill.index_select(0, slots.to(dev).long()).tolist()] if slots_l else []
+    slots_t = torch.tensor(slots_l, dtype=torch.long, device=dev)
+    init = state.boundary.index_select(0, slots_t)
+    if not any(fills):
+        # every sequence starts on a boundary: run on the inputs as they are
+        vstarts, vlens = starts, lens
+        qv_, kv_, vv_, gv_, bv_ = q, k, v, g, beta
+        new_dst = new_src = None
+    else:
+        vstarts, vlens, new_dst, new_src, pre_dst, pre_slot, pre_pos = _virtual_rows(
+            state, slots_l, fills, starts, lens, chunk)
+        Tv = sum(vlens)
+        ix = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        nd, ns, pd, ps, pp = ix(new_dst), ix(new_src), ix(pre_dst), ix(pre_slot), ix(pre_pos)
+        f32 = dict(dtype=torch.float32, device=dev)
+        qv_ = torch.zeros(Tv, Hk, Dk, **f32)
+        kv_ = torch.zeros(Tv, Hk, Dk, **f32)
+        vv_ = torch.zeros(Tv, H, Dv, **f32)
+        gv_ = torch.zeros(Tv, H, **f32)
+        bv_ = torch.zeros(Tv, H, **f32)
+        qv_[nd] = q[ns].float()
+        kv_[nd] = k[ns].float()
+        vv_[nd] = v[ns].float()
+        gv_[nd] = g[ns].float()
+        bv_[nd] = beta[ns].float()
+        kv_[pd] = state.buf_k[ps, pp][:, ::rep]  # value heads of one group hold the same key
+        vv_[pd] = state.buf_v[ps, pp]
+        gv_[pd] = state.buf_g[ps, pp]
+        bv_[pd] = state.buf_beta[ps, pp]
+    o_v, boundary, running = _core_triton(qv_, kv_, vv_, gv_, bv_, vstarts, vlens, init, rep, chunk)
+    # state write-back (buffers hold the trailing partial chunk, k expanded per value head)
+    keep = [b for b, L in enumerate(vlens) if L > 0]
+    if keep:
+        kb = torch.tensor(keep, dtype=torch.long, device=dev)
+        sl = slots_t.index_select(0, kb)
+        state.boundary.index_copy_(0, sl, boundary.index_select(0, kb))
+        state.running.index_copy_(0, sl, running.index_select(0, kb))
+        rem = [vlens[b] % chunk for b in keep]
+        b_slot, b_pos, b_row = [], [], []
+        for b, r in zip(keep, rem):
+            a = vstarts[b] + vlens[b] - r
+            b_slot += [slots_l[b]] * r
+            b_pos += range(r)
+            b_row += range(a, a + r)
+        if b_row:
+            ix = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+            bs, bp, br = ix(b_slot), ix(b_pos), ix(b_row)
+            state.buf_k[bs, bp] = kv_[br].float().repeat_interleave(rep, dim=1)
+            state.buf_v[bs, bp] = vv_[br].float()
+            state.buf_g[bs, bp] = gv_[br].float()
+            state.buf_beta[bs, bp] = bv_[br].float()
+        state.fill.index_copy_(0, sl, torch.tensor(rem, dtype=torch.int32, device=dev))
+    if new_dst is None:
+        return o_v
+    out = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)
+    out[ns] = o_v[nd]
+    return out
+
+
+def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode by the Triton kernels; updates ``state``. No host sync, no data-dependent
+    Python control flow: the resync (prep + state kernels) is launched for every lane and does
+    nothing for lanes whose chunk did not complete (chunk count 0 on device)."""
+    B, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_decode_triton")
+    rep = H // Hk
+    dev = v.device
+    q, k, v = _rows3(q), _rows3(k), _rows3(v)
+    g, beta = g.contiguous(), beta.contiguous()
+    slots32 = slots.to(device=dev, dtype=torch.int32)
+    o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
+    one = torch.ones(B, dtype=torch.int32, device=dev)
+    lanes = torch.arange(B, dtype=torch.int32, device=dev)
+    launch_recurrent(q, k, v, g, beta, o, state.running, state.running, lanes, one, slots32, slots32, H, rep)
+    tc = tile_constants(Dk, Dv)
+    if B:
+        _gdn_append_kernel[(B, H)](
+            k, v, g, beta, slots32, state.fill, state.buf_k, state.buf_v, state.buf_g, state.buf_beta,
+            H, rep, Dk, Dv, k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            C=chunk, DKP=tc["DKP"], DVP=tc["DVP"], num_warps=1)
+    sl = slots32.long()
+    f1 = state.fill.index_select(0, sl).clamp(max=chunk - 1) + 1
+    full = (f1 == chunk).to(torch.int32)
+    # resync: the buffered chunk of each lane is rows [slot * C, slot * C + C) of the buffers
+    bk = state.buf_k.view(-1, H, Dk)
+    bv = state.buf_v.view(-1, H, Dv)
+    bg = state.buf_g.view(-1, H)
+    bb = state.buf_beta.view(-1, H)
+    prep = launch_prep(bk, bv, bg, bb, slots32 * chunk, full * chunk, H, 1, chunk)
+    launch_state(prep, state.boundary, state.boundary, state.boundary, state.running, lanes, full, slots32,
+                 torch.full_like(lanes, -1), slots32, slots32, chunk)
+    state.fill.index_put_((sl,), (f1 * (1 - full)).to(torch.int32))
+    return o

@@ -1,0 +1,18 @@
+"""The batch-invariant linear layer ``out = x @ weight.T (+ bias)``, forward and backward."""
+
+from ..impl import Constant, Impl
+from .api import linear
+from .reference import BLOCK_K, block_k_for, linear_reference
+from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
+from .native import linear_native
+
+IMPLS = (
+    Impl("gemm_fixed_k", "1", "linear", linear,
+         constants={"BLOCK_K": Constant(64, (32, 64, 128), fixed=BLOCK_K), "ACC_DTYPE": Constant("fp32")},
+         fusable=True, hazards=("signed_zero", "subnormal", "k_not_tile_multiple", "noncontiguous"),
+         doc="fixed BLOCK_K, sequential K-block accumulation in fp32 keyed on (N, K) only; no split-K"),
+    Impl("torch_linear", "torch", "linear", linear_native, fusable=True, native=True,
+         doc="torch.nn.functional.linear: cuBLAS / CPU BLAS, batch-variant"),
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

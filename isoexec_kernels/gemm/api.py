@@ -1,0 +1,105 @@
+"""Batch-invariant linear layer: ``out = x @ weight.T (+ bias)``.
+
+Public API
+  ``linear(x, weight, bias=None)``            dispatcher (CUDA -> Triton, else reference),
+                                               differentiable (backward uses the same kernels)
+  ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
+  ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
+  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
+  ``gemm_path(N, K, dtype, device, M)``
+
+Rounding schedule (every output element, whatever M, the row's position or its neighbours)
+  inputs bf16/fp16/fp32; products and accumulation in fp32; K is cut into fixed blocks of
+  ``BLOCK_K = 64`` (the last zero-padded); blocks are accumulated sequentially in K order into
+  an fp32 accumulator that starts at +0; bias (if any) is added in fp32 after the last block;
+  one round-to-nearest-even cast to the input dtype at the end. No split-K, no TF32.
+
+  * reference (impl ``ref_gemm``): the 64 products of a block are exact-rounded fp32 products
+    summed by the halves pairwise tree of :func:`isoexec_kernels._ref.tree_sum0`.
+  * Triton (impl ``triton_gemm``): the block is one ``tl.dot`` (tensor cores for 16-bit
+    inputs, ``input_precision="ieee"`` FMA for fp32) accumulating into the fp32 tile
+    accumulator. Two kernels run this same loop: a persistent one with tensor descriptors
+    (TMA, optional warp specialisation, GROUP_M raster) and a plain pointer one (fallback,
+    interpreter, small M). Kernel and tile (BLOCK_M x BLOCK_N) are picked by an M bucket
+    (:func:`tile_for_m`); BLOCK_K and the sequential K order never change, and on the H200
+    all tiles and both kernels gave identical bits (gated per bucket on each GPU).
+
+Speed: see :func:`tile_for_m` (per-entry ratios to cuBLAS on an H200, CUDA-graph replay) and
+``results/h200/bench/gemm.json``. Eager calls add ~20-60 us of Python/Triton launch overhead per
+call, which dominates at small M: decode should run under CUDA graphs.
+
+The reference and the Triton kernel are different implementations (different bits); each is
+invariant on its own. Autograd (deterministic, not batch invariant: only forward bits must match
+between trainer and engine): on CUDA ``grad_x = grad @ W`` and ``grad_W = grad^T @ x`` are cuBLAS
+products (the same algorithm and bits for the same shapes on every run) and ``grad_b`` a torch
+sum over tokens; on CPU they run through the reference kernel (``grad_W`` reduces over tokens,
+BLOCK_K over M) and ``grad_b`` is a fixed-leaf tree sum over tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ref
+from .._triton_util import want_triton
+from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
+from .triton_kernels import _triton_2d
+
+
+def _linear_2d(x2, w, bias):
+    if want_triton(x2):
+        return _triton_2d(x2, w, bias)
+    return _reference_2d(x2, w, bias)
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        K = x.shape[-1]
+        x2 = x.reshape(-1, K)
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape = x.shape
+        ctx.has_bias = bias is not None
+        out = _linear_2d(x2, weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x2, w = ctx.saved_tensors
+        N = w.shape[0]
+        g2 = grad.reshape(-1, N).to(w.dtype)
+        gx = gw = gb = None
+        if x2.is_cuda:
+            # Only forward bits must match trainer and engine; the backward needs to be
+            # deterministic, not batch invariant. cuBLAS is: for fixed shapes, dtypes and GPU it
+            # picks the same algorithm and gives the same bits on every run (no split-K atomics
+            # on one stream), at stock speed.
+            if ctx.needs_input_grad[0]:
+                gx = torch.mm(g2, w).reshape(ctx.x_shape)
+            if ctx.needs_input_grad[1]:
+                gw = torch.mm(g2.t(), x2)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = _ref.batch_sum0(g2.float(), _GRAD_BIAS_LEAF).to(w.dtype)
+            return gx, gw, gb
+        if ctx.needs_input_grad[0]:
+            # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
+            gx = _linear_2d(g2, w.t(), None).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            # grad_w[N, K] = g^T[N, M] @ x[M, K]: a linear with weight x^T [K, M].
+            gw = _linear_2d(g2.t(), x2.t(), None)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF).to(w.dtype)
+        return gx, gw, gb
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """Batch-invariant ``x[..., K] @ weight[N, K].T (+ bias)``: Triton on CUDA, the reference
+    twin elsewhere; differentiable. Rounding schedule: module docstring."""
+    _check(x, weight, bias)
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if needs_grad:
+        return _LinearFn.apply(x, weight, bias)
+    K = x.shape[-1]
+    return _linear_2d(x.reshape(-1, K), weight, bias).reshape(*x.shape[:-1], weight.shape[0])

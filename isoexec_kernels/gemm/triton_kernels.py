@@ -1,0 +1,254 @@
+"""The linear layer: the Triton twin (kernels and their launchers; CUDA, or CPU under
+``TRITON_INTERPRET=1``). The rounding schedule is the docstring of ``api.py`` in this folder."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._triton_util import ensure_allocator, HAS_TRITON, interpreting, jit, num_sms, tl, triton
+from .reference import _check, block_k_for
+
+
+GROUP_M = 8
+"""Tile-raster grouping of the persistent Triton kernel (scheduling only; never changes bits)."""
+M_BUCKET_BOUNDS = (16, 64, 256, 1024, 2048)
+"""Upper bounds (inclusive) of the M buckets :func:`tile_for_m` switches launches at; a warm-up
+that meets both sides of each bound compiles every variant (isoexec.train.precompile)."""
+
+
+def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096) -> dict:
+    """Triton launch for a batch of M rows against a weight [N, K]:
+    ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize}``.
+
+    Only scheduling changes between entries: BLOCK_K (64) and the sequential K order are the
+    same everywhere, so every entry gives the same bits (on the H200 every candidate of the tile
+    sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for the dense-family shapes
+    at M 1..8192; the per-bucket gates
+    ``test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket`` re-check it on each
+    GPU). Entries are keyed on the M bucket and the weight shape (N, K) and were picked from that
+    sweep's CUDA-graph timings (ratio to cuBLAS in comments, H200, torch 2.11, triton 3.6).
+    fp32 inputs use one small tile for all M (the fp32 ``ieee`` dot is an FMA chain)."""
+    if dtype == torch.float32:
+        return dict(path="tma", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2,
+                    warp_specialize=False)
+
+    def cfg(path, bm, bn, warps, stages, ws=False):
+        return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                    warp_specialize=ws)
+
+    if M <= 16:  # decode: weight-bandwidth bound, many thin tiles, deep pipelines for long K
+        if N > 16384:
+            return cfg("pointer", 16, 64, 4, 6)          # lm_head ~1.0x
+        if K >= 8192:
+            return cfg("pointer", 64, 32, 4, 8)          # 8B down 0.81-0.90x
+        if K >= 4096 and N > 4096:
+            return cfg("pointer", 16, 16, 2, 6)          # 8B qkv 0.86-0.90x
+        return cfg("pointer", 16, 32, 4, 4)              # 0.68-0.92x (0.6B o/down 0.68-0.76x)
+    if M <= 64:
+        if N > 16384:
+            return cfg("pointer", 64, 64, 4, 6)          # lm_head 0.94x, 8B gate_up 0.95x
+        if N <= 2048:
+            return cfg("pointer", 16, 32, 4, 4)          # 0.6B o/down 0.73x
+        if K <= 1024 and N > 4096:
+            return cfg("pointer", 64, 64, 4, 4)          # 0.6B gate_up 0.86x
+        return cfg("pointer", 64, 32, 4, 8)              # 0.61-0.86x
+    if M <= 256:
+        if N > 16384:
+            return cfg("tma", 128, 128, 8, 4)            # lm_head 0.90x, 8B gate_up 0.91x
+        if N <= 2048:
+            return cfg("pointer", 64, 32, 4, 8)          # 0.6B o/down 0.66-0.78x
+        if K <= 1024:
+            return cfg("pointer", 64, 64, 4, 4)          # 0.6B qkv/gate_up 0.70x
+        if N > 4096:
+            return cfg("tma", 128, 128, 8, 4)            # 8B qkv 0.76x
+        return cfg("tma", 64, 128, 4, 4)                 # 8B o/down 0.75-0.84x
+    if M <= 1024:
+        if N <= 2048:
+            return cfg("tma", 64, 128, 4, 4)
+        return cfg("tma", 128, 128, 8, 4, ws=True)
+    if N <= 2048:
+        if M <= 2048:
+            return cfg("tma", 128, 128, 4, 4)            # 0.6B o/down 0.91-0.95x
+        return cfg("tma", 128, 256, 8, 3, ws=True)       # 0.94-0.98x
+    return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_capable(device_type: str, index: int) -> bool:
+    if not HAS_TRITON or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if device_type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _tma_supported(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return _tma_capable("cuda", device.index if device.index is not None
+                        else torch.cuda.current_device())
+
+
+def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20) -> str:
+    """Which Triton kernel serves (M, N, K): the bucket's ``path`` from :func:`tile_for_m`
+    when it is ``"tma"`` and the GPU has TMA and the row strides of x, weight and out are
+    16-byte multiples (a function of (N, K) only), else ``"pointer"``. x is copied to an
+    aligned contiguous buffer when needed, so its layout never picks the path. The two kernels
+    run the same K loop and gave identical bits on the H200 (see :func:`tile_for_m`)."""
+    es = dtype.itemsize
+    if tile_for_m(M, dtype, N, K)["path"] != "tma":
+        return "pointer"
+    if _tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:
+        return "tma"
+    return "pointer"
+
+
+@jit
+def _gemm_tma_persistent_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
+    # one program with the K loop below, so persistence never changes an element's order.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    n_tiles = tiles_m * tiles_n
+    k_steps = tl.cdiv(K, BLOCK_K_)
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K_])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                       block_shape=[BLOCK_N, BLOCK_K_])
+    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
+                                       block_shape=[BLOCK_M, BLOCK_N])
+    group_span = GROUP_M_ * tiles_n
+    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
+        group = tile // group_span
+        first_m = group * GROUP_M_
+        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
+        tm = first_m + (tile % rows_in_group)
+        tn = (tile % group_span) // rows_in_group
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
+            # last block.
+            a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
+            b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        if HAS_BIAS:
+            offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + bias[None, :]
+        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+
+
+@jit
+def _gemm_pointer_kernel(
+    x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr,
+):
+    # One program per output tile, same grouping and the same K loop as the TMA kernel.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group_span = GROUP_M_ * tiles_n
+    group = pid // group_span
+    first_m = group * GROUP_M_
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
+    tm = first_m + (pid % rows_in_group)
+    tn = (pid % group_span) // rows_in_group
+    offs_m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K_)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K_):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, b.T, acc, input_precision="ieee")
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Row-major copy when ``t`` is strided or not 16-byte aligned (TMA base requirement)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _triton_2d(x2, w, bias, impl=None, tile=None):
+    M, K = x2.shape
+    N = w.shape[0]
+    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        out.zero_()
+        if bias is not None:
+            out.copy_((out.float() + bias.float()).to(out.dtype))
+        return out
+    cfg = dict(tile_for_m(M, x2.dtype, N, K), **(tile or {}))
+    path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bk = block_k_for(N, K)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else out
+    if path == "tma":
+        x2 = _aligned_contiguous(x2)
+        w = _aligned_contiguous(w)
+        ensure_allocator(x2.device)
+        # always one program per SM (those past the last tile find no work): the grid size is a
+        # compile-time constant, and min(SMs, tiles) would compile a new kernel for every tile
+        # count below the SM count, i.e. for almost every small M
+        programs = num_sms(x2.device)
+        ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
+        flatten = cfg.get("flatten", not ws)
+        _gemm_tma_persistent_kernel[(programs,)](
+            x2, w, out, bias_arg, M, N, K,
+            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    elif path == "pointer":
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        _gemm_pointer_kernel[grid](
+            x2, w, out, bias_arg, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    else:
+        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma' or 'pointer')")
+    return out
+
+
+def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  impl: str | None = None, tile: dict | None = None) -> torch.Tensor:
+    """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
+    ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
+    ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
+    num_warps, num_stages, warp_specialize, flatten; BLOCK_K cannot be overridden; ``path``
+    in ``tile`` is ignored, use ``impl``).
+    Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
+    the interpreter's bf16 dot is broken)."""
+    _check(x, weight, bias)
+    K = x.shape[-1]
+    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile)
+    return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,17 @@
+"""Token logprobs and log-softmax with a fixed vocabulary reduction order."""
+
+from ..impl import Constant, Impl
+from .api import log_softmax, token_logprobs
+from .reference import REF_LEAF_V, log_softmax_reference, token_logprobs_reference
+from .triton_kernels import BLOCK_V, log_softmax_triton, token_logprobs_triton
+from .native import log_softmax_native, token_logprobs_native
+
+IMPLS = (
+    Impl("logprob_fixed", "1", "logprob", token_logprobs,
+         constants={"BLOCK_V": Constant(4096, (1024, 2048, 4096), fixed=BLOCK_V)},
+         hazards=("v_not_tile_multiple", "ties"),
+         doc="fp32 online max/sum-exp over fixed vocabulary blocks in order"),
+    Impl("torch_log_softmax", "torch", "logprob", token_logprobs_native, native=True),
+)
+
+__all__ = [name for name in dir() if not name.startswith("_")]

@@ -1,0 +1,86 @@
+"""Batch-invariant RMSNorm (Qwen3 style), forward and backward.
+
+Public API
+  ``rms_norm(x, weight, eps)``             dispatcher (CUDA -> Triton, else reference),
+                                            differentiable
+  ``rms_norm_reference(x, weight, eps)``   torch twin (forward only)
+  ``rms_norm_triton(x, weight, eps)``      Triton twin (forward only)
+  ``rms_norm_backward_reference(dy, x, weight, rstd)`` / ``rms_norm_backward_triton(...)``
+
+``weight`` has shape [H] and applies to the last dim of ``x[..., H]`` (so the same function is
+the model norm and the per-head q/k norm on ``x[T, heads, head_dim]``).
+
+Rounding schedule (per row of H elements; identical for every row position and batch size)
+  xf = fp32(x); ss = sum(xf * xf) in fp32 by a fixed order over H; var = ss / H (fp32 div);
+  rstd = 1 / sqrt(var + eps) (IEEE sqrt, IEEE div; eps rounded to fp32 first);
+  y = round_to_x_dtype(xf * rstd); out = round_to_out_dtype(fp32(weight) * fp32(y)),
+  out_dtype = promote(x.dtype, weight.dtype). This is Qwen3RMSNorm's formula
+  (``weight * (x.float() * rsqrt(var + eps)).to(input_dtype)``) with pinned reduction order.
+  * reference (impl ``ref_rmsnorm``): ss by the halves pairwise tree over the whole row
+    zero-padded to a power of two.
+  * Triton (impl ``triton_rmsnorm``): one program per row, the row in one register block of
+    ``next_pow2(H)``; ``tl.sum`` with num_warps chosen from H only.
+
+Backward (straight-through the two casts, like torch autograd of the formula above):
+  g = fp32(dy) * fp32(weight); c = sum(g * xhat) / H (same fixed order as forward), with
+  xhat = xf * rstd in fp32; dx = (g - xhat * c) * rstd -> x.dtype;
+  dweight = sum over rows of fp32(dy) * fp32(y) -> weight.dtype. The reference sums rows by
+  fixed 64-row leaves (halves tree inside a leaf, leaves left to right); the Triton backward is
+  one fused pass (dx and a per-program dweight partial over a fixed row range, tiles in row
+  order), the partials then summed over programs by ``torch.sum``. Both are deterministic for a
+  given shape; dweight is a sum over the batch and is not batch invariant (only forward bits
+  must match between trainer and engine, ``docs/variance_sources.md``).
+
+Zero-centred variant (``zero_centred=True``; Qwen3.5's ``Qwen3_5RMSNorm``, weights stored as
+offsets from 1): same ss / rstd, then out = round_to_x_dtype((xf * rstd) * (1 + fp32(weight))),
+all in fp32 with no intermediate rounding to x.dtype (``1 + w`` is one fp32 add). Backward: g =
+fp32(dy) * (1 + fp32(weight)), dx as above, dweight = fixed-leaf row sum of fp32(dy) * xhat.
+The default (``zero_centred=False``) path is unchanged, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton_util import want_triton
+from .reference import _check, _ref_fwd, _rows, rms_norm_backward_reference
+from .triton_kernels import _triton_fwd, rms_norm_backward_triton
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centred=False):
+        x2 = _rows(x)
+        if want_triton(x2):
+            out, rstd = _triton_fwd(x2, weight, eps, zero_centred)
+        else:
+            out, rstd = _ref_fwd(x2, weight, eps, zero_centred)
+        ctx.save_for_backward(x2, weight, rstd)
+        ctx.x_shape = x.shape
+        ctx.zero_centred = zero_centred
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, rstd = ctx.saved_tensors
+        dy2 = _rows(dy)
+        if want_triton(x2):
+            dx, dw = rms_norm_backward_triton(dy2, x2, weight, rstd, ctx.zero_centred)
+        else:
+            dx, dw = rms_norm_backward_reference(dy2, x2, weight, rstd, ctx.zero_centred)
+        return dx.reshape(ctx.x_shape), dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_centred: bool = False) -> torch.Tensor:
+    """Batch-invariant RMSNorm over the last dim (Triton on CUDA, reference elsewhere);
+    differentiable. Rounding schedule: module docstring (``zero_centred``: weight is an offset
+    from 1, Qwen3.5 style)."""
+    _check(x, weight)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps, zero_centred)
+    x2 = _rows(x)
+    if want_triton(x2):
+        out, _ = _triton_fwd(x2, weight, eps, zero_centred)
+    else:
+        out, _ = _ref_fwd(x2, weight, eps, zero_centred)
+    return out.reshape(x.shape)

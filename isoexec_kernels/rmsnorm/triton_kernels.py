@@ -1,0 +1,123 @@
+"""RMSNorm: the Triton twin (kernels and their launchers; CUDA, or CPU under ``TRITON_INTERPRET=1``).
+The rounding schedule is the docstring of ``api.py`` in this folder."""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton_util import jit, next_pow2, tl
+from .reference import _check, _eps32, _out_dtype, _rows
+
+
+def _warps_for(H: int) -> int:
+    # A function of H only: the reduction tree inside tl.sum depends on the layout.
+    block = next_pow2(H)
+    return 1 if block <= 256 else 4 if block <= 2048 else 8
+
+
+@jit
+def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
+                    BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    ok = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    ss = tl.sum(xf * xf, axis=0)
+    var = ss / H
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        out = ((xf * rstd) * (1.0 + w)).to(out_ptr.dtype.element_ty)
+    else:
+        y = (xf * rstd).to(x.dtype)
+        out = (w * y.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=ok)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@jit
+def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, R, H, rows_per_prog,
+                    stride_dy, stride_x, stride_dx, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+                    ZERO_CENTRED: tl.constexpr):
+    # Program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog): it writes their dx and
+    # one fp32 partial of dweight, accumulated tile after tile in row order (fixed order, no
+    # atomics). The partials are summed afterwards in program order.
+    pid = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    cok = cols < H
+    w = tl.load(w_ptr + cols, mask=cok, other=0.0).to(tl.float32)
+    if ZERO_CENTRED:
+        w = 1.0 + w
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    r_first = pid * rows_per_prog
+    r_end = tl.minimum(r_first + rows_per_prog, R)
+    for r0 in range(r_first, r_end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        rok = rows < r_end
+        ok = rok[:, None] & cok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        xf = x.to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=rok, other=0.0)
+        xhat = xf * rstd[:, None]
+        g = dy * w[None, :]
+        c = tl.sum(g * xhat, axis=1) / H
+        dx = (g - xhat * c[:, None]) * rstd[:, None]
+        tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(x.dtype), mask=ok)
+        if ZERO_CENTRED:
+            acc += tl.sum(dy * xhat, axis=0)
+        else:
+            acc += tl.sum(dy * xhat.to(x.dtype).to(tl.float32), axis=0)
+    tl.store(dwp_ptr + pid * H + cols, acc, mask=cok)
+
+
+def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
+    """(BLOCK_R, rows_per_prog, programs) of the Triton backward, a function of (R, H) only: a
+    tile of about 4096 elements, and about 512 programs (4 per SM of an H200) so that the dweight
+    partials stay small while every SM has work."""
+    block_h = next_pow2(H)
+    block_r = max(1, min(64, 4096 // block_h))
+    per = max(block_r, -(-R // 512))
+    per = -(-per // block_r) * block_r
+    return block_r, per, -(-R // per)
+
+
+def _triton_fwd(x2, weight, eps, zero_centred: bool = False):
+    R, H = x2.shape
+    out_dtype = x2.dtype if zero_centred else _out_dtype(x2, weight)
+    out = torch.empty((R, H), dtype=out_dtype, device=x2.device)
+    rstd = torch.empty((R,), dtype=torch.float32, device=x2.device)
+    if R:
+        _rms_fwd_kernel[(R,)](x2, weight.contiguous(), out, rstd, H, x2.stride(0), out.stride(0),
+                              _eps32(eps), BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
+                              num_warps=_warps_for(H))
+    return out, rstd
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    zero_centred: bool = False) -> torch.Tensor:
+    """RMSNorm by the Triton schedule (api.py's docstring); forward only. CUDA tensors, or CPU
+    tensors under ``TRITON_INTERPRET=1``."""
+    _check(x, weight)
+    out, _ = _triton_fwd(_rows(x), weight, eps, zero_centred)
+    return out.reshape(x.shape)
+
+
+def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False):
+    """(dx, dweight) for 2-D row-contiguous ``dy, x`` [R, H]: one fused Triton pass writes dx
+    and a fixed-order dweight partial per program; the partials are summed over programs by
+    torch (deterministic for a given shape). Not batch invariant in dweight, which is a sum over
+    the batch (only forward bits must match trainer and engine)."""
+    R, H = x.shape
+    dx = torch.empty((R, H), dtype=x.dtype, device=x.device)
+    if not R:
+        return dx, torch.zeros_like(weight)
+    block_r, per, programs = _bwd_launch(R, H)
+    dwp = torch.empty((programs, H), dtype=torch.float32, device=x.device)
+    _rms_bwd_kernel[(programs,)](dy, x, weight.contiguous(), rstd, dx, dwp, R, H, per,
+                                 dy.stride(0), x.stride(0), dx.stride(0), BLOCK_R=block_r,
+                                 BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
+                                 num_warps=_warps_for(H))
+    dw = dwp.sum(0).to(weight.dtype)
+    return dx, dw
