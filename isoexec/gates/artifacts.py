@@ -85,7 +85,7 @@ def passing_for(e: Entry, artifacts: dict[str, dict]) -> list[dict]:
 
 
 def _required_families(e: Entry) -> tuple[str, ...]:
-    from .kernel_gates import gate_families_for
+    from .families import gate_families_for
 
     return gate_families_for(e)
 

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .compare import BitReport, compare_bits
-from .kernel_gates import GATE_FAMILIES, GATE_RUNNERS, TOLERANCE, GateOutcome, _rand, _rowwise_invariance, rel_err
+from .kernel_gates import GATE_RUNNERS, TOLERANCE, GateOutcome, _rand, _rowwise_invariance, rel_err
 
 
 def _dims(cfg: dict) -> dict:
@@ -238,13 +238,10 @@ def gate_sigmoid_gate(fn, region, cfg, family, dtype, device, gen, sizes, hazard
                        rel_err(call(x), xd[:, :width] * torch.sigmoid(xd[:, width:])), TOLERANCE[dtype], {})
 
 
-GDN_GATE_FAMILIES = {"gdn_core": ("batch_invariance", "case_parity"), "gdn_conv": ("batch_invariance", "case_parity"),
-                     "gdn_prep": ("batch_invariance",), "gated_norm": ("batch_invariance",),
-                     "gate": ("batch_invariance",)}
 GDN_GATE_RUNNERS = {"gdn_core": gate_gdn_core, "gdn_conv": gate_gdn_conv, "gdn_prep": gate_gdn_prep,
                     "gated_norm": gate_gated_norm, "gate": gate_sigmoid_gate}
 SEQUENCE_KINDS = frozenset({"attention", "gdn_core", "gdn_conv"})   # gated across cases: bind every case
 
-# registered into the kernel gates' tables on import (isoexec.gates imports this module)
-GATE_FAMILIES.update(GDN_GATE_FAMILIES)
+# registered into the kernel gates' runners on import (isoexec.gates imports this module); their
+# gate families are in families.GDN_GATE_FAMILIES
 GATE_RUNNERS.update(GDN_GATE_RUNNERS)

@@ -28,29 +28,9 @@ import torch
 
 from ..contract import Entry, ImplRef, frozen_mapping
 from .compare import BitReport, compare_bits, merge
-
-GATE_FAMILIES = {
-    "linear": ("batch_invariance", "hazards"),
-    "norm": ("batch_invariance", "hazards"),
-    "embed": ("batch_invariance",),
-    "activation": ("batch_invariance",),
-    "rope": ("batch_invariance",),
-    "logprob": ("batch_invariance", "hazards"),
-    "attention": ("batch_invariance", "case_parity"),
-}
-
-# Kinds whose stock kernel is known to be batch-variant on an arch (measured; docs/gpu_notes.md): the
-# negative control must fail to be invariant there.
-NEGATIVE_CONTROLS = {"cpu": ("linear",), "sm90": ("linear", "attention")}
+from .families import GATE_FAMILIES, NEGATIVE_CONTROLS, gate_families_for  # noqa: F401 (re-exported)
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
-
-
-def gate_families_for(entry: Entry) -> tuple[str, ...]:
-    from .. import registry
-    from . import gdn_gates  # noqa: F401  (registers the Gated DeltaNet gate families)
-
-    return GATE_FAMILIES.get(registry.OPS[entry.region[0]].kind, ())
 
 
 @dataclass

@@ -57,6 +57,21 @@ def test_verify_without_gates_is_not_admitted(built):
     assert r.returncode == 1 and "pending" in r.stdout
 
 
+def test_show_and_verify_start_without_torch(built, tmp_path):
+    """`contract show` and `contract verify --gates` read JSON and the gate families table: they
+    never import torch (seconds per call, several calls per workflow run)."""
+    code = "import sys; from isoexec.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules, rc)"
+    (tmp_path / "g").mkdir()
+    contract = str(built / "isoexec.json")
+    show = subprocess.run([sys.executable, "-c", code, "contract", "show", contract], capture_output=True, text=True,
+                          timeout=120)
+    assert show.stdout.splitlines()[-1] == "False 0", show.stdout + show.stderr
+    verify = subprocess.run([sys.executable, "-c", code, "contract", "verify", contract, "--gates", str(tmp_path / "g")],
+                            capture_output=True, text=True, timeout=120)
+    assert "no artifact for gate(s) batch_invariance, hazards" in verify.stdout   # the families were looked up
+    assert verify.stdout.splitlines()[-1] == "False 1", verify.stdout + verify.stderr
+
+
 def _one_error_line(r):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert lines and lines[0].startswith("isoexec: error:"), r.stderr
