@@ -2,8 +2,8 @@
 
 :func:`job` wraps a script's body: it hands out the job's GPUs (``resources: gpu``, see
 gpus.py) and its threads (``OMP_NUM_THREADS``, the rule's ``threads``) as the environment for the
-``isoexec`` commands, and turns a failure into one line,
-``<rule>: <why>``, on stderr and at the end of the job's log, with exit status 1.
+``isoexec`` commands, and turns a failure into one line, ``<rule>: <why>``, on stderr and at the
+end of the job's log, with exit status 1.
 """
 
 from __future__ import annotations
