@@ -177,6 +177,7 @@ FAKE_RUN = """\
 import json, os, pathlib, sys
 out = pathlib.Path(sys.argv[sys.argv.index("--out") + 1])
 pathlib.Path(os.environ["CALLED"]).write_text("checkpoint" if (out / "checkpoint.pt").exists() else "fresh")
+pathlib.Path(os.environ["CALLED"] + ".threads").write_text(os.environ.get("OMP_NUM_THREADS", "unset"))
 n = int(os.environ["STEPS_RUN"])
 with open(out / "metrics.jsonl", "a") as f:
     for i in range(n):
@@ -217,7 +218,7 @@ def rl_job(tmp_path, monkeypatch):
         smk = SimpleNamespace(output=[str(folder)], log=[str(tmp_path / "rl.log")], rule="rl_run",
                               params=SimpleNamespace(rl={**settings, "steps": steps}), config={"resume": resume},
                               input=SimpleNamespace(contract=str(contract), code=str(code)),
-                              resources=SimpleNamespace(gpu=0))
+                              resources=SimpleNamespace(gpu=0), threads=3)
         rl_run.main(smk)
     return run, folder, contract, code
 
@@ -260,5 +261,6 @@ def test_without_resume_a_run_starts_clean(rl_job, tmp_path):
     contract.write_text('{"other": 1}')
     run(resume=False, steps_run=2)
     assert (tmp_path / "called").read_text() == "fresh" and not (folder / "checkpoint.pt").exists()
+    assert (tmp_path / "called.threads").read_text() == "3"   # the command runs on the job's threads
     done = json.loads((folder / "run.json").read_text())
     assert done["resumed"] is False and done["steps_done"] == 2

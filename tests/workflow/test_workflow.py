@@ -138,10 +138,19 @@ def test_the_qwen3_8b_model_config_has_its_dimensions():
     assert yaml.safe_load((REPO / "configs/paper.yaml").read_text())["models"]["dense"] == "dense_qwen3_8b"
 
 
-def test_cpu_jobs_ask_for_no_gpu(wf):
-    r = snakemake(wf, "-n", "--cores", "1")
-    gates_job = (r.stdout + r.stderr).split("rule gates:", 1)[1].split("\n\n", 1)[0]
-    assert "gpu=0" in gates_job or "gpu=" not in gates_job
+def test_cpu_jobs_ask_for_no_gpu_and_one_thread(wf):
+    """On cpu every job runs on one thread (the tiny models gain nothing from more), so Snakemake
+    runs one job per core; on a GPU arch the gates and RL runs keep their host threads."""
+    r = snakemake(wf, "-n", "--cores", "4")
+    out = r.stdout + r.stderr
+    for rule in ("gates", "rl_run", "bench"):
+        job = out.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+        assert "gpu=0" in job or "gpu=" not in job, rule
+        assert "threads:" not in job, rule   # Snakemake names a job's threads when they are more than 1
+    gpu = snakemake(wf, "-n", "--cores", "4", "--configfile", "configs/h200.yaml")
+    for rule, threads in (("gates", 4), ("rl_run", 2)):
+        job = (gpu.stdout + gpu.stderr).split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+        assert f"threads: {threads}" in job, (rule, job)
 
 
 @pytest.mark.parametrize("profile", ["--workflow-profile=workflow/profiles/default", "--profile=workflow/profiles/slurm"])

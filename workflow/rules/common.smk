@@ -31,6 +31,15 @@ GATE_SEED = int(config["gates"]["seed"])
 # gets its own device (workflow/scripts/gpus.py); the SLURM profile turns it into --gpus.
 JOB_GPUS = 0 if ARCH == "cpu" else 1
 
+# Threads per job. On cpu a job's whole work is torch on tiny models, whose ops are too small to
+# split: a second intra-op thread only adds fork-join and spin-waits (on a 2-core Xeon the dense
+# gates took 329 s with two threads beside other load, 41 s with one), so every job gets one thread
+# (OMP_NUM_THREADS, workflow/scripts/jobutil.py) and Snakemake runs as many jobs at once as there
+# are cores. On a GPU arch the rules' threads are the host threads feeding the GPU.
+def job_threads(gpu_arch_threads):
+    return 1 if ARCH == "cpu" else gpu_arch_threads
+
+
 RES = f"{config['results_dir']}/{RUN}"
 FIG = f"{config['figures_dir']}/{RUN}"
 LOGS = f"{RES}/logs"

@@ -23,7 +23,7 @@ rule gates:
         model=lambda wc: model_name(wc.family),
         arch=ARCH,
         seed=GATE_SEED,
-    threads: 4
+    threads: job_threads(4)
     resources:
         gpu=JOB_GPUS,
         runtime=60,

@@ -33,7 +33,7 @@ rule rl_run:
         f"{LOGS}/runs/{{family}}_{{arm}}_seed{{seed}}.log",
     params:
         rl=lambda wc: rl_settings(wc),
-    threads: 2
+    threads: job_threads(2)
     resources:
         gpu=JOB_GPUS,
         runtime=600,
