@@ -48,7 +48,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 def gate_families_for(entry: Entry) -> tuple[str, ...]:
     from .. import registry
-    from . import gdn_gates  # noqa: F401  (registers the Gated DeltaNet gate families)
+    from . import gdn_gates, moe_gates  # noqa: F401  (register the Gated DeltaNet and MoE gate families)
 
     return GATE_FAMILIES.get(registry.OPS[entry.region[0]].kind, ())
 
@@ -128,6 +128,29 @@ def _hazard_reports(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[
 
 
 # ------------------------------------------------------------------------------------ shapes
+def _mla_linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int] | None:
+    """(K, N) of the MLA projections and the MoE shared expert (None for other regions)."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    r = set(region)
+    if "kv_lora_rank" in cfg:   # MLA (mla_moe family)
+        qr, kvr, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        nope, dv = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        if r & {"q_a_proj", "kv_a_proj"}:
+            return h, sum({"q_a_proj": qr, "kv_a_proj": kvr + rope}[o] for o in region)
+        if r == {"q_b_proj"}:
+            return qr, nh * (nope + rope)
+        if r == {"kv_b_proj"}:
+            return kvr, nh * (nope + dv)
+        if r == {"o_proj"}:
+            return nh * dv, h
+    if r & {"shared_gate_proj", "shared_up_proj", "shared_down_proj"}:
+        from .moe_gates import moe_dims
+
+        shared = moe_dims(cfg)["shared"] or 1
+        return (shared, h) if r == {"shared_down_proj"} else (h, shared * len(region))
+    return None
+
+
 def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
     h = cfg["hidden_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -135,6 +158,9 @@ def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
     inter = cfg.get("intermediate_size", 4 * h)
     r = set(region)
     n = 0
+    mla = _mla_linear_shape(region, cfg)
+    if mla is not None:
+        return mla
     if r & {"q_proj", "k_proj", "v_proj"}:
         n = sum({"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}[o] for o in region)
         return h, n
@@ -150,6 +176,10 @@ def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
 
 
 def norm_width(region: tuple[str, ...], cfg: dict) -> int:
+    if set(region) == {"q_a_norm"}:
+        return cfg["q_lora_rank"]
+    if set(region) == {"kv_a_norm"}:
+        return cfg["kv_lora_rank"]
     if set(region) & {"q_norm", "k_norm"}:
         return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["hidden_size"]
@@ -262,6 +292,7 @@ def _rope_theta(cfg: dict) -> float:
 
 def gate_rope(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
     nh, _, hd = _heads(cfg)
+    hd = cfg.get("qk_rope_head_dim") or hd   # MLA rotates only the rope part of each head
     theta = _rope_theta(cfg)
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     reports = []
@@ -287,6 +318,10 @@ def gate_rope(fn, region, cfg, family, dtype, device, gen, sizes, hazards, const
 
 def gate_activation(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
     inter = cfg.get("intermediate_size", 4 * cfg["hidden_size"])
+    if set(region) == {"shared_act"}:
+        from .moe_gates import moe_dims
+
+        inter = moe_dims(cfg)["shared"] or inter
 
     def make(m):
         return _rand((m, 2 * inter), dtype, gen, device, 2.0)
@@ -327,7 +362,14 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     from isoexec_kernels.attention import compute_slot_mapping, write_kv_pages
 
     nh, nkv, hd = _heads(cfg)
-    scale = hd ** -0.5
+    dqk = dv = kv_width = hd
+    vkw: dict = {}
+    if "kv_lora_rank" in cfg:   # MLA: expanded heads, q/k and v head dims differ, pages padded to width
+        from isoexec_kernels.mla import mla_width, write_mla_kv_pages as write_kv_pages  # noqa: F811
+
+        nkv, dqk, dv = nh, cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        kv_width, vkw = mla_width(dqk, dv), {"v_dim": cfg["v_head_dim"]}
+    scale = dqk ** -0.5
     block_n = int(constants.get("BLOCK_N", 64))
     max_len = 160 if device == "cpu" else 700
     varlen = binds["trainer_score"]
@@ -335,8 +377,8 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     exercised = {"len_not_tile_multiple": False}
 
     def seq(n):
-        return (_rand((n, nh, hd), dtype, gen, device), _rand((n, nkv, hd), dtype, gen, device),
-                _rand((n, nkv, hd), dtype, gen, device))
+        return (_rand((n, nh, dqk), dtype, gen, device), _rand((n, nkv, dqk), dtype, gen, device),
+                _rand((n, nkv, dv), dtype, gen, device))
 
     def pack(seqs):
         lens = [s[0].shape[0] for s in seqs]
@@ -376,7 +418,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
             for b, t in enumerate(tables):
                 bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
             bt = bt.to(device)
-            kc = torch.zeros((pages_needed, page, nkv, hd), dtype=dtype, device=device)
+            kc = torch.zeros((pages_needed, page, nkv, kv_width), dtype=dtype, device=device)
             vc = torch.zeros_like(kc)
             # prompts: all but a random tail; prefill them in random chunks (all sequences per step)
             tails = [int(torch.randint(1, min(n, 9), (1,), generator=gen)) if n > 1 else 0 for n in lens]
@@ -397,7 +439,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 ctx_t = torch.tensor(ctx, dtype=torch.int32)
                 slots = compute_slot_mapping(bt.cpu(), cuq, ctx_t, page).to(device)
                 write_kv_pages(torch.cat(ks), torch.cat(vs), kc, vc, slots)
-                out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale)
+                out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale, **vkw)
                 at = 0
                 for b in range(nseq):
                     engine_rows[b].append(out[at:at + qlens[b]])
@@ -413,7 +455,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 sub_bt = bt[torch.tensor(active, device=device)]
                 slots = compute_slot_mapping(sub_bt.cpu(), cuq, ctx_t, page).to(device)
                 write_kv_pages(ks, vs, kc, vc, slots)
-                out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale)
+                out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale, **vkw)
                 for j, b in enumerate(active):
                     engine_rows[b].append(out[j:j + 1])
                     done[b] += 1
@@ -435,9 +477,10 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
         s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
         refs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vd))
     err = rel_err(out, torch.cat(refs))
-    return GateOutcome(family, {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len,
-                                "sequences": counts}, str(dtype), reports, err, TOLERANCE[dtype], exercised,
-                       hazards)
+    shapes = {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len, "sequences": counts}
+    if vkw:
+        shapes.update(head_dim=dqk, v_head_dim=dv, width=kv_width)
+    return GateOutcome(family, shapes, str(dtype), reports, err, TOLERANCE[dtype], exercised, hazards)
 
 
 GATE_RUNNERS.update({"rope": gate_rope, "activation": gate_activation, "embed": gate_embed,
