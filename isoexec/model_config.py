@@ -126,10 +126,16 @@ class HybridConfig(_AttentionSizes):
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "HybridConfig":
+        return cls(**cls._hybrid_fields(cfg, "hybrid", "qwen3_5_text"))
+
+    @staticmethod
+    def _hybrid_fields(cfg: Any, family: str, model_type: str) -> dict:
+        """The fields every Qwen3.5 text config gives (GDN and gated attention layers)."""
         if isinstance(cfg, dict):
             cfg = hf_config_from_dict(cfg)
-        if getattr(cfg, "model_type", None) != "qwen3_5_text":
-            raise ConfigError(f"the hybrid family reads qwen3_5_text configs, got {getattr(cfg, 'model_type', None)!r}")
+        if getattr(cfg, "model_type", None) != model_type:
+            raise ConfigError(f"the {family} family reads {model_type} configs, "
+                              f"got {getattr(cfg, 'model_type', None)!r}")
         if getattr(cfg, "attention_bias", False):
             raise ConfigError("attention_bias=True is not supported by the hybrid family")
         if cfg.hidden_act != "silu":
@@ -161,8 +167,9 @@ class HybridConfig(_AttentionSizes):
                               f"(known: {', '.join(LAYER_TYPES)})")
         if cfg.linear_conv_kernel_dim < 2:
             raise ConfigError(f"linear_conv_kernel_dim {cfg.linear_conv_kernel_dim} < 2 is not supported")
-        return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        return dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
             num_layers=cfg.num_hidden_layers, layer_types=types, num_heads=cfg.num_attention_heads,
             num_kv_heads=nkv, head_dim=head_dim, rotary_dim=rotary_dim, rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
@@ -372,5 +379,41 @@ class MlaMoeConfig:
         return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "sparse")
 
 
-FAMILY_CONFIGS = {"dense": DenseConfig, "hybrid": HybridConfig, "mla_moe": MlaMoeConfig}
+# ------------------------------------------------------------------------------------------ hybrid_moe
+@dataclass(frozen=True)
+class HybridMoeConfig(HybridConfig):
+    """The hybrid_moe family (Qwen3.5-MoE text architecture, ``qwen3_5_moe_text``): the hybrid
+    family's Gated DeltaNet and gated attention layers, each followed by a mixture of experts
+    (softmax router, top-k renormalised, one shared expert with a sigmoid gate) instead of the
+    dense MLP. ``intermediate_size`` is 0 (no dense MLP)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "HybridMoeConfig":
+        raw = cfg if isinstance(cfg, dict) else None
+        if isinstance(cfg, dict):
+            cfg = hf_config_from_dict(cfg)
+        fields = cls._hybrid_fields(cfg, "hybrid_moe", "qwen3_5_moe_text")
+        if raw is not None:
+            bad = _unknown_keys(raw, cfg)
+            if bad:
+                raise ConfigError(f"qwen3_5_moe_text config: unknown key(s) {', '.join(map(repr, bad))} "
+                                  f"(not fields of {type(cfg).__name__})")
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        if E < 2 or not 1 <= k <= E:
+            raise ConfigError(f"num_experts_per_tok {k} must be in [1, num_experts={E}] (num_experts >= 2)")
+        if cfg.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size {cfg.moe_intermediate_size} must be positive")
+        fields.update(intermediate_size=0, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=cfg.moe_intermediate_size,
+                      shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0)
+        return cls(**fields)
+
+
+FAMILY_CONFIGS = {"dense": DenseConfig, "hybrid": HybridConfig, "mla_moe": MlaMoeConfig,
+                  "hybrid_moe": HybridMoeConfig}
 """The config class of each model family (``from_hf`` checks a transformers config for it)."""

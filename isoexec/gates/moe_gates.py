@@ -43,8 +43,8 @@ def moe_dims(cfg: dict) -> dict:
     h = cfg["hidden_size"]
     if mt in SIGMOID_GROUP_TYPES:
         E = cfg.get("n_routed_experts", 64)
-        spec = RouterSpec("sigmoid_group_topk", cfg.get("num_experts_per_tok", 4), bool(cfg.get("norm_topk_prob", True)),
-                          cfg.get("n_group") or 1, cfg.get("topk_group") or 1,
+        spec = RouterSpec("sigmoid_group_topk", cfg.get("num_experts_per_tok", 4),
+                          bool(cfg.get("norm_topk_prob", True)), cfg.get("n_group") or 1, cfg.get("topk_group") or 1,
                           float(cfg.get("routed_scaling_factor", 1.0)))
         inter = cfg.get("moe_intermediate_size", 4 * h)
         shared = inter * cfg.get("n_shared_experts", 1)

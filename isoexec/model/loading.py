@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 
 from ..errors import IsoExecError
-from ..model_config import DenseConfig, HybridConfig, MlaMoeConfig
+from ..model_config import DenseConfig, HybridConfig, HybridMoeConfig, MlaMoeConfig
 
 
 class CheckpointError(IsoExecError):
@@ -123,6 +123,8 @@ def load_dense_checkpoint(model, path: str | Path) -> None:
 
 def load_from_hf_model(model, hf_model) -> None:
     """Copy the weights of an in-memory transformers model (tests, conversions)."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return load_hybrid_moe_from_hf_model(model, hf_model)
     if isinstance(model.cfg, HybridConfig):
         return load_hybrid_from_hf_model(model, hf_model)
     if isinstance(model.cfg, MlaMoeConfig):
@@ -135,6 +137,8 @@ def load_from_hf_model(model, hf_model) -> None:
 @torch.no_grad()
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights under transformers' names (Qwen3, or Qwen3.5 for a hybrid model)."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return _map_to_hf(model, hybrid_moe_name_map(model.cfg))
     if isinstance(model.cfg, HybridConfig):
         return _hybrid_to_hf(model)
     if isinstance(model.cfg, MlaMoeConfig):
@@ -215,6 +219,8 @@ def _hybrid_ignore(cfg: HybridConfig) -> Callable[[str], bool]:
 
 def load_checkpoint(model, path: str | Path) -> None:
     """Load a transformers safetensors checkpoint into a unified model of any family."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return load_hybrid_moe_checkpoint(model, path)
     if isinstance(model.cfg, HybridConfig):
         return load_hybrid_checkpoint(model, path)
     if isinstance(model.cfg, MlaMoeConfig):
@@ -290,6 +296,10 @@ def mla_moe_name_map(cfg: MlaMoeConfig) -> dict[str, tuple[str, int, int]]:
 
 
 def _mla_moe_tensors(items, cfg: MlaMoeConfig, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    return _stack_experts(items, cfg.n_routed_experts, source)
+
+
+def _stack_experts(items, E: int, source: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Checkpoint names and layouts -> the in-memory transformers layout: per-expert tensors
     ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (how checkpoints store them) are stacked into
     ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] once a layer's
@@ -298,7 +308,6 @@ def _mla_moe_tensors(items, cfg: MlaMoeConfig, source: str) -> Iterator[tuple[st
 
     pat = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-    E = cfg.n_routed_experts
     for name, t in items:
         hit = pat.match(name)
         if not hit:
@@ -347,6 +356,53 @@ def _mla_moe_to_hf(model) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {name: params[target][start:start + rows].detach().clone()
            for name, (target, start, rows) in mla_moe_name_map(model.cfg).items()}
+    if model.cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ hybrid_moe
+def hybrid_moe_name_map(cfg: HybridMoeConfig) -> dict[str, tuple[str, int, int]]:
+    """transformers ``Qwen3_5MoeForCausalLM`` name (stacked experts) -> (unified parameter, first row,
+    row count): the hybrid family's names with each layer's dense MLP replaced by the MoE block."""
+    m = {n: t for n, t in hybrid_name_map(cfg).items()
+         if not (".mlp." in n and n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")))}
+    h, E, si = cfg.hidden_size, cfg.num_experts, cfg.shared_expert_intermediate_size
+    for i in range(cfg.num_layers):
+        mlp, to = f"model.layers.{i}.mlp.", f"layers.{i}."
+        m.update({mlp + "gate.weight": (to + "router_weight", 0, E),
+                  mlp + "experts.gate_up_proj": (to + "experts_gate_up", 0, E),
+                  mlp + "experts.down_proj": (to + "experts_down", 0, E)})
+        if si:
+            s = mlp + "shared_expert."
+            m.update({s + "gate_proj.weight": (to + "shared_gate_up", 0, si),
+                      s + "up_proj.weight": (to + "shared_gate_up", si, si),
+                      s + "down_proj.weight": (to + "shared_down", 0, h),
+                      mlp + "shared_expert_gate.weight": (to + "shared_gate", 0, 1)})
+    return m
+
+
+def load_hybrid_moe_checkpoint(model, path: str | Path) -> None:
+    """Load a Qwen3.5-MoE (text or multimodal) safetensors checkpoint into a :class:`HybridMoeModel`."""
+    load_named_tensors(model, _stack_experts(_hybrid_tensors(iter_safetensors(path)), model.cfg.num_experts,
+                                             str(path)),
+                       hybrid_moe_name_map(model.cfg), str(path), ignore=_hybrid_ignore(model.cfg))
+
+
+def load_hybrid_moe_from_hf_model(model, hf_model) -> None:
+    """Copy the weights of an in-memory transformers ``Qwen3_5MoeForCausalLM``."""
+    src = type(hf_model).__name__
+    load_named_tensors(model, _stack_experts(_hybrid_tensors(hf_model.state_dict().items()), model.cfg.num_experts,
+                                             src),
+                       hybrid_moe_name_map(model.cfg), src, ignore=_hybrid_ignore(model.cfg))
+
+
+def _map_to_hf(model, name_map) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = {}
+    for name, (target, start, rows) in name_map.items():
+        t = params[target][start:start + rows].detach().clone()
+        out[name] = t[:, None, :] if name.endswith("conv1d.weight") else t
     if model.cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out

@@ -40,6 +40,25 @@ def _params(module: nn.Module, dtype, device, **shapes) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
 
+def moe_layer(plan, L: nn.Module, n: torch.Tensor, spec, num_experts: int, shared_size: int) -> torch.Tensor:
+    """One MoE layer through the contract's regions (router, dispatch, experts, the shared expert's
+    linear and activation regions, combine). ``L`` holds ``router_weight``, ``experts_gate_up``,
+    ``experts_down`` and, when present, ``correction_bias`` (group routers), ``shared_gate_up`` /
+    ``shared_down`` (the shared expert, ``shared_size`` wide) and ``shared_gate`` (its Qwen-style
+    sigmoid gate, computed by the router region)."""
+    routing = plan["router"](n, L.router_weight, spec, getattr(L, "correction_bias", None),
+                             getattr(L, "shared_gate", None))
+    disp = plan["dispatch"](routing.ids, num_experts)
+    rows = plan["experts"](n, disp, L.experts_gate_up, L.experts_down)
+    shared = None
+    if shared_size:
+        gu = DenseModel._linear(plan, ("shared_gate_proj", "shared_up_proj"), n, L.shared_gate_up,
+                                (shared_size, shared_size))
+        g, u = gu.split((shared_size, shared_size), dim=-1)
+        shared = plan["shared_down_proj"](plan["shared_act"](g, u), L.shared_down)
+    return plan["combine"](rows, disp, routing, shared, out_dtype=n.dtype)
+
+
 class MlaLayer(nn.Module):
     def __init__(self, cfg: MlaMoeConfig, kind: str, dtype, device):
         super().__init__()
@@ -166,16 +185,7 @@ class MlaMoeModel(DenseModel):
         return plan["down_proj"](plan["act"](g, u), L.down_weight)
 
     def _moe(self, plan, L: MlaLayer, n: torch.Tensor) -> torch.Tensor:
-        routing = plan["router"](n, L.router_weight, self.router_spec, L.correction_bias)
-        disp = plan["dispatch"](routing.ids, self.cfg.n_routed_experts)
-        rows = plan["experts"](n, disp, L.experts_gate_up, L.experts_down)
-        shared = None
-        if self.cfg.shared_intermediate_size:
-            si = self.cfg.shared_intermediate_size
-            gu = self._linear(plan, ("shared_gate_proj", "shared_up_proj"), n, L.shared_gate_up, (si, si))
-            g, u = gu.split((si, si), dim=-1)
-            shared = plan["shared_down_proj"](plan["shared_act"](g, u), L.shared_down)
-        return plan["combine"](rows, disp, routing, shared, out_dtype=n.dtype)
+        return moe_layer(plan, L, n, self.router_spec, self.cfg.n_routed_experts, self.cfg.shared_intermediate_size)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""

@@ -8,7 +8,8 @@ sys.modules.setdefault("fla", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM  # noqa: E402
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeLiteConfig,  # noqa: E402
+                          Glm4MoeLiteForCausalLM)
 
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
 from isoexec.errors import ConfigError  # noqa: E402
@@ -25,7 +26,8 @@ DSV3 = dict(model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermedia
             num_experts_per_tok=3, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
             max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             tie_word_embeddings=True)
-HF = {"glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM), "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
+HF = {"glm4_moe_lite": (Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM),
+      "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM)}
 
 
 def _hf(cfg, dtype=torch.float32, seed=0):
