@@ -126,10 +126,16 @@ class HybridConfig(_AttentionSizes):
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "HybridConfig":
+        return cls(**cls._hybrid_fields(cfg, "hybrid", "qwen3_5_text"))
+
+    @staticmethod
+    def _hybrid_fields(cfg: Any, family: str, model_type: str) -> dict:
+        """The fields every Qwen3.5 text config gives (GDN and gated attention layers)."""
         if isinstance(cfg, dict):
             cfg = hf_config_from_dict(cfg)
-        if getattr(cfg, "model_type", None) != "qwen3_5_text":
-            raise ConfigError(f"the hybrid family reads qwen3_5_text configs, got {getattr(cfg, 'model_type', None)!r}")
+        if getattr(cfg, "model_type", None) != model_type:
+            raise ConfigError(f"the {family} family reads {model_type} configs, "
+                              f"got {getattr(cfg, 'model_type', None)!r}")
         if getattr(cfg, "attention_bias", False):
             raise ConfigError("attention_bias=True is not supported by the hybrid family")
         if cfg.hidden_act != "silu":
@@ -161,8 +167,9 @@ class HybridConfig(_AttentionSizes):
                               f"(known: {', '.join(LAYER_TYPES)})")
         if cfg.linear_conv_kernel_dim < 2:
             raise ConfigError(f"linear_conv_kernel_dim {cfg.linear_conv_kernel_dim} < 2 is not supported")
-        return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        return dict(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=getattr(cfg, "intermediate_size", 0) or 0,
             num_layers=cfg.num_hidden_layers, layer_types=types, num_heads=cfg.num_attention_heads,
             num_kv_heads=nkv, head_dim=head_dim, rotary_dim=rotary_dim, rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
@@ -201,5 +208,212 @@ class HybridConfig(_AttentionSizes):
         return 2 * self.key_dim + self.value_dim
 
 
-FAMILY_CONFIGS = {"dense": DenseConfig, "hybrid": HybridConfig}
+# ------------------------------------------------------------------------------------------ mla_moe
+MLP_LAYER_TYPES = ("dense", "sparse")
+MLA_LATENT_NORM_EPS = 1e-6
+"""transformers builds the q and kv latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``) with
+their default eps 1e-6, not ``rms_norm_eps``; so does the unified model."""
+
+# keys of a checkpoint's config.json that transformers reads or converts although they are not
+# fields of the config class (legacy rope keys, dtype, the MTP layer count)
+_TOLERATED_KEYS = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype", "model_type",
+                             "num_nextn_predict_layers", "first_k_dense_replace", "auto_map"})
+
+
+def _unknown_keys(d: dict, cfg: Any) -> list[str]:
+    """hf_config keys that are neither fields of ``cfg``'s class nor attribute aliases: transformers
+    keeps them as loose attributes and the model would silently ignore them."""
+    import dataclasses
+
+    cls = type(cfg)
+    if not dataclasses.is_dataclass(cls):
+        return []
+    known = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {})) | _TOLERATED_KEYS
+    return sorted(k for k in d if k not in known)
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class MlaMoeConfig:
+    """The mla_moe family (transformers ``glm4_moe_lite`` and ``deepseek_v3``): multi-head latent
+    attention (q and kv low-rank projections, rope and no-rope head parts) and, per
+    ``mlp_layer_types`` (glm4_moe_lite) or ``first_k_dense_replace`` (deepseek_v3), a dense SwiGLU
+    MLP or a mixture of experts with a sigmoid group-limited router and shared experts.
+
+    The attention runs in the *expanded* form (isoexec_kernels/mla/): every head's key is
+    [k_nope from kv_b_proj(c_kv) ; the shared rotated k_rope], its value comes from kv_b_proj, and
+    q, k, v are zero-padded to ``head_dim`` = ``attn_width`` (the attention kernel's head width,
+    a power of two <= 256), which is also the width of a row of the engine's KV pages
+    (``num_kv_heads`` = ``num_heads`` rows per token)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_layers: int
+    mlp_layer_types: tuple[str, ...]
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    num_experts_per_tok: int
+    n_shared_experts: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    rope_theta: float
+    rope_interleave: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "MlaMoeConfig":
+        raw = cfg if isinstance(cfg, dict) else None
+        if isinstance(cfg, dict):
+            cfg = hf_config_from_dict(cfg)
+        mt = getattr(cfg, "model_type", None)
+        if mt not in ("glm4_moe_lite", "deepseek_v3"):
+            raise ConfigError(f"the mla_moe family reads glm4_moe_lite and deepseek_v3 configs, got {mt!r}")
+        if raw is not None:
+            bad = _unknown_keys(raw, cfg)
+            if bad:
+                raise ConfigError(f"{mt} config: unknown key(s) {', '.join(map(repr, bad))} "
+                                  f"(not fields of {type(cfg).__name__})")
+        if getattr(cfg, "attention_bias", False):
+            raise ConfigError("attention_bias=True is not supported by the mla_moe family")
+        if cfg.hidden_act != "silu":
+            raise ConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if cfg.q_lora_rank is None:
+            raise ConfigError("q_lora_rank=None (a plain q_proj) is not supported by the mla_moe family yet")
+        rope = dict(getattr(cfg, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default'; YaRN, as "
+                              "DeepSeek-V3 checkpoints use, also scales the softmax and is not implemented)")
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError("partial_rotary_factor != 1 is not supported by the mla_moe family")
+        nh = cfg.num_attention_heads
+        if (cfg.num_key_value_heads or nh) != nh:
+            raise ConfigError(f"num_key_value_heads {cfg.num_key_value_heads} != num_attention_heads {nh}: MLA "
+                              "expands one key and value per query head")
+        if cfg.qk_rope_head_dim % 2 or cfg.qk_rope_head_dim <= 0:
+            raise ConfigError(f"qk_rope_head_dim {cfg.qk_rope_head_dim} must be a positive even number")
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        width = _pow2_at_least(max(16, qk, cfg.v_head_dim))
+        if width > 256:
+            raise ConfigError(f"q/k head dim {qk} and v head dim {cfg.v_head_dim} need an attention width of {width}; "
+                              "the attention kernel supports up to 256")
+        n_layers = cfg.num_hidden_layers
+        if mt == "deepseek_v3":
+            k = cfg.first_k_dense_replace or 0
+            types = tuple("dense" if i < k else "sparse" for i in range(n_layers))
+        else:
+            types = tuple(cfg.mlp_layer_types)
+        if len(types) != n_layers:
+            raise ConfigError(f"mlp_layer_types has {len(types)} entries for {n_layers} layers")
+        bad_types = sorted({t for t in types if t not in MLP_LAYER_TYPES})
+        if bad_types:
+            raise ConfigError(f"mlp layer type(s) {', '.join(map(repr, bad_types))} are not supported "
+                              f"(known: {', '.join(MLP_LAYER_TYPES)})")
+        E, k_top = cfg.n_routed_experts, cfg.num_experts_per_tok
+        n_group, topk_group = cfg.n_group or 1, cfg.topk_group or 1
+        if "sparse" in types:
+            if E < 2 or not 1 <= k_top <= E:
+                raise ConfigError(f"num_experts_per_tok {k_top} must be in [1, n_routed_experts={E}]")
+            if n_group < 1 or E % n_group or E // n_group < 2:
+                raise ConfigError(f"n_routed_experts {E} must split into n_group={n_group} groups of >= 2 experts")
+            if not 1 <= topk_group <= n_group or k_top > topk_group * (E // n_group):
+                raise ConfigError(f"topk_group {topk_group} (of {n_group} groups) cannot hold num_experts_per_tok "
+                                  f"{k_top} experts")
+        return cls(
+            model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+            num_layers=n_layers, mlp_layer_types=types, num_heads=nh, q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, n_routed_experts=E,
+            num_experts_per_tok=k_top, n_shared_experts=cfg.n_shared_experts or 0, n_group=n_group,
+            topk_group=topk_group, norm_topk_prob=bool(cfg.norm_topk_prob),
+            routed_scaling_factor=float(cfg.routed_scaling_factor), rms_norm_eps=float(cfg.rms_norm_eps),
+            rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+            rope_interleave=bool(getattr(cfg, "rope_interleave", True)),
+            tie_word_embeddings=bool(cfg.tie_word_embeddings), max_position_embeddings=cfg.max_position_embeddings,
+        )
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def attn_width(self) -> int:
+        """Head width of the attention region and of a KV page row: q/k/v zero-padded to it."""
+        return _pow2_at_least(max(16, self.qk_head_dim, self.v_head_dim))
+
+    # the engine's KV geometry (KVCache.allocate reads num_kv_heads and head_dim)
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.attn_width
+
+    @property
+    def num_kv_layers(self) -> int:
+        return self.num_layers
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """The shared experts as one wider SwiGLU (transformers: moe_intermediate_size * n_shared_experts)."""
+        return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.mlp_layer_types) if t == "sparse")
+
+
+# ------------------------------------------------------------------------------------------ hybrid_moe
+@dataclass(frozen=True)
+class HybridMoeConfig(HybridConfig):
+    """The hybrid_moe family (Qwen3.5-MoE text architecture, ``qwen3_5_moe_text``): the hybrid
+    family's Gated DeltaNet and gated attention layers, each followed by a mixture of experts
+    (softmax router, top-k renormalised, one shared expert with a sigmoid gate) instead of the
+    dense MLP. ``intermediate_size`` is 0 (no dense MLP)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+    @classmethod
+    def from_hf(cls, cfg: Any) -> "HybridMoeConfig":
+        raw = cfg if isinstance(cfg, dict) else None
+        if isinstance(cfg, dict):
+            cfg = hf_config_from_dict(cfg)
+        fields = cls._hybrid_fields(cfg, "hybrid_moe", "qwen3_5_moe_text")
+        if raw is not None:
+            bad = _unknown_keys(raw, cfg)
+            if bad:
+                raise ConfigError(f"qwen3_5_moe_text config: unknown key(s) {', '.join(map(repr, bad))} "
+                                  f"(not fields of {type(cfg).__name__})")
+        E, k = cfg.num_experts, cfg.num_experts_per_tok
+        if E < 2 or not 1 <= k <= E:
+            raise ConfigError(f"num_experts_per_tok {k} must be in [1, num_experts={E}] (num_experts >= 2)")
+        if cfg.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size {cfg.moe_intermediate_size} must be positive")
+        fields.update(intermediate_size=0, num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=cfg.moe_intermediate_size,
+                      shared_expert_intermediate_size=cfg.shared_expert_intermediate_size or 0)
+        return cls(**fields)
+
+
+FAMILY_CONFIGS = {"dense": DenseConfig, "hybrid": HybridConfig, "mla_moe": MlaMoeConfig,
+                  "hybrid_moe": HybridMoeConfig}
 """The config class of each model family (``from_hf`` checks a transformers config for it)."""

@@ -23,7 +23,7 @@ def test_every_op_folder_s_impls_are_collected():
 
 
 def test_every_function_kind_of_the_covered_families_has_an_invariant_and_a_stock_impl():
-    for fam in ("dense", "hybrid"):
+    for fam in ("dense", "hybrid", "mla_moe"):
         kinds = {registry.OPS[o].kind for o in registry.FAMILIES[fam].ops} - {"deployment"}
         for kind in kinds:
             impls = [i for i in registry.IMPLS if i.kind == kind]

@@ -28,12 +28,37 @@ from typing import Callable
 import torch
 
 from isoexec_kernels.attention import compute_slot_mapping, write_kv_pages
+from isoexec_kernels.moe import RouterSpec
 
 from .. import registry
 from ..contract import Entry, ImplRef, frozen_mapping
 from .compare import BitReport, compare_bits, merge
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+SIGMOID_GROUP_TYPES = ("glm4_moe_lite", "deepseek_v3")
+
+
+def moe_dims(cfg: dict) -> dict:
+    """MoE shapes and router of a transformers config dict (mla_moe and hybrid_moe families)."""
+    mt = cfg.get("model_type")
+    h = cfg["hidden_size"]
+    if mt in SIGMOID_GROUP_TYPES:
+        E = cfg.get("n_routed_experts", 64)
+        spec = RouterSpec("sigmoid_group_topk", cfg.get("num_experts_per_tok", 4),
+                          bool(cfg.get("norm_topk_prob", True)), cfg.get("n_group") or 1, cfg.get("topk_group") or 1,
+                          float(cfg.get("routed_scaling_factor", 1.0)))
+        inter = cfg.get("moe_intermediate_size", 4 * h)
+        shared = inter * cfg.get("n_shared_experts", 1)
+        gated = False
+    else:   # Qwen-style: softmax over the experts, top-k, renormalised, one gated shared expert
+        E = cfg.get("num_experts", 8)
+        spec = RouterSpec("softmax_topk", cfg.get("num_experts_per_tok", 2), bool(cfg.get("norm_topk_prob", True)))
+        inter = cfg.get("moe_intermediate_size", 4 * h)
+        shared = cfg.get("shared_expert_intermediate_size", 0)
+        gated = bool(shared)
+    return dict(E=E, H=h, I=inter, shared=shared, gated=gated, spec=spec, k=spec.top_k)
+
 
 
 @dataclass
@@ -111,6 +136,27 @@ def _hazard_reports(fn: Callable[[torch.Tensor], torch.Tensor], make: Callable[[
 
 
 # ------------------------------------------------------------------------------------ shapes
+def _mla_linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int] | None:
+    """(K, N) of the MLA projections and the MoE shared expert (None for other regions)."""
+    h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
+    r = set(region)
+    if "kv_lora_rank" in cfg:   # MLA (mla_moe family)
+        qr, kvr, rope = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+        nope, dv = cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+        if r & {"q_a_proj", "kv_a_proj"}:
+            return h, sum({"q_a_proj": qr, "kv_a_proj": kvr + rope}[o] for o in region)
+        if r == {"q_b_proj"}:
+            return qr, nh * (nope + rope)
+        if r == {"kv_b_proj"}:
+            return kvr, nh * (nope + dv)
+        if r == {"o_proj"}:
+            return nh * dv, h
+    if r & {"shared_gate_proj", "shared_up_proj", "shared_down_proj"}:
+        shared = moe_dims(cfg)["shared"] or 1
+        return (shared, h) if r == {"shared_down_proj"} else (h, shared * len(region))
+    return None
+
+
 def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
     h = cfg["hidden_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
@@ -118,6 +164,9 @@ def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
     inter = cfg.get("intermediate_size", 4 * h)
     r = set(region)
     n = 0
+    mla = _mla_linear_shape(region, cfg)
+    if mla is not None:
+        return mla
     if r & {"q_proj", "k_proj", "v_proj"}:
         n = sum({"q_proj": nh * hd, "k_proj": nkv * hd, "v_proj": nkv * hd}[o] for o in region)
         return h, n
@@ -133,6 +182,10 @@ def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
 
 
 def norm_width(region: tuple[str, ...], cfg: dict) -> int:
+    if set(region) == {"q_a_norm"}:
+        return cfg["q_lora_rank"]
+    if set(region) == {"kv_a_norm"}:
+        return cfg["kv_lora_rank"]
     if set(region) & {"q_norm", "k_norm"}:
         return cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     return cfg["hidden_size"]
@@ -240,6 +293,7 @@ def _rope_theta(cfg: dict) -> float:
 
 def gate_rope(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
     nh, _, hd = _heads(cfg)
+    hd = cfg.get("qk_rope_head_dim") or hd   # MLA rotates only the rope part of each head
     theta = _rope_theta(cfg)
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     reports = []
@@ -265,6 +319,8 @@ def gate_rope(fn, region, cfg, family, dtype, device, gen, sizes, hazards, const
 
 def gate_activation(fn, region, cfg, family, dtype, device, gen, sizes, hazards, constants) -> GateOutcome:
     inter = cfg.get("intermediate_size", 4 * cfg["hidden_size"])
+    if set(region) == {"shared_act"}:
+        inter = moe_dims(cfg)["shared"] or inter
 
     def make(m):
         return _rand((m, 2 * inter), dtype, gen, device, 2.0)
@@ -303,7 +359,14 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     of the cache shuffled; lengths not multiples of BLOCK_N exercise the hazard.
     """
     nh, nkv, hd = _heads(cfg)
-    scale = hd ** -0.5
+    dqk = dv = kv_width = hd
+    vkw: dict = {}
+    if "kv_lora_rank" in cfg:   # MLA: expanded heads, q/k and v head dims differ, pages padded to width
+        from isoexec_kernels.mla import mla_width, write_mla_kv_pages as write_kv_pages  # noqa: F811
+
+        nkv, dqk, dv = nh, cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+        kv_width, vkw = mla_width(dqk, dv), {"v_dim": cfg["v_head_dim"]}
+    scale = dqk ** -0.5
     block_n = int(constants.get("BLOCK_N", 64))
     max_len = 160 if device == "cpu" else 700
     varlen = binds["trainer_score"]
@@ -311,8 +374,8 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     exercised = {"len_not_tile_multiple": False}
 
     def seq(n):
-        return (_rand((n, nh, hd), dtype, gen, device), _rand((n, nkv, hd), dtype, gen, device),
-                _rand((n, nkv, hd), dtype, gen, device))
+        return (_rand((n, nh, dqk), dtype, gen, device), _rand((n, nkv, dqk), dtype, gen, device),
+                _rand((n, nkv, dv), dtype, gen, device))
 
     def pack(seqs):
         lens = [s[0].shape[0] for s in seqs]
@@ -352,7 +415,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
             for b, t in enumerate(tables):
                 bt[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
             bt = bt.to(device)
-            kc = torch.zeros((pages_needed, page, nkv, hd), dtype=dtype, device=device)
+            kc = torch.zeros((pages_needed, page, nkv, kv_width), dtype=dtype, device=device)
             vc = torch.zeros_like(kc)
             # prompts: all but a random tail; prefill them in random chunks (all sequences per step)
             tails = [int(torch.randint(1, min(n, 9), (1,), generator=gen)) if n > 1 else 0 for n in lens]
@@ -373,7 +436,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 ctx_t = torch.tensor(ctx, dtype=torch.int32)
                 slots = compute_slot_mapping(bt.cpu(), cuq, ctx_t, page).to(device)
                 write_kv_pages(torch.cat(ks), torch.cat(vs), kc, vc, slots)
-                out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale)
+                out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale, **vkw)
                 at = 0
                 for b in range(nseq):
                     engine_rows[b].append(out[at:at + qlens[b]])
@@ -389,7 +452,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 sub_bt = bt[torch.tensor(active, device=device)]
                 slots = compute_slot_mapping(sub_bt.cpu(), cuq, ctx_t, page).to(device)
                 write_kv_pages(ks, vs, kc, vc, slots)
-                out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale)
+                out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale, **vkw)
                 for j, b in enumerate(active):
                     engine_rows[b].append(out[j:j + 1])
                     done[b] += 1
@@ -411,7 +474,8 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
         s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
         refs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vd))
     err = rel_err(out, torch.cat(refs))
-    return GateOutcome(family, {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len,
-                                "sequences": counts}, str(dtype), reports, err, TOLERANCE[dtype], exercised,
-                       hazards)
+    shapes = {"heads": nh, "kv_heads": nkv, "head_dim": hd, "max_len": max_len, "sequences": counts}
+    if vkw:
+        shapes.update(head_dim=dqk, v_head_dim=dv, width=kv_width)
+    return GateOutcome(family, shapes, str(dtype), reports, err, TOLERANCE[dtype], exercised, hazards)
 

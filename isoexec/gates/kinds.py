@@ -14,6 +14,7 @@ from typing import Callable
 
 from .. import registry
 from ..contract import Entry
+from .moe_gates import gate_combine, gate_dispatch, gate_experts, gate_router
 from .gdn_gates import gate_gated_norm, gate_gdn_conv, gate_gdn_core, gate_gdn_prep, gate_sigmoid_gate
 from .kernel_gates import (
     GateOutcome,
@@ -51,6 +52,10 @@ KINDS: dict[str, KindGates] = {
     "gdn_prep": KindGates(_ROW, gate_gdn_prep),
     "gated_norm": KindGates(_ROW, gate_gated_norm),
     "gate": KindGates(_ROW, gate_sigmoid_gate),
+    "router": KindGates(_ROW_HAZARDS, gate_router),
+    "dispatch": KindGates(_ROW, gate_dispatch),
+    "experts": KindGates(_ROW_HAZARDS, gate_experts),
+    "combine": KindGates(_ROW, gate_combine),
 }
 
 # Kinds whose stock kernel is known to be batch-variant on an arch (measured; docs/gpu_notes.md): the

@@ -33,7 +33,7 @@ BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "sm90": (torch.bfloat16,)}
 DEVICE = {"cpu": "cpu", "sm90": "cuda"}
-MODEL_FAMILIES = ("dense", "hybrid")
+MODEL_FAMILIES = ("dense", "hybrid", "mla_moe", "hybrid_moe")
 # Negative controls that may find the stock path invariant by chance without that being a defect
 # of the gate: generate-then-verify compares a few hundred sampled tokens, and in bf16 on the CPU
 # the stock engine's logits can round to the trainer's (measured: dense_tiny, 0 of 153). Like a

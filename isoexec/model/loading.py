@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open
 
 from ..errors import IsoExecError
-from ..model_config import DenseConfig, HybridConfig
+from ..model_config import DenseConfig, HybridConfig, HybridMoeConfig, MlaMoeConfig
 
 
 class CheckpointError(IsoExecError):
@@ -122,8 +122,12 @@ def load_dense_checkpoint(model, path: str | Path) -> None:
 
 def load_from_hf_model(model, hf_model) -> None:
     """Copy the weights of an in-memory transformers model (tests, conversions)."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return load_hybrid_moe_from_hf_model(model, hf_model)
     if isinstance(model.cfg, HybridConfig):
         return load_hybrid_from_hf_model(model, hf_model)
+    if isinstance(model.cfg, MlaMoeConfig):
+        return load_mla_moe_from_hf_model(model, hf_model)
     state = {k: v for k, v in hf_model.state_dict().items()}
     load_named_tensors(model, state, dense_name_map(model.cfg), type(hf_model).__name__,
                        ignore=_tied_extra(model.cfg))
@@ -132,8 +136,12 @@ def load_from_hf_model(model, hf_model) -> None:
 @torch.no_grad()
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's weights under transformers' names (Qwen3, or Qwen3.5 for a hybrid model)."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return _map_to_hf(model, hybrid_moe_name_map(model.cfg))
     if isinstance(model.cfg, HybridConfig):
         return _hybrid_to_hf(model)
+    if isinstance(model.cfg, MlaMoeConfig):
+        return _mla_moe_to_hf(model)
     params = dict(model.named_parameters())
     out = {}
     for name, (target, start, rows) in dense_name_map(model.cfg).items():
@@ -210,8 +218,12 @@ def _hybrid_ignore(cfg: HybridConfig) -> Callable[[str], bool]:
 
 def load_checkpoint(model, path: str | Path) -> None:
     """Load a transformers safetensors checkpoint into a unified model of any family."""
+    if isinstance(model.cfg, HybridMoeConfig):
+        return load_hybrid_moe_checkpoint(model, path)
     if isinstance(model.cfg, HybridConfig):
         return load_hybrid_checkpoint(model, path)
+    if isinstance(model.cfg, MlaMoeConfig):
+        return load_mla_moe_checkpoint(model, path)
     return load_dense_checkpoint(model, path)
 
 
@@ -231,6 +243,163 @@ def _hybrid_to_hf(model) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
     out = {}
     for name, (target, start, rows) in hybrid_name_map(model.cfg).items():
+        t = params[target][start:start + rows].detach().clone()
+        out[name] = t[:, None, :] if name.endswith("conv1d.weight") else t
+    if model.cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ mla_moe
+def mla_moe_name_map(cfg: MlaMoeConfig) -> dict[str, tuple[str, int, int]]:
+    """transformers ``Glm4MoeLiteForCausalLM`` / ``DeepseekV3ForCausalLM`` name (in-memory layout:
+    stacked experts) -> (unified parameter, first row, row count)."""
+    h = cfg.hidden_size
+    m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed", 0, cfg.vocab_size),
+                                          "model.norm.weight": ("final_norm", 0, h)}
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = ("lm_head", 0, cfg.vocab_size)
+    qr, kvr, rd, nh = cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
+    for i, kind in enumerate(cfg.mlp_layer_types):
+        pre, to, a = f"model.layers.{i}.", f"layers.{i}.", f"model.layers.{i}.self_attn."
+        m.update({
+            pre + "input_layernorm.weight": (to + "attn_norm", 0, h),
+            pre + "post_attention_layernorm.weight": (to + "mlp_norm", 0, h),
+            a + "q_a_proj.weight": (to + "qkv_a_weight", 0, qr),
+            a + "kv_a_proj_with_mqa.weight": (to + "qkv_a_weight", qr, kvr + rd),
+            a + "q_a_layernorm.weight": (to + "q_a_norm", 0, qr),
+            a + "q_b_proj.weight": (to + "q_b_weight", 0, nh * cfg.qk_head_dim),
+            a + "kv_a_layernorm.weight": (to + "kv_a_norm", 0, kvr),
+            a + "kv_b_proj.weight": (to + "kv_b_weight", 0, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+            a + "o_proj.weight": (to + "o_weight", 0, h),
+        })
+        mlp = pre + "mlp."
+        if kind == "dense":
+            inter = cfg.intermediate_size
+            m.update({mlp + "gate_proj.weight": (to + "gate_up_weight", 0, inter),
+                      mlp + "up_proj.weight": (to + "gate_up_weight", inter, inter),
+                      mlp + "down_proj.weight": (to + "down_weight", 0, h)})
+            continue
+        E = cfg.n_routed_experts
+        m.update({mlp + "gate.weight": (to + "router_weight", 0, E),
+                  mlp + "gate.e_score_correction_bias": (to + "correction_bias", 0, E),
+                  mlp + "experts.gate_up_proj": (to + "experts_gate_up", 0, E),
+                  mlp + "experts.down_proj": (to + "experts_down", 0, E)})
+        si = cfg.shared_intermediate_size
+        if si:
+            s = mlp + "shared_experts."
+            m.update({s + "gate_proj.weight": (to + "shared_gate_up", 0, si),
+                      s + "up_proj.weight": (to + "shared_gate_up", si, si),
+                      s + "down_proj.weight": (to + "shared_down", 0, h)})
+    return m
+
+
+def _mla_moe_tensors(items, cfg: MlaMoeConfig, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    return _stack_experts(items, cfg.n_routed_experts, source)
+
+
+def _stack_experts(items, E: int, source: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names and layouts -> the in-memory transformers layout: per-expert tensors
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (how checkpoints store them) are stacked into
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] once a layer's
+    experts are all read."""
+    import re
+
+    pat = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in items:
+        hit = pat.match(name)
+        if not hit:
+            yield name, t
+            continue
+        base, e, part = hit.group(1), int(hit.group(2)), hit.group(3)
+        if e >= E:
+            raise CheckpointError(f"{source}: tensor {name!r} names expert {e}, the config has {E}")
+        got = pending.setdefault(base, {})
+        got[(e, part)] = t
+        if len(got) == 3 * E:
+            yield base + ".gate_up_proj", torch.stack([torch.cat([got[(j, "gate_proj")], got[(j, "up_proj")]])
+                                                       for j in range(E)])
+            yield base + ".down_proj", torch.stack([got[(j, "down_proj")] for j in range(E)])
+            del pending[base]
+    for base, got in pending.items():
+        raise CheckpointError(f"{source}: {base}: {len(got)} of {3 * E} per-expert tensors present")
+
+
+def _mla_moe_ignore(cfg: MlaMoeConfig) -> Callable[[str], bool]:
+    # Tied checkpoints may carry lm_head.weight; GLM-4.7-Flash and DeepSeek-V3 checkpoints carry the
+    # multi-token-prediction layer(s) as model.layers.{num_hidden_layers + j}, which the model skips.
+    def ignore(n: str) -> bool:
+        if (cfg.tie_word_embeddings and n == "lm_head.weight") or n.endswith("rotary_emb.inv_freq"):
+            return True
+        parts = n.split(".")
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() \
+            and int(parts[2]) >= cfg.num_layers
+    return ignore
+
+
+def load_mla_moe_checkpoint(model, path: str | Path) -> None:
+    """Load a GLM-4.7-Flash / DeepSeek-V3 style safetensors checkpoint into an :class:`MlaMoeModel`."""
+    load_named_tensors(model, _mla_moe_tensors(iter_safetensors(path), model.cfg, str(path)),
+                       mla_moe_name_map(model.cfg), str(path), ignore=_mla_moe_ignore(model.cfg))
+
+
+def load_mla_moe_from_hf_model(model, hf_model) -> None:
+    """Copy the weights of an in-memory transformers ``Glm4MoeLiteForCausalLM`` / ``DeepseekV3ForCausalLM``."""
+    src = type(hf_model).__name__
+    load_named_tensors(model, _mla_moe_tensors(hf_model.state_dict().items(), model.cfg, src),
+                       mla_moe_name_map(model.cfg), src, ignore=_mla_moe_ignore(model.cfg))
+
+
+def _mla_moe_to_hf(model) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = {name: params[target][start:start + rows].detach().clone()
+           for name, (target, start, rows) in mla_moe_name_map(model.cfg).items()}
+    if model.cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+# ------------------------------------------------------------------------------------------ hybrid_moe
+def hybrid_moe_name_map(cfg: HybridMoeConfig) -> dict[str, tuple[str, int, int]]:
+    """transformers ``Qwen3_5MoeForCausalLM`` name (stacked experts) -> (unified parameter, first row,
+    row count): the hybrid family's names with each layer's dense MLP replaced by the MoE block."""
+    m = {n: t for n, t in hybrid_name_map(cfg).items()
+         if not (".mlp." in n and n.endswith(("gate_proj.weight", "up_proj.weight", "down_proj.weight")))}
+    h, E, si = cfg.hidden_size, cfg.num_experts, cfg.shared_expert_intermediate_size
+    for i in range(cfg.num_layers):
+        mlp, to = f"model.layers.{i}.mlp.", f"layers.{i}."
+        m.update({mlp + "gate.weight": (to + "router_weight", 0, E),
+                  mlp + "experts.gate_up_proj": (to + "experts_gate_up", 0, E),
+                  mlp + "experts.down_proj": (to + "experts_down", 0, E)})
+        if si:
+            s = mlp + "shared_expert."
+            m.update({s + "gate_proj.weight": (to + "shared_gate_up", 0, si),
+                      s + "up_proj.weight": (to + "shared_gate_up", si, si),
+                      s + "down_proj.weight": (to + "shared_down", 0, h),
+                      mlp + "shared_expert_gate.weight": (to + "shared_gate", 0, 1)})
+    return m
+
+
+def load_hybrid_moe_checkpoint(model, path: str | Path) -> None:
+    """Load a Qwen3.5-MoE (text or multimodal) safetensors checkpoint into a :class:`HybridMoeModel`."""
+    load_named_tensors(model, _stack_experts(_hybrid_tensors(iter_safetensors(path)), model.cfg.num_experts,
+                                             str(path)),
+                       hybrid_moe_name_map(model.cfg), str(path), ignore=_hybrid_ignore(model.cfg))
+
+
+def load_hybrid_moe_from_hf_model(model, hf_model) -> None:
+    """Copy the weights of an in-memory transformers ``Qwen3_5MoeForCausalLM``."""
+    src = type(hf_model).__name__
+    load_named_tensors(model, _stack_experts(_hybrid_tensors(hf_model.state_dict().items()), model.cfg.num_experts,
+                                             src),
+                       hybrid_moe_name_map(model.cfg), src, ignore=_hybrid_ignore(model.cfg))
+
+
+def _map_to_hf(model, name_map) -> dict[str, torch.Tensor]:
+    params = dict(model.named_parameters())
+    out = {}
+    for name, (target, start, rows) in name_map.items():
         t = params[target][start:start + rows].detach().clone()
         out[name] = t[:, None, :] if name.endswith("conv1d.weight") else t
     if model.cfg.tie_word_embeddings:

@@ -1,12 +1,15 @@
 """Batch-invariant mixture-of-experts layer (router, dispatch, experts, combine); no Triton twin yet.
 
 Besides the usual files (``isoexec_kernels/__init__.py``): ``types.py`` (router kinds, weights,
-routing and dispatch records).
+routing and dispatch records) and ``regions.py`` (the layer cut into the regions a contract binds:
+router, dispatch, experts, combine).
 
-No ``IMPLS`` yet: no model family the compositions cover runs an MoE layer, so the registry has
-no MoE implementation to bind.
+``IMPLS`` (at the end): the invariant reference and the stock twin of each of the four regions.
+The reference runs on every arch: on sm90 it is a per-expert loop of Triton GEMMs (host syncs,
+no CUDA graphs) until the Triton grouped GEMM replaces the ``experts`` region.
 """
 
+from ..impl import Impl
 from .api import moe_forward
 from .types import (
     ROUTER_KINDS,
@@ -26,6 +29,37 @@ from .reference import (
     router_logits,
     shared_expert_forward,
 )
-from .native import moe_forward_native, route_native
+from .native import (
+    moe_combine_native,
+    moe_dispatch_native,
+    moe_experts_native,
+    moe_forward_native,
+    moe_route_native,
+    route_native,
+)
+from .regions import moe_combine, moe_dispatch, moe_experts, moe_route
 
 __all__ = [name for name in dir() if not name.startswith("_")]
+
+# The reference syncs with the host (expert offsets) so it cannot be captured in a CUDA graph.
+_GRAD = frozenset({"grad"})
+IMPLS = (
+    Impl("moe_router_fp32", "1", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
+         doc="fp32 router GEMM (invariant), float64-evaluated softmax/sigmoid, stable sort: ties to the lower "
+             "expert and group index"),
+    Impl("moe_dispatch_stable", "1", "dispatch", moe_dispatch, capabilities=_GRAD,
+         doc="(token, slot) pairs sorted by the unique key expert * T + token: expert-major, token-ascending"),
+    Impl("moe_experts_loop", "1", "experts", moe_experts, capabilities=_GRAD,
+         hazards=("expert_zero_load", "expert_full_load", "skewed_load"),
+         doc="per-expert SwiGLU on the invariant GEMM (CPU twin; the GPU needs the grouped GEMM)"),
+    Impl("moe_combine_fp32", "1", "combine", moe_combine, capabilities=_GRAD,
+         doc="k weighted rows summed in fp32 from +0 in ascending expert index, shared expert last, one rounding"),
+    Impl("torch_moe_router", "torch", "router", moe_route_native, capabilities=_GRAD, native=True,
+         doc="transformers' router: torch.topk (tie order unspecified)"),
+    Impl("torch_moe_dispatch", "torch", "dispatch", moe_dispatch_native, capabilities=_GRAD, native=True,
+         doc="transformers' one_hot / torch.where order"),
+    Impl("torch_moe_experts", "torch", "experts", moe_experts_native, capabilities=_GRAD, native=True,
+         doc="eager expert loop: F.linear per expert on its rows (BLAS blocking follows the load)"),
+    Impl("torch_moe_combine", "torch", "combine", moe_combine_native, capabilities=_GRAD, native=True,
+         doc="weighted rows rounded to the model dtype, index_add_ per expert, shared expert added in that dtype"),
+)

@@ -97,3 +97,70 @@ def moe_forward_native(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k
             shared = F.sigmoid(F.linear(x2, weights.shared_gate.to(x.dtype))) * shared
         out = out + shared
     return out.reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------ the four regions
+# The stock layer above, cut into the regions a contract binds (signatures: regions.py). Run in
+# sequence they compute what moe_forward_native computes, bit for bit.
+def moe_route_native(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
+                     correction_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
+    """transformers' router: ids in ``torch.topk`` order, weights in its dtype; the shared gate
+    F.sigmoid(F.linear(x, shared_gate)) in x's dtype."""
+    from .types import Routing
+
+    w = MoEWeights(router=weight, gate_up=weight.new_zeros(weight.shape[0], 2, weight.shape[1]),
+                   down=weight.new_zeros(weight.shape[0], weight.shape[1], 1), correction_bias=correction_bias)
+    top_w, top_i = route_native(x, w, spec)
+    g = None if shared_gate is None else F.sigmoid(F.linear(x, shared_gate.to(x.dtype)))
+    return Routing(ids=top_i, weights=top_w, shared_gate=g)
+
+
+def moe_dispatch_native(ids: torch.Tensor, num_experts: int):
+    """transformers' expert loop order: experts ascending; inside an expert, ``torch.where`` over
+    its [k, T] mask: slot-major, then token."""
+    from .types import Dispatch
+
+    T, k = ids.shape
+    mask = F.one_hot(ids.long(), num_classes=num_experts).permute(2, 1, 0)   # [E, k, T]
+    e_idx, slot, tok = torch.where(mask > 0)                                 # row-major: expert, slot, token
+    pair = tok * k + slot
+    counts = torch.bincount(e_idx, minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    row_of_pair = torch.empty_like(pair)
+    row_of_pair[pair] = torch.arange(pair.numel(), device=ids.device)
+    return Dispatch(token=tok, offsets=offsets, row_of_pair=row_of_pair, num_tokens=T, top_k=k)
+
+
+def moe_experts_native(x: torch.Tensor, disp, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The eager expert loop: per expert hit, F.linear, F.silu(gate) * up, F.linear on its rows."""
+    out = x.new_empty((disp.token.numel(), x.shape[-1]))
+    offs = disp.offsets.tolist()
+    for e in range(len(offs) - 1):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 > r0:
+            gate, up = F.linear(x[disp.token[r0:r1]], gate_up[e]).chunk(2, dim=-1)
+            out[r0:r1] = F.linear(F.silu(gate) * up, down[e])
+    return out
+
+
+def moe_combine_native(rows: torch.Tensor, disp, routing, shared: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """transformers' combine: per expert in ascending index, rows times their weight, rounded to the
+    output dtype and ``index_add_``-ed into a buffer of that dtype; then + the (gated) shared expert
+    in that dtype."""
+    T, k = disp.num_tokens, disp.top_k
+    dtype = out_dtype or rows.dtype
+    final = torch.zeros((T, rows.shape[-1]), dtype=dtype, device=rows.device)
+    pair_of_row = torch.empty_like(disp.row_of_pair)
+    pair_of_row[disp.row_of_pair] = torch.arange(disp.row_of_pair.numel(), device=rows.device)
+    w_rows = routing.weights.reshape(-1)[pair_of_row]
+    offs = disp.offsets.tolist()
+    for e in range(len(offs) - 1):
+        r0, r1 = offs[e], offs[e + 1]
+        if r1 > r0:
+            h = rows[r0:r1] * w_rows[r0:r1, None]
+            final = final.index_add(0, disp.token[r0:r1], h.to(dtype))
+    if shared is not None:
+        final = final + (shared if routing.shared_gate is None else routing.shared_gate * shared)
+    return final

@@ -93,10 +93,13 @@ class MoEWeights:
 
 @dataclass
 class Routing:
-    """ids [T, k] int64, ascending per token; weights [T, k] fp32 in the same order."""
+    """ids [T, k] int64, ascending per token; weights [T, k] fp32 in the same order (the stock
+    twin: transformers' top-k order and dtype). ``shared_gate``: the shared expert's gate [T, 1]
+    when the layer has a gated shared expert (Qwen), computed by the router region."""
 
     ids: torch.Tensor
     weights: torch.Tensor
+    shared_gate: torch.Tensor | None = None
 
 
 @dataclass

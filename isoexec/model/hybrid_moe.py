@@ -1,0 +1,85 @@
+"""The hybrid_moe family of the unified model (Qwen3.5-MoE text architecture, ``qwen3_5_moe_text``).
+
+The hybrid family's layers (``layer_types``: Gated DeltaNet token mixers with CPR, or gated GQA
+attention with zero-centred q/k norm and partial rotary; zero-centred RMSNorms), each followed by
+a mixture of experts instead of the dense MLP: a softmax router over ``num_experts`` (fp32, top-k
+by a stable sort with ties to the lower expert index, the k weights renormalised), the routed
+experts' SwiGLU, and one shared expert whose output is scaled by sigmoid(x . w_gate) (the gate is
+computed by the router region in fp32). The MoE regions are those of the mla_moe family
+(``isoexec/model/mla_moe.py: moe_layer``; ``isoexec_kernels/moe/``). Engine state as the hybrid
+family: KV pages for the attention layers, a state slot per sequence for the GDN layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_config import HybridMoeConfig
+from .batch import ForwardBatch
+from .hybrid import GatedAttentionLayer, GatedDeltaNetLayer, HybridModel, _params
+from .mla_moe import moe_layer
+
+
+def _moe_params(module: nn.Module, cfg: HybridMoeConfig, dtype, device) -> None:
+    """Replace the dense MLP parameters of a hybrid layer by the MoE ones."""
+    del module.gate_up_weight, module.down_weight
+    h, E, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    _params(module, dtype, device, router_weight=(E, h), experts_gate_up=(E, 2 * inter, h),
+            experts_down=(E, h, inter))
+    si = cfg.shared_expert_intermediate_size
+    if si:
+        _params(module, dtype, device, shared_gate_up=(2 * si, h), shared_down=(h, si), shared_gate=(1, h))
+
+
+class MoeGatedAttentionLayer(GatedAttentionLayer):
+    def __init__(self, cfg: HybridMoeConfig, dtype, device):
+        super().__init__(cfg, dtype, device)
+        _moe_params(self, cfg, dtype, device)
+
+
+class MoeGatedDeltaNetLayer(GatedDeltaNetLayer):
+    def __init__(self, cfg: HybridMoeConfig, dtype, device):
+        super().__init__(cfg, dtype, device)
+        _moe_params(self, cfg, dtype, device)
+
+
+class HybridMoeModel(HybridModel):
+    """Same public interface as :class:`HybridModel` (recurrent state included)."""
+
+    family = "hybrid_moe"
+
+    def __init__(self, cfg: HybridMoeConfig, dtype=torch.float32, device="cpu"):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        layer_cls = {"full_attention": MoeGatedAttentionLayer, "linear_attention": MoeGatedDeltaNetLayer}
+        self.layers = nn.ModuleList(layer_cls[t](cfg, dtype, device) for t in cfg.layer_types)
+        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.plans = {}
+        self.contract = None
+        self._rope_tables: dict[str, torch.Tensor] = {}
+        from isoexec_kernels.moe import RouterSpec
+
+        self.router_spec = RouterSpec(kind="softmax_topk", top_k=cfg.num_experts_per_tok, norm_topk_prob=True)
+
+    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
+        cfg, plan = self.cfg, self._plan(batch.case)
+        eps = cfg.rms_norm_eps
+        x = plan["embed"](ids, self.embed)
+        rope = self.rope_table()
+        kv_layer = gdn_layer = 0
+        for L in self.layers:
+            n = plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True)
+            if L.kind == "full_attention":
+                x = x + self._gated_attention(plan, kv_layer, L, n, batch, rope)
+                kv_layer += 1
+            else:
+                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
+                gdn_layer += 1
+            n = plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True)
+            x = x + moe_layer(plan, L, n, self.router_spec, cfg.num_experts, cfg.shared_expert_intermediate_size)
+        return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)

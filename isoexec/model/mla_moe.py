@@ -1,0 +1,201 @@
+"""The mla_moe family of the unified model (transformers ``glm4_moe_lite``, also ``deepseek_v3``).
+
+Every layer: RMSNorm, multi-head latent attention (MLA), residual, RMSNorm, then per
+``mlp_layer_types`` (``first_k_dense_replace`` for deepseek_v3) a dense SwiGLU MLP or a mixture
+of experts, residual. As in the other families each op's implementation comes from the installed
+contract's plan for the case, so native vs IsoExec is one program.
+
+MLA runs in the expanded form in every case (``isoexec_kernels/mla/api.py`` has the schedule and
+the argument): latent projections, latent RMSNorms (eps 1e-6, as transformers builds them), the
+kv up-projection, RoPE on the rope parts, per-head q/k/v expanded and zero-padded to
+``cfg.attn_width``, the batch-invariant attention, o_proj. The engine caches the padded expanded K
+and V rows in its pages (``KVCache`` [pages, page_size, num_heads, attn_width]).
+
+The MoE layer runs as regions (``isoexec_kernels/moe/regions.py``): ``router`` (sigmoid scores plus
+the correction bias for selection, group-limited top-k, ties to the lower group and expert index,
+weights = unbiased scores normalised and times ``routed_scaling_factor``), ``dispatch``
+(expert-major, token-ascending), ``experts`` (per-expert SwiGLU), the shared experts through the
+``shared_*`` linear and activation regions, and ``combine`` (fp32, ascending expert index, shared
+expert last, one rounding).
+
+Weights are stored fused where regions may fuse: ``qkv_a_weight`` = [W_q_a; W_kv_a] (ops
+``q_a_proj`` + ``kv_a_proj``), ``gate_up_weight`` = [W_gate; W_up] for dense MLPs and
+``shared_gate_up`` likewise for the shared experts; routed experts keep transformers' stacked
+layout (``experts_gate_up`` [E, 2I, H], ``experts_down`` [E, H, I]). The correction bias is an
+fp32 parameter that takes no gradient (transformers keeps it fp32 and outside training).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_config import MLA_LATENT_NORM_EPS, MlaMoeConfig
+from .batch import ForwardBatch
+from .dense import DenseModel
+
+
+def _params(module: nn.Module, dtype, device, **shapes) -> None:
+    for name, shape in shapes.items():
+        setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
+
+
+def moe_layer(plan, L: nn.Module, n: torch.Tensor, spec, num_experts: int, shared_size: int) -> torch.Tensor:
+    """One MoE layer through the contract's regions (router, dispatch, experts, the shared expert's
+    linear and activation regions, combine). ``L`` holds ``router_weight``, ``experts_gate_up``,
+    ``experts_down`` and, when present, ``correction_bias`` (group routers), ``shared_gate_up`` /
+    ``shared_down`` (the shared expert, ``shared_size`` wide) and ``shared_gate`` (its Qwen-style
+    sigmoid gate, computed by the router region)."""
+    routing = plan["router"](n, L.router_weight, spec, getattr(L, "correction_bias", None),
+                             getattr(L, "shared_gate", None))
+    disp = plan["dispatch"](routing.ids, num_experts)
+    rows = plan["experts"](n, disp, L.experts_gate_up, L.experts_down)
+    shared = None
+    if shared_size:
+        gu = DenseModel._linear(plan, ("shared_gate_proj", "shared_up_proj"), n, L.shared_gate_up,
+                                (shared_size, shared_size))
+        g, u = gu.split((shared_size, shared_size), dim=-1)
+        shared = plan["shared_down_proj"](plan["shared_act"](g, u), L.shared_down)
+    return plan["combine"](rows, disp, routing, shared, out_dtype=n.dtype)
+
+
+class MlaLayer(nn.Module):
+    def __init__(self, cfg: MlaMoeConfig, kind: str, dtype, device):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_heads
+        self.kind = kind
+        _params(self, dtype, device, attn_norm=(h,),
+                qkv_a_weight=(cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+                q_a_norm=(cfg.q_lora_rank,), q_b_weight=(nh * cfg.qk_head_dim, cfg.q_lora_rank),
+                kv_a_norm=(cfg.kv_lora_rank,), kv_b_weight=(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                            cfg.kv_lora_rank),
+                o_weight=(h, nh * cfg.v_head_dim), mlp_norm=(h,))
+        if kind == "dense":
+            _params(self, dtype, device, gate_up_weight=(2 * cfg.intermediate_size, h),
+                    down_weight=(h, cfg.intermediate_size))
+        else:
+            E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
+            _params(self, dtype, device, router_weight=(E, h), experts_gate_up=(E, 2 * inter, h),
+                    experts_down=(E, h, inter))
+            self.correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32, device=device),
+                                                requires_grad=False)
+            if cfg.shared_intermediate_size:
+                _params(self, dtype, device, shared_gate_up=(2 * cfg.shared_intermediate_size, h),
+                        shared_down=(h, cfg.shared_intermediate_size))
+
+
+class MlaMoeModel(DenseModel):
+    """Same public interface as :class:`DenseModel` (install, init_random, hidden_states, logits,
+    token_logprobs, logprobs_from_logits, rope_table, lm_head_weight)."""
+
+    family = "mla_moe"
+
+    def __init__(self, cfg: MlaMoeConfig, dtype=torch.float32, device="cpu"):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.layers = nn.ModuleList(MlaLayer(cfg, t, dtype, device) for t in cfg.mlp_layer_types)
+        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
+        self.plans = {}
+        self.contract = None
+        self._rope_tables: dict[str, torch.Tensor] = {}
+        from isoexec_kernels.moe import RouterSpec
+
+        self.router_spec = RouterSpec(kind="sigmoid_group_topk", top_k=cfg.num_experts_per_tok,
+                                      norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
+                                      topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
+
+    # ------------------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> "MlaMoeModel":
+        """Random weights: norm weights near 1, the correction bias ~ N(0, 0.01^2) (so that selection
+        and weights really use different scores), matrices ~ N(0, std^2)."""
+        g = torch.Generator().manual_seed(seed)
+        for name, prm in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "correction_bias":
+                v = 0.01 * torch.randn(prm.shape, generator=g)
+            elif prm.dim() == 1:
+                v = 1.0 + 0.05 * torch.randn(prm.shape, generator=g)
+            else:
+                v = torch.randn(prm.shape, generator=g) * std
+            prm.copy_(v)
+        return self
+
+    def rope_table(self) -> torch.Tensor:
+        """fp32 (cos | sin) rows of the ``qk_rope_head_dim`` rope channels for every position."""
+        dev = str(self.embed.device)
+        if dev not in self._rope_tables:
+            from isoexec_kernels.rope import rope_cache
+
+            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.qk_rope_head_dim,
+                                                self.cfg.rope_theta, self.embed.device)
+        return self._rope_tables[dev]
+
+    # ------------------------------------------------------------------------------ forward
+    def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """transformers' interleaved rope pairs (x0, x1), (x2, x3)... de-interleaved to
+        (x0, x2, ..., x1, x3, ...): a permutation (view, transpose, copy), after which the neox
+        rotate-half rotation equals transformers' interleaved rotation, output layout included."""
+        if not self.cfg.rope_interleave:
+            return x.contiguous()
+        d = x.shape[-1]
+        return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(*x.shape[:-1], d)
+
+    def _mla(self, plan, layer: int, L: MlaLayer, n: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        from isoexec_kernels.mla import expand_qkv
+
+        cfg = self.cfg
+        T = n.shape[0]
+        nh, nope, rd, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        qr, kvr = cfg.q_lora_rank, cfg.kv_lora_rank
+        a = self._linear(plan, ("q_a_proj", "kv_a_proj"), n, L.qkv_a_weight, (qr, kvr + rd))
+        qa, ckv, k_rope = a.split((qr, kvr, rd), dim=-1)
+        q = plan["q_b_proj"](plan["q_a_norm"](qa, L.q_a_norm, MLA_LATENT_NORM_EPS), L.q_b_weight)
+        kv = plan["kv_b_proj"](plan["kv_a_norm"](ckv, L.kv_a_norm, MLA_LATENT_NORM_EPS), L.kv_b_weight)
+        q_nope, q_rope = q.reshape(T, nh, nope + rd).split((nope, rd), dim=-1)
+        q_rope = plan["rope"](self._rope_layout(q_rope), batch.positions, rope, theta=cfg.rope_theta)
+        k_rope = plan["rope"](self._rope_layout(k_rope.reshape(T, 1, rd)), batch.positions, rope,
+                              theta=cfg.rope_theta)
+        q, k, v = expand_qkv(q_nope, q_rope, kv.reshape(T, nh, nope + dv), k_rope, nope, dv)
+        o = self._mla_attention(plan, layer, q, k, v, batch)
+        return plan["o_proj"](o.reshape(T, nh * dv), L.o_weight)
+
+    def _mla_attention(self, plan, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
+        scale = self.cfg.qk_head_dim ** -0.5
+        attn = plan["attn_core"]
+        if not batch.is_engine:
+            return attn(q, k, v, batch.cu_seqlens, batch.max_seqlen, scale)
+        from isoexec_kernels.mla import write_mla_kv_pages
+
+        kc, vc = batch.kv.k[layer], batch.kv.v[layer]
+        write_mla_kv_pages(k, v, kc, vc, batch.slot_mapping)  # pad + copy: no arithmetic, part of attn_core
+        dv = self.cfg.v_head_dim
+        if batch.case == "engine_decode":
+            return attn(q, kc, vc, batch.block_table, batch.context_lens, scale, v_dim=dv)
+        return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale,
+                    max_seqlen_q=batch.max_seqlen_q, v_dim=dv)
+
+    def _dense_mlp(self, plan, L: MlaLayer, n: torch.Tensor) -> torch.Tensor:
+        inter = self.cfg.intermediate_size
+        gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter))
+        g, u = gu.split((inter, inter), dim=-1)
+        return plan["down_proj"](plan["act"](g, u), L.down_weight)
+
+    def _moe(self, plan, L: MlaLayer, n: torch.Tensor) -> torch.Tensor:
+        return moe_layer(plan, L, n, self.router_spec, self.cfg.n_routed_experts, self.cfg.shared_intermediate_size)
+
+    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
+        cfg, plan = self.cfg, self._plan(batch.case)
+        eps = cfg.rms_norm_eps
+        x = plan["embed"](ids, self.embed)
+        rope = self.rope_table()
+        for i, L in enumerate(self.layers):
+            n = plan["attn_norm"](x, L.attn_norm, eps)
+            x = x + self._mla(plan, i, L, n, batch, rope)
+            n = plan["mlp_norm"](x, L.mlp_norm, eps)
+            x = x + (self._dense_mlp(plan, L, n) if L.kind == "dense" else self._moe(plan, L, n))
+        return plan["final_norm"](x, self.final_norm, eps)

@@ -1,0 +1,57 @@
+"""The MoE layer as the four regions a contract binds (ops ``router``, ``dispatch``, ``experts``,
+``combine``; the shared expert runs through the ``shared_*`` linear and activation regions).
+
+The invariant implementations are the reference building blocks of ``reference.py`` (rounding
+schedule: ``api.py``) with the public ``linear`` and ``silu_and_mul`` kernels, so that autograd
+runs their designed backwards (the selection itself has no gradient; the routing weights do,
+through the fp32 router GEMM and the float64-evaluated sigmoid / softmax). The expert loop is a
+per-expert Python loop: fine for the CPU twin, but on a GPU it is a host sync plus two GEMM
+launches per expert, so the sm90 compositions run it only until the Triton grouped GEMM exists
+(a grouped GEMM must keep one K order per row, whatever the expert's load; ``api.py`` step 4).
+
+Signatures (the stock twins in ``native.py`` take the same):
+  router(x [T, H], weight [E, H], spec: RouterSpec, correction_bias=None [E] fp32,
+         shared_gate=None [1, H]) -> Routing (ids [T, k], weights [T, k], shared_gate [T, 1] | None)
+  dispatch(ids [T, k], num_experts) -> Dispatch
+  experts(x [T, H], disp, gate_up [E, 2I, H], down [E, H, I]) -> rows [T*k, H] in dispatch order
+  combine(rows, disp, routing, shared=None [T, H], out_dtype=None) -> [T, H]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..activation import silu_and_mul
+from ..gemm import linear
+from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, route, router_logits
+from .types import Dispatch, RouterSpec, Routing
+
+
+def moe_route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None = None,
+              shared_gate: torch.Tensor | None = None) -> Routing:
+    """Region ``router``: fp32 logits through the invariant GEMM, then :func:`reference.route`
+    (ties to the lower expert / group index); with ``shared_gate`` [1, H] (Qwen), also the
+    shared expert's fp32 gate sigmoid(lin(fp32(x), fp32(shared_gate))) [T, 1]."""
+    spec.check(weight.shape[0])
+    r = route(router_logits(x, weight, linear), spec, correction_bias)
+    if shared_gate is not None:
+        r.shared_gate = _sigmoid_fp32(linear(x.float(), shared_gate.float()))
+    return r
+
+
+def moe_dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
+    """Region ``dispatch``: (token, slot) pairs expert-major, token-ascending (integers only)."""
+    return dispatch(ids, num_experts)
+
+
+def moe_experts(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Region ``experts``: each expert's SwiGLU on the rows it owns (invariant GEMM, position-free
+    activation): a row's output does not depend on how many rows its expert received."""
+    return experts_forward(x, disp, gate_up, down, linear, silu_and_mul)
+
+
+def moe_combine(rows: torch.Tensor, disp: Dispatch, routing: Routing, shared: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Region ``combine``: per token, the k weighted rows in fp32 from +0 in ascending expert
+    index, then the (gated) shared expert, one rounding."""
+    return combine(rows, disp, routing, shared, routing.shared_gate, out_dtype)
