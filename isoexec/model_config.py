@@ -317,6 +317,10 @@ class MlaMoeConfig:
             types = tuple("dense" if i < k else "sparse" for i in range(n_layers))
         else:
             types = tuple(cfg.mlp_layer_types)
+            k = getattr(cfg, "first_k_dense_replace", None)
+            if k is not None and types != tuple("dense" if i < k else "sparse" for i in range(len(types))):
+                raise ConfigError(f"first_k_dense_replace={k} disagrees with mlp_layer_types {list(types)}: "
+                                  "glm4_moe_lite reads mlp_layer_types only")
         if len(types) != n_layers:
             raise ConfigError(f"mlp_layer_types has {len(types)} entries for {n_layers} layers")
         bad_types = sorted({t for t in types if t not in MLP_LAYER_TYPES})
