@@ -214,22 +214,35 @@ MLA_LATENT_NORM_EPS = 1e-6
 """transformers builds the q and kv latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``) with
 their default eps 1e-6, not ``rms_norm_eps``; so does the unified model."""
 
-# keys of a checkpoint's config.json that transformers reads or converts although they are not
-# fields of the config class (legacy rope keys, dtype, the MTP layer count)
-_TOLERATED_KEYS = frozenset({"rope_theta", "rope_scaling", "partial_rotary_factor", "torch_dtype", "model_type",
-                             "num_nextn_predict_layers", "first_k_dense_replace", "auto_map"})
+# Keys of released config.json files that transformers reads, converts or ignores although they are
+# not fields of the config class (legacy rope keys, dtype, the MTP layer count, DeepSeek's training
+# and parallelism settings). Where a value changes the model, only the value the model implements is
+# accepted: None means any value.
+_TOLERATED_KEYS: dict[str, tuple | None] = {
+    "rope_theta": None, "rope_scaling": None, "partial_rotary_factor": None, "torch_dtype": None, "model_type": None,
+    "num_nextn_predict_layers": None, "first_k_dense_replace": None, "auto_map": None, "head_dim": None,
+    "ep_size": None, "moe_layer_freq": (1,), "aux_loss_alpha": None, "seq_aux": None,
+    "scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",)}
 
 
 def _unknown_keys(d: dict, cfg: Any) -> list[str]:
-    """hf_config keys that are neither fields of ``cfg``'s class nor attribute aliases: transformers
-    keeps them as loose attributes and the model would silently ignore them."""
+    """hf_config keys that are neither fields of ``cfg``'s class nor attribute aliases (transformers
+    keeps them as loose attributes and the model would silently ignore them), and tolerated keys
+    with a value the model does not implement (``key=value``)."""
     import dataclasses
 
     cls = type(cfg)
     if not dataclasses.is_dataclass(cls):
         return []
-    known = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {})) | _TOLERATED_KEYS
-    return sorted(k for k in d if k not in known)
+    known = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
+    bad = []
+    for k in sorted(d):
+        if k in known:
+            continue
+        allowed = _TOLERATED_KEYS.get(k, ())
+        if allowed == () or (allowed is not None and d[k] not in allowed):
+            bad.append(repr(k) if k not in _TOLERATED_KEYS else f"{k}={d[k]!r}")
+    return bad
 
 
 def _pow2_at_least(n: int) -> int:
@@ -286,8 +299,8 @@ class MlaMoeConfig:
         if raw is not None:
             bad = _unknown_keys(raw, cfg)
             if bad:
-                raise ConfigError(f"{mt} config: unknown key(s) {', '.join(map(repr, bad))} "
-                                  f"(not fields of {type(cfg).__name__})")
+                raise ConfigError(f"{mt} config: unsupported key(s) {', '.join(bad)} (not fields of "
+                                  f"{type(cfg).__name__}, or a value the model does not implement)")
         if getattr(cfg, "attention_bias", False):
             raise ConfigError("attention_bias=True is not supported by the mla_moe family")
         if cfg.hidden_act != "silu":
@@ -317,6 +330,10 @@ class MlaMoeConfig:
             types = tuple("dense" if i < k else "sparse" for i in range(n_layers))
         else:
             types = tuple(cfg.mlp_layer_types)
+            k = getattr(cfg, "first_k_dense_replace", None)
+            if k is not None and types != tuple("dense" if i < k else "sparse" for i in range(len(types))):
+                raise ConfigError(f"first_k_dense_replace={k} disagrees with mlp_layer_types {list(types)}: "
+                                  "glm4_moe_lite reads mlp_layer_types only")
         if len(types) != n_layers:
             raise ConfigError(f"mlp_layer_types has {len(types)} entries for {n_layers} layers")
         bad_types = sorted({t for t in types if t not in MLP_LAYER_TYPES})
@@ -401,8 +418,8 @@ class HybridMoeConfig(HybridConfig):
         if raw is not None:
             bad = _unknown_keys(raw, cfg)
             if bad:
-                raise ConfigError(f"qwen3_5_moe_text config: unknown key(s) {', '.join(map(repr, bad))} "
-                                  f"(not fields of {type(cfg).__name__})")
+                raise ConfigError(f"qwen3_5_moe_text config: unsupported key(s) {', '.join(bad)} (not fields of "
+                                  f"{type(cfg).__name__}, or a value the model does not implement)")
         E, k = cfg.num_experts, cfg.num_experts_per_tok
         if E < 2 or not 1 <= k <= E:
             raise ConfigError(f"num_experts_per_tok {k} must be in [1, num_experts={E}] (num_experts >= 2)")

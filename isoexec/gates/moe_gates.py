@@ -3,9 +3,9 @@
 Every gate draws seeded random inputs at the model config's MoE shapes and compares integer views:
 
 - ``router`` (batch_invariance, hazards): a token's expert ids and fp32 weights alone == inside
-  a batch. The hazards input makes exact ties: zero correction bias, router rows repeated in runs
-  of k+1 equal experts (a run on top ties across the top-k boundary), and a fifth of the tokens all
-  zero (every logit +0, so every expert and every group ties).
+  a batch. The hazards input makes exact ties: zero correction bias, the router rows of experts
+  0..k equal (when they score highest, k+1 experts tie across the top-k boundary), and a fifth of
+  the tokens all zero (every logit +0, so every expert and every group ties).
   ``topk_tie`` counts the tokens whose k-th and (k+1)-th selection scores (inside the kept groups)
   are equal, ``group_tie`` those whose last kept and first dropped group scores are equal; a gate
   whose inputs held no boundary tie fails as vacuous.
@@ -90,7 +90,8 @@ def gate_router(fn, region, cfg, family, dtype, device, gen, sizes, hazards, con
     gate_w = _rand((1, H), dtype, gen, device, 1.0 / math.sqrt(H)) if d["gated"] else None
     exercised: dict = {}
     if family == "hazards":
-        w = w[torch.arange(E, device=device) // (spec.top_k + 1)].contiguous()   # runs of k+1 equal experts
+        w = w.clone()
+        w[1:spec.top_k + 1] = w[0]           # experts 0..k equal: a tie across the top-k boundary when on top
         bias = None if bias is None else torch.zeros_like(bias)
         exercised.update(topk_tie=0, group_tie=0)
 

@@ -81,10 +81,11 @@ order, one rounding to its input dtype)
      rounded once. transformers instead rounds each weighted expert row to the model dtype and
      adds it to a model-dtype buffer (``index_add_``), then adds the shared expert in that dtype.
 
-Autograd: the reference is made of torch ops, so autograd can run through the expert GEMMs,
-the activation and the weights (the selection itself has no gradient), but that backward is
-neither designed nor gated yet: a later step adds the deterministic backward. Use this module for
-forward computations.
+Autograd: the reference is made of torch ops, so autograd runs through the expert GEMMs, the
+activation and the routing weights (the selection itself has no gradient). The regions the model
+binds (``regions.py``) use the public ``linear`` and ``silu_and_mul``, whose designed backwards run
+there; on CPU the mla_moe and hybrid_moe ``backward_determinism`` gates check the result is
+deterministic. A fast GPU backward (grouped GEMM) is a later step.
 """
 
 from __future__ import annotations

@@ -33,8 +33,12 @@ from .types import MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, R
 
 def route_native(x: torch.Tensor, weights: MoEWeights, spec: RouterSpec):
     """(top-k weights [T, k], top-k expert ids [T, k]) as transformers' routers compute them."""
+    return _route_native(x, weights.router, weights.correction_bias, spec)
+
+
+def _route_native(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.Tensor | None, spec: RouterSpec):
     if spec.kind == ROUTER_SOFTMAX_TOPK:
-        logits = F.linear(x, weights.router.to(x.dtype))
+        logits = F.linear(x, router.to(x.dtype))
         probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         top_v, top_i = torch.topk(probs, spec.top_k, dim=-1)
         if spec.norm_topk_prob:
@@ -42,10 +46,10 @@ def route_native(x: torch.Tensor, weights: MoEWeights, spec: RouterSpec):
         return top_v.to(logits.dtype), top_i
     if spec.kind != ROUTER_SIGMOID_GROUP_TOPK:
         raise ValueError(f"moe_native: unknown router kind {spec.kind!r}")
-    E = weights.num_experts
-    logits = F.linear(x.type(torch.float32), weights.router.type(torch.float32))
+    E = router.shape[0]
+    logits = F.linear(x.type(torch.float32), router.type(torch.float32))
     scores = logits.sigmoid()
-    bias = weights.correction_bias if weights.correction_bias is not None else torch.zeros_like(scores[0])
+    bias = correction_bias if correction_bias is not None else torch.zeros_like(scores[0])
     choice = scores + bias.float()
     group_scores = choice.view(-1, spec.n_group, E // spec.n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
@@ -108,9 +112,7 @@ def moe_route_native(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
     F.sigmoid(F.linear(x, shared_gate)) in x's dtype."""
     from .types import Routing
 
-    w = MoEWeights(router=weight, gate_up=weight.new_zeros(weight.shape[0], 2, weight.shape[1]),
-                   down=weight.new_zeros(weight.shape[0], weight.shape[1], 1), correction_bias=correction_bias)
-    top_w, top_i = route_native(x, w, spec)
+    top_w, top_i = _route_native(x, weight, correction_bias, spec)
     g = None if shared_gate is None else F.sigmoid(F.linear(x, shared_gate.to(x.dtype)))
     return Routing(ids=top_i, weights=top_w, shared_gate=g)
 

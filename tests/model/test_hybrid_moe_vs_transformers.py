@@ -104,7 +104,7 @@ def test_safetensors_round_trip_with_per_expert_and_multimodal_names(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(foo=1), "unknown key.*'foo'"),
+    (dict(foo=1), "unsupported key.*'foo'"),
     (dict(layer_types=["linear_attention", "full_attention"]),
      r"num_hidden_layers. \(4\) must be equal to the number of .layer_types. \(2\)"),
     (dict(num_experts_per_tok=9), "num_experts_per_tok 9 must be in"),

@@ -154,7 +154,8 @@ def test_mtp_layers_are_skipped_and_a_missing_expert_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(foo=1), "unknown key.*'foo'"),
+    (dict(foo=1), "unsupported key.*'foo'"),
+    (dict(scoring_func="softmax"), "unsupported key.*scoring_func='softmax'"),
     (dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types has 2 entries for 3 layers"),
     (dict(mlp_layer_types=["dense", "sparse", "moe"]), "mlp layer type.*'moe'"),
     (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
