@@ -55,6 +55,14 @@ def job_stats(out: str) -> dict[str, int]:
     return stats
 
 
+def job_block(out: str, rule: str) -> str:
+    """The first job of ``rule`` in a dry run's output: its lines up to the next job's timestamp
+    (or a blank line, or the job stats)."""
+    lines = out.split(f"rule {rule}:\n", 1)[1].splitlines()
+    end = next((i for i, ln in enumerate(lines) if not ln.strip() or ln.startswith(("[", "Job stats"))), len(lines))
+    return "\n".join(lines[:end])
+
+
 def write_config(path: Path, text: str) -> Path:
     path.write_text(textwrap.dedent(text))
     return path
@@ -94,7 +102,7 @@ def test_dry_run_of_the_h200_config_asks_for_a_gpu(wf):
     assert "train" in benches  # the H200 config also benchmarks the trainer step
     assert job_stats(out) == {**EXPECTED_JOBS, "bench": len(benches)}
     assert "results/h200/gates/dense" in out and "configs/models/dense_qwen3_0p6b.yaml" in out
-    gates_job = out.split("rule gates:", 1)[1].split("\n\n", 1)[0]
+    gates_job = job_block(out, "gates")
     assert "gpu=1" in gates_job
 
 
@@ -140,16 +148,18 @@ def test_the_qwen3_8b_model_config_has_its_dimensions():
 
 def test_cpu_jobs_ask_for_no_gpu_and_one_thread(wf):
     """On cpu every job runs on one thread (the tiny models gain nothing from more), so Snakemake
-    runs one job per core; on a GPU arch the gates and RL runs keep their host threads."""
+    runs one job per core, the jobs on the way to the RL runs before the benchmarks; on a GPU arch
+    the gates and RL runs keep their host threads."""
     r = snakemake(wf, "-n", "--cores", "4")
     out = r.stdout + r.stderr
-    for rule in ("gates", "rl_run", "bench"):
-        job = out.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+    for rule in ("gates", "rl_run", "bench", "contract_draft", "contract_admit"):
+        job = job_block(out, rule)
         assert "gpu=0" in job or "gpu=" not in job, rule
         assert "threads:" not in job, rule   # Snakemake names a job's threads when they are more than 1
+        assert ("priority: 1" in job) == (rule != "bench"), (rule, job)
     gpu = snakemake(wf, "-n", "--cores", "4", "--configfile", "configs/h200.yaml")
     for rule, threads in (("gates", 4), ("rl_run", 2)):
-        job = (gpu.stdout + gpu.stderr).split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+        job = job_block(gpu.stdout + gpu.stderr, rule)
         assert f"threads: {threads}" in job, (rule, job)
 
 
@@ -161,7 +171,7 @@ def test_profiles_parse(wf, profile):
     assert "Using" in out and "profile" in out
     if "slurm" in profile:   # every GPU job (gates, bench, rl_run) goes to the GPU partition
         for rule in ("gates", "bench", "rl_run"):
-            job = out.split(f"rule {rule}:", 1)[1].split("\n\n", 1)[0]
+            job = job_block(out, rule)
             assert "gpu=1" in job and "slurm_partition=<your GPU partition>" in job, rule
             mem = int(re.search(r"mem_mb=(\d+)", job).group(1))
             assert mem >= 64000 and "cpus_per_gpu=" in job, rule

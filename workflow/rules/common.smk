@@ -40,6 +40,11 @@ def job_threads(gpu_arch_threads):
     return 1 if ARCH == "cpu" else gpu_arch_threads
 
 
+# The jobs that lead to the RL runs (contracts, gates, data; the runs are the longest jobs) go
+# before the benchmarks, which only feed the kernels table and fill the cores left idle.
+RL_PATH_PRIORITY = 1
+
+
 RES = f"{config['results_dir']}/{RUN}"
 FIG = f"{config['figures_dir']}/{RUN}"
 LOGS = f"{RES}/logs"

@@ -19,6 +19,7 @@ rule contract_draft:
     params:
         model=lambda wc: model_name(wc.family),
         arch=ARCH,
+    priority: RL_PATH_PRIORITY
     localrule: True
     conda:
         CONDA_ENV
@@ -41,6 +42,7 @@ rule contract_admit:
         f"{LOGS}/contract_admit/{{family}}_{{composition}}.log",
     params:
         args=build_args,
+    priority: RL_PATH_PRIORITY
     localrule: True
     conda:
         CONDA_ENV

@@ -23,6 +23,7 @@ rule gates:
         model=lambda wc: model_name(wc.family),
         arch=ARCH,
         seed=GATE_SEED,
+    priority: RL_PATH_PRIORITY
     threads: job_threads(4)
     resources:
         gpu=JOB_GPUS,

@@ -15,6 +15,7 @@ rule synthetic_data:
     params:
         synthetic=json.dumps(RL_CONF.get("synthetic", {"n": 512}), sort_keys=True),
         seed=RL_CONF.get("data_seed", 0),
+    priority: RL_PATH_PRIORITY
     localrule: True
     conda:
         CONDA_ENV
@@ -33,6 +34,7 @@ rule rl_run:
         f"{LOGS}/runs/{{family}}_{{arm}}_seed{{seed}}.log",
     params:
         rl=lambda wc: rl_settings(wc),
+    priority: RL_PATH_PRIORITY
     threads: job_threads(2)
     resources:
         gpu=JOB_GPUS,
