@@ -361,8 +361,11 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
     nh, nkv, hd = _heads(cfg)
     dqk = dv = kv_width = hd
     vkw: dict = {}
+    write_pages = write_kv_pages
     if "kv_lora_rank" in cfg:   # MLA: expanded heads, q/k and v head dims differ, pages padded to width
-        from isoexec_kernels.mla import mla_width, write_mla_kv_pages as write_kv_pages  # noqa: F811
+        from isoexec_kernels.mla import mla_width, write_mla_kv_pages
+
+        write_pages = write_mla_kv_pages
 
         nkv, dqk, dv = nh, cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
         kv_width, vkw = mla_width(dqk, dv), {"v_dim": cfg["v_head_dim"]}
@@ -435,7 +438,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 cuq = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
                 ctx_t = torch.tensor(ctx, dtype=torch.int32)
                 slots = compute_slot_mapping(bt.cpu(), cuq, ctx_t, page).to(device)
-                write_kv_pages(torch.cat(ks), torch.cat(vs), kc, vc, slots)
+                write_pages(torch.cat(ks), torch.cat(vs), kc, vc, slots)
                 out = prefill(torch.cat(qs), kc, vc, bt, cuq.to(device), ctx_t.to(device), scale, **vkw)
                 at = 0
                 for b in range(nseq):
@@ -451,7 +454,7 @@ def gate_attention(fn, region, cfg, family, dtype, device, gen, sizes, hazards, 
                 cuq = torch.arange(len(active) + 1, dtype=torch.int32)
                 sub_bt = bt[torch.tensor(active, device=device)]
                 slots = compute_slot_mapping(sub_bt.cpu(), cuq, ctx_t, page).to(device)
-                write_kv_pages(ks, vs, kc, vc, slots)
+                write_pages(ks, vs, kc, vc, slots)
                 out = decode(qs, kc, vc, sub_bt, ctx_t.to(device), scale, **vkw)
                 for j, b in enumerate(active):
                     engine_rows[b].append(out[j:j + 1])
