@@ -117,3 +117,18 @@ def test_committed_compositions_build_for_both_arches():
         for arch in ("cpu", "sm90"):
             c = build_contract("dense", comp, arch)
             assert {e.impl.arch for e in c.composition} == {arch}
+
+
+@pytest.mark.parametrize("family", ["mla_moe", "hybrid_moe"])
+def test_moe_families_compose_on_both_arches_with_the_reference_moe(family):
+    """The MoE families' contracts build for cpu and sm90; on sm90 the MoE regions are the torch
+    reference (until the grouped GEMM) and mla_moe's attention records the expanded form."""
+    for comp in ("isoexec", "native"):
+        for arch in ("cpu", "sm90"):
+            c = build_contract(family, comp, arch)
+            impls = {e.region: e for e in c.composition}
+            assert {e.impl.arch for e in c.composition} == {arch}
+            want = "moe_experts_loop" if comp == "isoexec" else "torch_moe_experts"
+            assert impls[("experts",)].impl.id == want
+    attn = {e.region: e for e in build_contract("mla_moe", "isoexec", "sm90").composition}[("attn_core",)]
+    assert attn.impl.id == "mla_expanded_walk" and attn.constants["FORM"] == "expanded"
