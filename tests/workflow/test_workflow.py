@@ -408,22 +408,36 @@ def test_local_gpu_jobs_each_get_a_device_of_their_own(wf, tmp_path):
         assert f"# CUDA_VISIBLE_DEVICES={dev}" in (wf / f"res/cpu/logs/gates/{f}.log").read_text()
 
 
-# The end-to-end test runs every job of the embedded default (real gates, contracts, benchmarks,
-# both families' RL runs, tables, report) with shorter RL runs: what it asserts about them (IsoExec
-# 0 on every step, native not, the tables) holds for any length, and `.ci/run` ends with the
-# default itself (`snakemake --cores all`), so the full-length runs are not made twice in CI.
-SHORT_RL = """\
+# The end-to-end test runs every rule of the embedded default (real gates and contracts of both
+# families, benchmarks, both families' RL runs, tables, report) with less of the work that only
+# the final tables' numbers need: two of the six benchmarks (the table renders any set of them;
+# each benchmark's format is tests/bench/), and RL runs of 2 steps without the SFT warm-up and
+# without dynamic sampling. What it asserts about the runs (IsoExec 0 on every step, native not,
+# the tables) holds for a random model and any length; the warm-up, dynamic sampling and the
+# learning are tests/rl/ and tests/train/. `.ci/run` ends with the default itself
+# (`snakemake --cores all`), so the full-length runs are not made twice in CI.
+SHORT = """\
+    benchmarks: {names: [gemm, cpr]}
     rl:
-      settings: {steps: 2, warmup_sft_steps: 30}
+      settings: {steps: 2, warmup_sft_steps: 0, dynamic_sampling: false}
     """
 
 
 def test_default_run_renders_tables_and_report(wf, tmp_path):
-    """The embedded CPU default end to end with the real gates and short RL runs (SHORT_RL; about
-    4 min on 2 cores), then a no-op rerun and the HTML report."""
-    short = write_config(wf / "short_rl.yaml", SHORT_RL)
+    """The embedded CPU default end to end with the real gates, two benchmarks and short RL runs
+    (SHORT), then a no-op rerun and the HTML report."""
+    short = write_config(wf / "short.yaml", SHORT)
     r = snakemake(wf, *run_args("e2e", "--configfile", str(short)), timeout=1800)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # the smaller settings took effect (and nothing else was cut): every rule ran, two benchmarks,
+    # RL runs of 2 steps without warm-up
+    assert job_stats(r.stdout + r.stderr) == {**EXPECTED_JOBS, "bench": 2}
+    assert sorted(p.name for p in (wf / "res/e2e/bench").iterdir()) == ["cpr.json", "gemm.json"]
+    runs = sorted((wf / "res/e2e/runs").glob("*/*/seed0"))
+    assert len(runs) == 4
+    for run in runs:
+        assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1], run
+        assert "warm-up SFT" not in (wf / f"res/e2e/logs/runs/{run.parts[-3]}_{run.parts[-2]}_seed0.log").read_text()
     gates_md, contracts_md, record = read_outputs(wf, "e2e")
     n_artifacts = len(list((wf / "res/e2e/gates/dense").glob("*.json")))
     rows = [ln for ln in gates_md.splitlines() if ln.startswith("| dense |") and "`" in ln]
