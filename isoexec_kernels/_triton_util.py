@@ -47,6 +47,7 @@ __all__ = [
     "want_triton",
     "num_sms",
     "ensure_allocator",
+    "tma_supported",
     "next_pow2",
 ]
 
@@ -121,6 +122,20 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_capable(index: int) -> bool:
+    return HAS_TRITON and hasattr(tl, "make_tensor_descriptor") and \
+        torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether device-side tensor descriptors (TMA loads) can be used: a CUDA device of
+    compute capability 9 or later and a Triton that has ``tl.make_tensor_descriptor``."""
+    if device.type != "cuda":
+        return False
+    return _tma_capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _scratch_alloc(size: int, alignment: int, stream):

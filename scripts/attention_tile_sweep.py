@@ -1,12 +1,14 @@
 """Tile sweep for the invariant attention kernel on a GPU (a tuning tool, not a benchmark of record).
 
-For each candidate launch (BLOCK_M, BLOCK_N, warps, stages, FMA contraction) of
-``isoexec_kernels.attention.triton_kernels``, this
+For each candidate launch (BLOCK_M, BLOCK_N, warps, stages, FMA contraction, TMA loads of the
+packed varlen K/V) of ``isoexec_kernels.attention.triton_kernels``, this
 
 1. checks invariance with THAT candidate used for every case: the decode row of each sequence
    equals the last row of a one-shot paged prefill, a chunked prefill (chunks of 97 tokens)
    equals the one-shot prefill, and the trainer's varlen forward equals the paged prefill
-   (integer views, differing-element counts);
+   (integer views, differing-element counts); and across tiles: decode and paged prefill with
+   the pinned tile vs the candidate's prefill (whether the candidate could serve prefill beside
+   the pinned decode tile);
 2. times prefill (varlen, the trainer and engine-prefill kernel) and decode (paged, page 16)
    against SDPA flash in the same run.
 
@@ -36,18 +38,20 @@ DECODE = [(64, 2048), (256, 2048), (64, 384)]
 PAGE = 16
 
 
-def _c(bm, bn, w, s, fuse=False):
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, fp_fusion=fuse)
+def _c(bm, bn, w, s, fuse=False, tma=False):
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=s, fp_fusion=fuse, tma=tma)
 
 
-CANDIDATES = [_c(bm, 64, w, s, f) for bm, w in ((128, 8), (64, 4), (128, 4))
-              for s in (2, 3) for f in (False, True)] + \
-             [_c(128, 128, 8, s, True) for s in (2, 3)] + [_c(64, 128, 4, 2, True)]
+# tma: the trainer's varlen prefill reads packed K/V through tensor descriptors (paged prefill
+# and decode always use pointer loads)
+CANDIDATES = [_c(64, 64, 4, 2, tma=True), _c(64, 64, 4, 3, tma=True)] + \
+             [_c(128, 64, 8, s, tma=True) for s in (2, 3, 4)] + [_c(128, 64, 8, 2)]
 
 
-def _launch(q, kc, vc, bt, cu, lens, scale, maxq, page, cfg):
+def _launch(q, kc, vc, bt, cu, lens, scale, maxq, page, cfg, kv_tma=False):
     kcfg = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
-    return at._launch(q, kc, vc, bt, cu, lens, scale, maxq, True, page, _cfg=kcfg, _fp_fusion=cfg["fp_fusion"])
+    return at._launch(q, kc, vc, bt, cu, lens, scale, maxq, True, page, kv_tma=kv_tma, _cfg=kcfg,
+                      _fp_fusion=cfg["fp_fusion"])
 
 
 def _varlen(q, k, v, cu, maxlen, scale, cfg):
@@ -56,15 +60,18 @@ def _varlen(q, k, v, cu, maxlen, scale, cfg):
     vp = v.as_strided((t, 1, hkv, d), (v.stride(0), v.stride(0), v.stride(1), 1))
     bt = cu[:-1].to(torch.int32).reshape(-1, 1).contiguous()
     lens = (cu[1:] - cu[:-1]).to(torch.int32)
-    return _launch(q, kp, vp, bt, cu, lens, scale, maxlen, at.VARLEN_PAGE_SIZE, cfg)
+    return _launch(q, kp, vp, bt, cu, lens, scale, maxlen, at.VARLEN_PAGE_SIZE, cfg,
+                   kv_tma=cfg.get("tma", False))
 
 
 def _ndiff(a, b):
     return int((a.contiguous().view(torch.int16) != b.contiguous().view(torch.int16)).sum())
 
 
-def invariance(cfg, hq, hkv, d):
-    """Differing elements: decode vs prefill last row, chunked vs one-shot prefill, varlen vs paged."""
+def invariance(cfg, hq, hkv, d, pinned):
+    """Differing elements: decode vs prefill last row, chunked vs one-shot prefill, varlen vs paged,
+    and across tiles: decode and paged prefill with the pinned tile vs this candidate's prefill
+    (a candidate could serve prefill beside the pinned decode tile only if both are 0)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     lens_l = [1, 63, 64, 65, 200, 517, 1000]
     b = len(lens_l)
@@ -102,7 +109,12 @@ def invariance(cfg, hq, hkv, d):
     kf = kc.view(-1, hkv, d)[slot].contiguous()
     vf = vc.view(-1, hkv, d)[slot].contiguous()
     var, _ = _varlen(q, kf, vf, cu, max(lens_l), scale, cfg)
-    return {"decode_vs_prefill": d_dec, "chunked_vs_oneshot": d_chunk, "varlen_vs_paged": _ndiff(var, one)}
+    dec_pinned, _ = _launch(q[last].contiguous(), kc, vc, bt, torch.arange(b + 1, device="cuda", dtype=torch.int32),
+                            lens, scale, 1, PAGE, pinned)
+    one_pinned, _ = _launch(q, kc, vc, bt, cu, lens, scale, max(lens_l), PAGE, pinned)
+    return {"decode_vs_prefill": d_dec, "chunked_vs_oneshot": d_chunk, "varlen_vs_paged": _ndiff(var, one),
+            "pinned_decode_vs_prefill": _ndiff(dec_pinned, one[last]),
+            "pinned_prefill_vs_prefill": _ndiff(one_pinned, one)}
 
 
 def timings(cfg, hq, hkv, d, with_baseline):
@@ -163,17 +175,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    current = {**at.tile_config(128), "fp_fusion": False}
+    current = {**at.tile_config(128), "fp_fusion": False, "tma": False}
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "current": current,
                "heads": {}}
     with torch.no_grad():
         for name, hq, hkv, d in HEADS:
             rows = []
             base = None
-            for cfg in [current] + (CANDIDATES if name == "0.6b" else CANDIDATES[:4]):
+            for cfg in [current] + CANDIDATES:
                 t0 = time.time()
                 try:
-                    inv = invariance(cfg, hq, hkv, d)
+                    inv = invariance(cfg, hq, hkv, d, current)
                     tm = timings(cfg, hq, hkv, d, with_baseline=base is None)
                 except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
                     print(f"{name} {cfg} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)

@@ -71,6 +71,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton_util import ensure_allocator, tma_supported
+
 VARLEN_PAGE_SIZE = 1 << 30  # "page" length used to address packed varlen K/V as one page
 
 
@@ -78,24 +80,30 @@ VARLEN_PAGE_SIZE = 1 << 30  # "page" length used to address packed varlen K/V as
 def _attend_block(acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
                   page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                  MASKED: tl.constexpr):
+                  MASKED: tl.constexpr, KV_TMA: tl.constexpr):
     offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        in_ctx = offs_n < ctx
-        page = tl.load(BlockTable + seq * stride_bt + offs_n // page_size, mask=in_ctx, other=0)
+    if KV_TMA:
+        # K and V are this sequence's tensor descriptors: rows past ctx are zero-filled, the
+        # values the pointer path's masked load gives them (other=0.0)
+        k_t = tl.trans(K.load([j * BLOCK_N, 0]))
+        v = V.load([j * BLOCK_N, 0])
     else:
-        page = tl.load(BlockTable + seq * stride_bt + offs_n // page_size)
-    page = page.to(tl.int64)
-    slot = (offs_n % page_size).to(tl.int64)
-    k_row = page * stride_kp + slot * stride_ks + kvh * stride_kh
-    v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
-    if MASKED:
-        k_t = tl.load(K + k_row[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
-        v = tl.load(V + v_row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
-    else:
-        k_t = tl.load(K + k_row[None, :] + offs_d[:, None])
-        v = tl.load(V + v_row[:, None] + offs_d[None, :])
+        offs_d = tl.arange(0, HEAD_DIM)
+        if MASKED:
+            in_ctx = offs_n < ctx
+            page = tl.load(BlockTable + seq * stride_bt + offs_n // page_size, mask=in_ctx, other=0)
+        else:
+            page = tl.load(BlockTable + seq * stride_bt + offs_n // page_size)
+        page = page.to(tl.int64)
+        slot = (offs_n % page_size).to(tl.int64)
+        k_row = page * stride_kp + slot * stride_ks + kvh * stride_kh
+        v_row = page * stride_vp + slot * stride_vs + kvh * stride_vh
+        if MASKED:
+            k_t = tl.load(K + k_row[None, :] + offs_d[:, None], mask=in_ctx[None, :], other=0.0)
+            v = tl.load(V + v_row[:, None] + offs_d[None, :], mask=in_ctx[:, None], other=0.0)
+        else:
+            k_t = tl.load(K + k_row[None, :] + offs_d[:, None])
+            v = tl.load(V + v_row[:, None] + offs_d[None, :])
     # The mask is applied to the raw dot and the scale after the row max (max(x) * c equals
     # max(x * c) for c > 0: rounding is monotone), so both paths run the very same
     # "s * qk_scale - m" expression and FMA contraction, when enabled, fuses it in both alike.
@@ -124,6 +132,7 @@ def _attention_fwd_kernel(
     stride_ot, stride_oh, stride_lt, stride_bt,
     page_size, qk_scale, causal,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     # heavy (late, long-causal) tiles first: pid 0 takes the last tile
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -152,6 +161,14 @@ def _attention_fwd_kernel(
         q_off = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
         q = tl.load(Q + q_off[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
+        if KV_TMA:
+            # packed varlen K/V (one "page" per sequence, starting at token BlockTable[seq, 0]):
+            # TMA loads through descriptors bounded to this sequence's ctx rows
+            kv0 = tl.load(BlockTable + seq * stride_bt).to(tl.int64)
+            K = tl.make_tensor_descriptor(K + kv0 * stride_ks + kvh * stride_kh, shape=[ctx, HEAD_DIM],
+                                          strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            V = tl.make_tensor_descriptor(V + kv0 * stride_vs + kvh * stride_vh, shape=[ctx, HEAD_DIM],
+                                          strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -159,12 +176,12 @@ def _attention_fwd_kernel(
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
                 page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                qk_scale, HEAD_DIM, BLOCK_N, False)
+                qk_scale, HEAD_DIM, BLOCK_N, False, KV_TMA)
         for j in range(n_full, n_blocks):
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
                 page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                qk_scale, HEAD_DIM, BLOCK_N, True)
+                qk_scale, HEAD_DIM, BLOCK_N, True, KV_TMA)
 
         out = acc / l_i[:, None]
         o_off = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -216,11 +233,22 @@ def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen: int, scale: float,
     block_table = cu_seqlens[:-1].to(torch.int32).reshape(-1, 1).contiguous()
     context_lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
     return _launch(q, k_pages, v_pages, block_table, cu_seqlens, context_lens, scale, max_seqlen,
-                   causal, VARLEN_PAGE_SIZE)
+                   causal, VARLEN_PAGE_SIZE, kv_tma=varlen_kv_tma(k, v))
+
+
+def varlen_kv_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the packed varlen K/V are read by TMA (tensor descriptors) rather than pointer
+    loads: a GPU with TMA and 16-byte aligned bases and row strides. Either way a block holds
+    the same values (zero past the sequence's end), so the choice moves no bit (checked on the
+    GPU: varlen == paged prefill, tests/kernels/test_attention.py)."""
+    if not tma_supported(k.device):
+        return False
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+               and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale, max_seqlen_q,
-            causal, page_size, _cfg=None, _fp_fusion=False):
+            causal, page_size, kv_tma=False, _cfg=None, _fp_fusion=False):
     # _cfg / _fp_fusion exist for tile benchmarks only; the invariant path never passes them
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -234,6 +262,8 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale,
     if t == 0 or num_seqs == 0:
         return out, lse
     grid = (triton.cdiv(max_seqlen_q * group, cfg["BLOCK_M"]), hkv, num_seqs)
+    if kv_tma:
+        ensure_allocator(q.device)  # device-side descriptors need Triton's scratch allocator
     _attention_fwd_kernel[grid](
         q, k_cache, v_cache, out, lse, block_table,
         cu_seqlens_q.to(torch.int32), context_lens.to(torch.int32),
@@ -242,7 +272,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale,
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), lse.stride(0), block_table.stride(0),
         page_size, scale * 1.4426950408889634, 1 if causal else 0,
-        GROUP=group, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        GROUP=group, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], KV_TMA=kv_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=_fp_fusion,
     )
     return out, lse

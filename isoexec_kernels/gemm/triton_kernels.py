@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .._triton_util import ensure_allocator, HAS_TRITON, interpreting, jit, num_sms, tl, triton
+from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, tl,
+                            tma_supported, triton)
 from .reference import _check, block_k_for
 
 
@@ -75,22 +74,6 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
 
 
-@functools.lru_cache(maxsize=None)
-def _tma_capable(device_type: str, index: int) -> bool:
-    if not HAS_TRITON or not hasattr(tl, "make_tensor_descriptor"):
-        return False
-    if device_type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def _tma_supported(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return _tma_capable("cuda", device.index if device.index is not None
-                        else torch.cuda.current_device())
-
-
 def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20) -> str:
     """Which Triton kernel serves (M, N, K): the bucket's ``path`` from :func:`tile_for_m`
     when it is ``"tma"`` and the GPU has TMA and the row strides of x, weight and out are
@@ -100,7 +83,7 @@ def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int =
     es = dtype.itemsize
     if tile_for_m(M, dtype, N, K)["path"] != "tma":
         return "pointer"
-    if _tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:
+    if tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:
         return "tma"
     return "pointer"
 

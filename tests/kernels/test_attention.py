@@ -623,6 +623,8 @@ def _run_interp_gates() -> dict:
     for dname, dtype in INTERP_DTYPES.items():
         for causal in (True, False):
             results[f"grad/{dname}/{causal}"] = grad_errors(api.tri, dtype, causal)
+    for dname, dtype in INTERP_DTYPES.items():
+        results[f"varlen_tma/{dname}"] = varlen_tma_vs_pointer(api.tri, dtype)
     # write_kv_pages through the Triton kernel
     k = torch.randn(5, 2, 16)
     kc = torch.full((3, 4, 2, 16), float("nan"))
@@ -634,6 +636,25 @@ def _run_interp_gates() -> dict:
         for t, s in [(0, 3), (2, 8), (3, 0), (4, 11)]),
         "untouched_nan_rows": int(torch.isnan(flat).any(-1).any(-1).sum())}
     return results
+
+
+def varlen_tma_vs_pointer(tri, dtype, lens=(5, 64, 70, 33, 1), hq=4, hkv=2, d=16,
+                          device="cpu") -> dict:
+    """Bit reports of the trainer's varlen forward (out and lse) with packed K/V read through
+    tensor descriptors (TMA) vs pointer loads: the same key blocks, the same values (zero past
+    each sequence's end), so the same bits."""
+    gen = torch.Generator().manual_seed(31)
+    cu = cu_from_lens(lens, "cpu").to(torch.int32)
+    t = int(cu[-1])
+    q, k, v = (x.to(device) for x in rand_qkv(gen, t, hq, hkv, d, dtype, "cpu"))
+    cu = cu.to(device)
+    kp = k.as_strided((t, 1, hkv, d), (k.stride(0), k.stride(0), k.stride(1), 1))
+    vp = v.as_strided((t, 1, hkv, d), (v.stride(0), v.stride(0), v.stride(1), 1))
+    bt = cu[:-1].reshape(-1, 1).contiguous()
+    ctx = cu[1:] - cu[:-1]
+    sides = [tri._launch(q, kp, vp, bt, cu, ctx, d ** -0.5, max(lens), True,
+                         tri.VARLEN_PAGE_SIZE, kv_tma=tma) for tma in (False, True)]
+    return {"out": bit_report(sides[0][0], sides[1][0]), "lse": bit_report(sides[0][1], sides[1][1])}
 
 
 def grad_errors(tri, dtype, causal, lens=(1, 70, 130), hq=4, hkv=2, d=16, device="cpu"):
@@ -710,6 +731,12 @@ def test_triton_interpreter_forward_and_backward_match_float64(attention_interp,
     assert max(errs.values()) < tol, errs
 
 
+@pytest.mark.parametrize("dtype", list(INTERP_DTYPES))
+def test_triton_interpreter_varlen_tma_loads_equal_pointer_loads_bitwise(attention_interp, dtype):
+    for name, r in attention_interp[f"varlen_tma/{dtype}"].items():
+        assert_bitwise_rep(r, f"interp varlen TMA vs pointer loads, {name} {dtype}")
+
+
 def test_triton_interpreter_write_kv_pages(attention_interp):
     rep = attention_interp["write_kv"]
     assert rep["differing"] == 0 and rep["untouched_nan_rows"] == 12 - 4, rep
@@ -741,6 +768,21 @@ def test_cuda_gates_bitwise(dtype, shape, seed):
     }
     for name, rep in reps.items():
         assert_bitwise_rep(rep, f"cuda {name} {dtype} {shape} seed={seed}")
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_cuda_varlen_tma_loads_equal_pointer_loads_bitwise(dtype, d):
+    from isoexec_kernels.attention import triton_kernels as tri
+
+    if not tri.varlen_kv_tma(torch.empty(8, 2, d, device="cuda"), torch.empty(8, 2, d, device="cuda")):
+        pytest.skip("this GPU has no TMA")
+    reps = varlen_tma_vs_pointer(tri, dtype, lens=(1, 63, 64, 65, 300, 1000), hq=8, hkv=2, d=d,
+                                 device="cuda")
+    for name, r in reps.items():
+        assert_bitwise_rep(r, f"cuda varlen TMA vs pointer loads, {name} {dtype} d={d}")
 
 
 @cuda_only
