@@ -164,22 +164,26 @@ def _attention_fwd_kernel(
         if KV_TMA:
             # packed varlen K/V (one "page" per sequence, starting at token BlockTable[seq, 0]):
             # TMA loads through descriptors bounded to this sequence's ctx rows
+            # (new names: a variable may not change type inside a runtime branch)
             kv0 = tl.load(BlockTable + seq * stride_bt).to(tl.int64)
-            K = tl.make_tensor_descriptor(K + kv0 * stride_ks + kvh * stride_kh, shape=[ctx, HEAD_DIM],
-                                          strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-            V = tl.make_tensor_descriptor(V + kv0 * stride_vs + kvh * stride_vh, shape=[ctx, HEAD_DIM],
-                                          strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            k_src = tl.make_tensor_descriptor(K + kv0 * stride_ks + kvh * stride_kh, shape=[ctx, HEAD_DIM],
+                                              strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            v_src = tl.make_tensor_descriptor(V + kv0 * stride_vs + kvh * stride_vh, shape=[ctx, HEAD_DIM],
+                                              strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+        else:
+            k_src = K
+            v_src = V
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         for j in range(0, n_full):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
+                acc, l_i, m_i, q, j, lim, seq, kvh, ctx, k_src, v_src, BlockTable, stride_bt,
                 page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 qk_scale, HEAD_DIM, BLOCK_N, False, KV_TMA)
         for j in range(n_full, n_blocks):
             acc, l_i, m_i = _attend_block(
-                acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
+                acc, l_i, m_i, q, j, lim, seq, kvh, ctx, k_src, v_src, BlockTable, stride_bt,
                 page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                 qk_scale, HEAD_DIM, BLOCK_N, True, KV_TMA)
 
