@@ -56,6 +56,15 @@ against SDPA flash: prefill 0.72-0.77x (8 x 2048, 32 x 512, 8 x 512 tokens, 16/8
 BLOCK_M tile with GROUP live rows (the price of not relying on BLOCK_M-independence), which is
 why the smaller tile decodes twice as fast as the earlier 128-row one.
 
+K/V loads (``KV_TMA``): the trainer's varlen forward with 16-bit K/V reads each sequence's
+packed K/V through two tensor descriptors bounded to its ctx rows (TMA: one asynchronous copy
+per block, rows past the end zero-filled); paged prefill and decode gather rows through the
+block table with pointer loads (masked rows read as 0). The loaded blocks hold the same values
+either way and the dots are the same instructions, so the bits agree (GPU gates: varlen ==
+paged prefill, TMA == pointer loads). On the H200 the descriptors took the varlen prefill from
+0.72-0.77x to 1.01-1.18x SDPA flash at the pinned tile (sweep at e42d366; the same sweep found
+128-row prefill tiles bit-equal to the pinned 64-row decode tile but no faster).
+
 The backward (``varlen_attention_backward_triton``) is a FlashAttention-2 style pair of kernels
 (dK/dV per KV block, dQ per query tile); it is correct at tolerance and not on the invariant
 path. fwd+bwd measured 0.55x (head_dim 128) and 0.75x (head_dim 64) of SDPA flash.
@@ -242,10 +251,13 @@ def varlen_attention_triton(q, k, v, cu_seqlens, max_seqlen: int, scale: float,
 
 def varlen_kv_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the packed varlen K/V are read by TMA (tensor descriptors) rather than pointer
-    loads: a GPU with TMA and 16-byte aligned bases and row strides. Either way a block holds
-    the same values (zero past the sequence's end), so the choice moves no bit (checked on the
-    GPU: varlen == paged prefill, tests/kernels/test_attention.py)."""
-    if not tma_supported(k.device):
+    loads: 16-bit K/V on a GPU with TMA, 16-byte aligned bases and row strides. Either way a
+    block holds the same values (zero past the sequence's end), so the choice moves no bit
+    (checked on the GPU: varlen == paged prefill and TMA == pointer loads,
+    tests/kernels/test_attention.py). fp32 K/V keep pointer loads: their TMA staging buffers
+    do not fit in shared memory at head_dim 256 (262 KB compiled for sm90), and fp32 attention
+    serves tests, not models."""
+    if k.dtype not in (torch.bfloat16, torch.float16) or not tma_supported(k.device):
         return False
     return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
                and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))

@@ -772,12 +772,13 @@ def test_cuda_gates_bitwise(dtype, shape, seed):
 
 @cuda_only
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
-@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("d", [16, 64, 128, 256])
 def test_cuda_varlen_tma_loads_equal_pointer_loads_bitwise(dtype, d):
     from isoexec_kernels.attention import triton_kernels as tri
 
-    if not tri.varlen_kv_tma(torch.empty(8, 2, d, device="cuda"), torch.empty(8, 2, d, device="cuda")):
+    kv = torch.empty(8, 2, d, device="cuda", dtype=dtype)
+    if not tri.varlen_kv_tma(kv, kv):
         pytest.skip("this GPU has no TMA")
     reps = varlen_tma_vs_pointer(tri, dtype, lens=(1, 63, 64, 65, 300, 1000), hq=8, hkv=2, d=d,
                                  device="cuda")
