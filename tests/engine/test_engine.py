@@ -136,7 +136,8 @@ def test_chunked_prefill_small_budget_equals_large_budget_bitwise(iso_fp32):
 
 def test_prefill_interval_keeps_steps_decode_only_and_changes_no_bit(iso_fp32):
     """Staggered arrivals: with a prefill interval of 3, prefill chunks join a step only after 3
-    decode-only steps while decodes run, and every token and logprob stays the same."""
+    decode-only steps while decodes run (or when they fill the step), and every token and
+    logprob stays the same."""
     gen = torch.Generator().manual_seed(60)
     prompts = random_prompts(gen, 10, 3, 30)
     params = _mixed_params(10, seed=61, max_tokens=(6, 12))
@@ -158,10 +159,12 @@ def test_prefill_interval_keeps_steps_decode_only_and_changes_no_bit(iso_fp32):
     held, log3 = run(3)
     same_results(every, held)
     assert verify(iso_fp32, held).differing == 0
-    # after each step with a prefill chunk, the next 3 steps are decode-only whenever decodes ran
+    # after each step with a prefill chunk, the next 3 steps are decode-only whenever decodes ran,
+    # unless the prefill filled the step (within one chunk_align of the 32-token budget)
     prefill_steps = [i for i, (dec, _, _) in enumerate(log3) if not dec]
     for a, b in zip(prefill_steps, prefill_steps[1:]):
-        assert b - a > 3 or all(not dec for dec, _, _ in log3[a:b + 1]), (a, b)
+        assert b - a > 3 or all(not dec for dec, _, _ in log3[a:b + 1]) \
+            or sum(log3[b][1]) > 32 - 8, (a, b, log3[b])
     assert sum(not dec for dec, _, _ in log3) < sum(not dec for dec, _, _ in log0)
 
 

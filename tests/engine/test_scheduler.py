@@ -111,6 +111,32 @@ def test_prefill_interval_holds_admissions_while_decodes_run():
     assert kinds == [(True, [1]), (True, [1]), (False, [1, 2])]
 
 
+def test_prefill_interval_does_not_hold_a_prefill_that_fills_the_step():
+    """Prompts that fill the budget join the step at once (a batch arriving together is admitted
+    at full speed); a prompt smaller than the budget left waits out the interval."""
+    bm = BlockManager(64, 4, 0)
+    sched = Scheduler(bm, 16, 8, 8, 512, prefill_interval=3)
+    a, big, small = _seq(1, 5, 30), _seq(2, 40, 4), _seq(3, 5, 4)
+    sched.add(a)
+    batch = sched.schedule()
+    sched.postprocess(batch, [7], [-1.0])
+    sched.add(big)
+    batch = sched.schedule()                       # 40 pending tokens >= 15 left: not held
+    assert [s.request_id for s in batch.seqs] == [1, 2] and not batch.is_decode
+    sched.postprocess(batch, [7] * sum(batch.samples), [-1.0] * sum(batch.samples))
+    while big.num_pending >= 15:                   # its next chunks fill their steps too
+        batch = sched.schedule()
+        assert [s.request_id for s in batch.seqs] == [1, 2] and not batch.is_decode
+        sched.postprocess(batch, [7] * sum(batch.samples), [-1.0] * sum(batch.samples))
+    sched.add(small)
+    for _ in range(3):                             # 8 + 5 pending tokens < 15 left: held 3 steps
+        batch = sched.schedule()
+        assert batch.is_decode and [s.request_id for s in batch.seqs] == [1]
+        sched.postprocess(batch, [7], [-1.0])
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == [1, 2, 3] and not batch.is_decode
+
+
 def test_prefill_interval_never_stalls_a_load():
     bm, sched = _make(budget=24, max_seqs=4, align=8)
     sched.prefill_interval = 3
