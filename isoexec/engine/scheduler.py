@@ -21,8 +21,10 @@ on a GPU costs about as much host time as ten graph-replayed decode steps, so un
 arrivals admitting every step keeps almost every step eager; holding gathers the arrivals into
 fewer eager steps. A step whose budget the pending prefills fill gains nothing from waiting
 (it would be just as full later) while its decodes run under-filled, so it is not held: a batch
-of prompts arriving at once is admitted at full speed (on the H200, holding it took the batch
-decode from 18.0k to 13.3k tok/s). New requests wait at most k short steps. With no decode
+of prompts arriving at once is admitted at full speed. (``scripts/scheduler_replay.py``
+replays the scheduler alone on ``bench engine``'s workloads: the 64-prompt batch takes 134
+steps instead of 138 with the rule that always held; the staggered one keeps 66 eager steps of
+590, against 119 of 585 with k = 0.) New requests wait at most k short steps. With no decode
 running, prefills go at once.
 
 A chunk that does not finish its sequence's pending tokens ends on a multiple of
