@@ -67,7 +67,13 @@ paged prefill, TMA == pointer loads). On the H200 the descriptors took the varle
 
 The backward (``varlen_attention_backward_triton``) is a FlashAttention-2 style pair of kernels
 (dK/dV per KV block, dQ per query tile); it is correct at tolerance and not on the invariant
-path. fwd+bwd measured 0.55x (head_dim 128) and 0.75x (head_dim 64) of SDPA flash.
+path. fwd+bwd measured 0.55x (head_dim 128) and 0.75x (head_dim 64) of SDPA flash, 0.66x in
+``bench train``'s region row at 5a3f900 (the forward alone 1.02-1.29x). Its loop loads go through
+tensor descriptors too where ``_bwd_tma`` allows (16-bit, TMA, aligned; the dK/dV kernel's
+[tokens, GROUP heads, head_dim] box of Q and dO needs GROUP a power of two): the dQ kernel's
+K/V blocks as in the forward, the dK/dV kernel's Q/dO row tiles. The gradient bits do not move
+(interpreter and GPU tests: TMA == pointer loads). Not yet timed on the H200; the prediction is
+that the dQ kernel gains as the forward did and fwd+bwd moves from 0.66x to about 0.8x.
 
 Residual hazard (documented, not gated): an MMA adds ``0 * v`` for keys inside the loaded block
 but invisible to the row; if every visible contribution of an output element is exactly -0.0 and
@@ -342,6 +348,7 @@ def _attention_bwd_dkdv_kernel(
     stride_dot, stride_doh, stride_lt, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     qk_scale, sm_scale, causal,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QDO_TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -361,6 +368,18 @@ def _attention_bwd_dkdv_kernel(
         dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
         n_rows = length * GROUP
+        if QDO_TMA:
+            # a row tile is BLOCK_M // GROUP tokens x this KV head's GROUP query heads: a 3-D box
+            # of the sequence's [tokens, heads, head_dim] (rows past the end zero-filled)
+            heads = GROUP * tl.num_programs(1)
+            q_desc = tl.make_tensor_descriptor(Q + start.to(tl.int64) * stride_qt,
+                                               shape=[length, heads, HEAD_DIM],
+                                               strides=[stride_qt, stride_qh, 1],
+                                               block_shape=[BLOCK_M // GROUP, GROUP, HEAD_DIM])
+            do_desc = tl.make_tensor_descriptor(DO + start.to(tl.int64) * stride_dot,
+                                                shape=[length, heads, HEAD_DIM],
+                                                strides=[stride_dot, stride_doh, 1],
+                                                block_shape=[BLOCK_M // GROUP, GROUP, HEAD_DIM])
         row_lo = ((n0 * GROUP) // BLOCK_M) * BLOCK_M * causal
         for r0 in range(row_lo, n_rows, BLOCK_M):
             rows = r0 + tl.arange(0, BLOCK_M)
@@ -368,10 +387,14 @@ def _attention_bwd_dkdv_kernel(
             tok = rows // GROUP
             head = kvh * GROUP + rows % GROUP
             tok_m = (start + tok).to(tl.int64)
-            q = tl.load(Q + tok_m[:, None] * stride_qt + head[:, None] * stride_qh
-                        + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-            do = tl.load(DO + tok_m[:, None] * stride_dot + head[:, None] * stride_doh
-                         + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            if QDO_TMA:
+                q = tl.reshape(q_desc.load([r0 // GROUP, kvh * GROUP, 0]), [BLOCK_M, HEAD_DIM])
+                do = tl.reshape(do_desc.load([r0 // GROUP, kvh * GROUP, 0]), [BLOCK_M, HEAD_DIM])
+            else:
+                q = tl.load(Q + tok_m[:, None] * stride_qt + head[:, None] * stride_qh
+                            + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                do = tl.load(DO + tok_m[:, None] * stride_dot + head[:, None] * stride_doh
+                             + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             lse = tl.load(Lse + tok_m * stride_lt + head, mask=row_ok, other=0.0)
             delta = tl.load(Delta + tok_m * stride_lt + head, mask=row_ok, other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
@@ -396,6 +419,7 @@ def _attention_bwd_dq_kernel(
     stride_dot, stride_doh, stride_lt, stride_dqt, stride_dqh,
     qk_scale, sm_scale, causal,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -420,14 +444,25 @@ def _attention_bwd_dq_kernel(
         dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         last_tok = (tl.minimum(row0 + BLOCK_M, n_rows) - 1) // GROUP
         hi = tl.where(causal != 0, last_tok + 1, length)
+        if KV_TMA:  # this sequence's K/V rows of this KV head, rows past the end zero-filled
+            k_desc = tl.make_tensor_descriptor(K + start.to(tl.int64) * stride_kt + kvh * stride_kh,
+                                               shape=[length, HEAD_DIM], strides=[stride_kt, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
+            v_desc = tl.make_tensor_descriptor(V + start.to(tl.int64) * stride_vt + kvh * stride_vh,
+                                               shape=[length, HEAD_DIM], strides=[stride_vt, 1],
+                                               block_shape=[BLOCK_N, HEAD_DIM])
         for n0 in range(0, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < length
-            tok_n = (start + offs_n).to(tl.int64)
-            k = tl.load(K + tok_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                        mask=n_ok[:, None], other=0.0)
-            v = tl.load(V + tok_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                        mask=n_ok[:, None], other=0.0)
+            if KV_TMA:
+                k = k_desc.load([n0, 0])
+                v = v_desc.load([n0, 0])
+            else:
+                tok_n = (start + offs_n).to(tl.int64)
+                k = tl.load(K + tok_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                            mask=n_ok[:, None], other=0.0)
+                v = tl.load(V + tok_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                            mask=n_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
             visible = row_ok[:, None] & n_ok[None, :]
             visible = visible & ((offs_n[None, :] <= tok[:, None]) | (causal == 0))
@@ -448,8 +483,24 @@ def _bwd_config(head_dim: int) -> dict:
     return dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=1)
 
 
+def _bwd_tma(q, k, v, dout, group: int, block_m: int) -> tuple[bool, bool]:
+    """(Q/dO through tensor descriptors in the dK/dV kernel, K/V through them in the dQ kernel):
+    16-bit tensors on a GPU with TMA, 16-byte aligned bases and token/head strides; the dK/dV
+    kernel's 3-D box of GROUP heads also needs GROUP a power of two dividing BLOCK_M. The loads
+    give the same values either way (rows past a sequence's end read as zero)."""
+    if q.dtype not in (torch.bfloat16, torch.float16) or not tma_supported(q.device):
+        return False, False
+
+    def aligned(*ts):
+        return all(t.data_ptr() % 16 == 0 and all((t.stride(i) * t.element_size()) % 16 == 0 for i in (0, 1))
+                   for t in ts)
+
+    pow2 = group & (group - 1) == 0 and block_m % group == 0
+    return pow2 and aligned(q, dout), aligned(k, v)
+
+
 def varlen_attention_backward_triton(q, k, v, out, lse2, dout, cu_seqlens, max_seqlen: int,
-                                     scale: float, causal: bool = True):
+                                     scale: float, causal: bool = True, _tma=None):
     """Gradients (dq, dk, dv) of ``varlen_attention_triton``; lse2 is the forward's base-2 LSE."""
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -467,15 +518,18 @@ def varlen_attention_backward_triton(q, k, v, out, lse2, dout, cu_seqlens, max_s
     cu = cu_seqlens.to(torch.int32)
     common = dict(GROUP=group, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    tma = _bwd_tma(q, k, v, dout, group, cfg["BLOCK_M"]) if _tma is None else _tma
+    if any(tma):
+        ensure_allocator(q.device)
     qk_scale = scale * 1.4426950408889634
     _attention_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, cfg["BLOCK_N"]), hkv, num_seqs)](
         q, k, v, dout, lse2, delta, dk, dv, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), lse2.stride(0), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), qk_scale, scale, 1 if causal else 0, **common)
+        dv.stride(0), dv.stride(1), qk_scale, scale, 1 if causal else 0, QDO_TMA=tma[0], **common)
     _attention_bwd_dq_kernel[(triton.cdiv(max_seqlen * group, cfg["BLOCK_M"]), hkv, num_seqs)](
         q, k, v, dout, lse2, delta, dq, cu,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), lse2.stride(0), dq.stride(0), dq.stride(1),
-        qk_scale, scale, 1 if causal else 0, **common)
+        qk_scale, scale, 1 if causal else 0, KV_TMA=tma[1], **common)
     return dq, dk, dv

@@ -625,6 +625,7 @@ def _run_interp_gates() -> dict:
             results[f"grad/{dname}/{causal}"] = grad_errors(api.tri, dtype, causal)
     for dname, dtype in INTERP_DTYPES.items():
         results[f"varlen_tma/{dname}"] = varlen_tma_vs_pointer(api.tri, dtype)
+        results[f"backward_tma/{dname}"] = backward_tma_vs_pointer(api.tri, dtype)
     # write_kv_pages through the Triton kernel
     k = torch.randn(5, 2, 16)
     kc = torch.full((3, 4, 2, 16), float("nan"))
@@ -655,6 +656,25 @@ def varlen_tma_vs_pointer(tri, dtype, lens=(5, 64, 70, 33, 1), hq=4, hkv=2, d=16
     sides = [tri._launch(q, kp, vp, bt, cu, ctx, d ** -0.5, max(lens), True,
                          tri.VARLEN_PAGE_SIZE, kv_tma=tma) for tma in (False, True)]
     return {"out": bit_report(sides[0][0], sides[1][0]), "lse": bit_report(sides[0][1], sides[1][1])}
+
+
+def backward_tma_vs_pointer(tri, dtype, lens=(5, 64, 70, 33, 1), hq=8, hkv=2, d=16,
+                            device="cpu") -> dict:
+    """Bit reports of the varlen backward (dq, dk, dv; causal and not) with Q/dO and K/V read
+    through tensor descriptors vs pointer loads: the same values reach the same dots."""
+    gen = torch.Generator().manual_seed(32)
+    cu = cu_from_lens(lens, "cpu").to(device)
+    t = sum(lens)
+    q, k, v = (x.to(device) for x in rand_qkv(gen, t, hq, hkv, d, dtype, "cpu"))
+    dout = torch.randn(t, hq, d, generator=gen).to(dtype).to(device)
+    reps = {}
+    for causal in (True, False):
+        out, lse = tri.varlen_attention_triton(q, k, v, cu, max(lens), d ** -0.5, causal)
+        sides = [tri.varlen_attention_backward_triton(q, k, v, out, lse, dout, cu, max(lens), d ** -0.5,
+                                                      causal, _tma=(tma, tma)) for tma in (False, True)]
+        for name, a, b in zip(("dq", "dk", "dv"), *sides):
+            reps[f"{name}/causal={causal}"] = bit_report(a, b)
+    return reps
 
 
 def grad_errors(tri, dtype, causal, lens=(1, 70, 130), hq=4, hkv=2, d=16, device="cpu"):
@@ -737,6 +757,12 @@ def test_triton_interpreter_varlen_tma_loads_equal_pointer_loads_bitwise(attenti
         assert_bitwise_rep(r, f"interp varlen TMA vs pointer loads, {name} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", list(INTERP_DTYPES))
+def test_triton_interpreter_backward_tma_loads_equal_pointer_loads_bitwise(attention_interp, dtype):
+    for name, r in attention_interp[f"backward_tma/{dtype}"].items():
+        assert_bitwise_rep(r, f"interp backward TMA vs pointer loads, {name} {dtype}")
+
+
 def test_triton_interpreter_write_kv_pages(attention_interp):
     rep = attention_interp["write_kv"]
     assert rep["differing"] == 0 and rep["untouched_nan_rows"] == 12 - 4, rep
@@ -784,6 +810,21 @@ def test_cuda_varlen_tma_loads_equal_pointer_loads_bitwise(dtype, d):
                                  device="cuda")
     for name, r in reps.items():
         assert_bitwise_rep(r, f"cuda varlen TMA vs pointer loads, {name} {dtype} d={d}")
+
+
+@cuda_only
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [dict(hq=16, hkv=8, d=128), dict(hq=32, hkv=8, d=128), dict(hq=8, hkv=8, d=64),
+                                   dict(hq=4, hkv=4, d=256)], ids=lambda s: "h{hq}-{hkv}-d{d}".format(**s))
+def test_cuda_backward_tma_loads_equal_pointer_loads_bitwise(dtype, shape):
+    """The backward's TMA path gives the pointer path's gradient bits (the GPU default uses TMA
+    where :func:`_bwd_tma` allows it)."""
+    from isoexec_kernels.attention import triton_kernels as tri
+
+    reps = backward_tma_vs_pointer(tri, dtype, lens=(1, 63, 64, 65, 300, 1000), device="cuda", **shape)
+    for name, r in reps.items():
+        assert_bitwise_rep(r, f"cuda backward TMA vs pointer loads, {name} {dtype} {shape}")
 
 
 @cuda_only
