@@ -77,10 +77,12 @@ order, one rounding to its input dtype)
      * Triton (CUDA): ``triton_kernels.grouped_linear``, ONE launch for all experts' rows
        (programs over (expert, m-tile, n-tile), found on the device from ``offsets``; rows
        gathered by token inside the kernel) with lin's K loop: 64-wide K blocks, one ``tl.dot``
-       each, accumulated in K order into fp32 from +0, one rounding. So a row's bits are those of
-       the Triton ``lin`` for that row alone (tiles never change the bits, as the H200 showed for
-       lin); the grouped and loop paths agree bitwise where both run the Triton ``lin``
-       (GPU tests), and both differ from the CPU reference (different kernels, as for ``lin``).
+       each, accumulated in K order into fp32 from +0, one rounding. So a row's bits should be
+       those of the Triton ``lin`` for that row alone (on the H200 lin's tiles never changed the
+       bits); the GPU tests of ``tests/kernels/test_moe_grouped_gemm.py`` check that the grouped
+       path equals the loop on the Triton ``lin`` bitwise, and that a token's rows do not change
+       with its experts' loads (not yet run on a GPU). Both differ from the CPU reference
+       (different kernels, as for ``lin``).
   5. shared expert (if any): ys = lin(silu_and_mul(lin(x, shared_gate_up)), shared_down) in x's
      dtype, the same schedule as a routed expert; with a Qwen-style gate,
      g = fp32(sigmoid(lin(fp32(x), fp32(shared_gate)))) (float64 exp, one fp32 rounding).
