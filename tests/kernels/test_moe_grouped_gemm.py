@@ -456,3 +456,32 @@ def test_cuda_experts_capture_in_a_cuda_graph_and_replay_bitwise(kb):
     graph.replay()
     kb.assert_bitwise(out, mtk.experts_forward_triton(x, new, gate_up, down), "graph replay, new routing")
     assert kb.bit_report(out, eager)["differing"] > 0, "new routing gave the old rows"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["softmax_topk", "sigmoid_group_topk"])
+def test_cuda_moe_forward_token_alone_equals_token_in_batch_bitwise(kb, kind):
+    # the dispatcher's CUDA path (Triton linear, grouped-GEMM experts, torch combine)
+    g = torch.Generator().manual_seed(500)
+    E, H, I, Is = 64, 256, 128, 128
+    kw = dict(kind=kind, top_k=8, norm_topk_prob=True)
+    if kind == "sigmoid_group_topk":
+        kw.update(n_group=8, topk_group=4, routed_scaling_factor=2.5)
+    w = moe.MoEWeights(
+        router=torch.randn(E, H, generator=g).cuda() / H ** 0.5,
+        gate_up=(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16().cuda(),
+        down=(torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16().cuda(),
+        correction_bias=(torch.randn(E, generator=g) * 0.1).cuda() if kind == "sigmoid_group_topk" else None,
+        shared_gate_up=(torch.randn(2 * Is, H, generator=g) / H ** 0.5).bfloat16().cuda(),
+        shared_down=(torch.randn(H, Is, generator=g) / Is ** 0.5).bfloat16().cuda(),
+        shared_gate=torch.randn(1, H, generator=g).cuda() / H ** 0.5 if kind == "softmax_topk" else None,
+    )
+    row = torch.randn(H, generator=g).bfloat16()
+    alone = moe.moe_forward(row[None].cuda(), w, **kw)[0]
+    for T in CUDA_TOKENS:
+        batch, idx = kb.needle_batch(row, T, g)
+        kb.assert_bitwise(moe.moe_forward(batch.cuda(), w, **kw)[idx], alone, f"{kind} T={T} token {idx}")
+    ref = moe.moe_forward_reference(batch, moe.MoEWeights(**{k: (v.cpu() if v is not None else None)
+                                                             for k, v in vars(w).items()}), **kw)
+    out = moe.moe_forward(batch.cuda(), w, **kw)
+    assert kb.rel_l2(out, ref.double()) < 2 * kb.TOL[torch.bfloat16]
