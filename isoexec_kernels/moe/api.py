@@ -15,11 +15,17 @@ the token sits in the batch. Two router kinds cover the MoE families of the proj
                             experts.
 
 Public API
-  ``moe_forward(x, weights, *, kind, top_k, ...)``   dispatcher; today every device runs the
-                                                     reference (the Triton twin is a later step)
+  ``moe_forward(x, weights, *, kind, top_k, ...)``   dispatcher: on CUDA (Triton installed) the
+                                                     public invariant ``linear`` / ``silu_and_mul``
+                                                     (Triton) and the grouped-GEMM experts; on any
+                                                     other device the reference
   ``moe_forward_reference(x, weights, *, kind, top_k, ...)``  the torch twin
-  building blocks, each usable alone (a Triton grouped GEMM replaces :func:`experts_forward`
-  and keeps the rest):
+  ``experts_forward_triton(x, disp, gate_up, down)``  Triton twin of :func:`experts_forward`
+                                       (``triton_kernels.py``: grouped GEMM, silu_and_mul,
+                                       grouped GEMM; three launches, no host sync)
+  ``grouped_linear(x, w, offsets, idx=None, ...)``  the grouped GEMM alone
+  building blocks, each usable alone (the Triton grouped GEMM replaces :func:`experts_forward`
+  on CUDA and keeps the rest):
   ``router_logits(x, router_weight)``  fp32 [T, E]
   ``route(logits, spec, correction_bias=None)`` -> ``Routing(ids, weights)``, ids [T, k] int64
                                        ascending per token, weights fp32 [T, k] in that order
@@ -66,8 +72,17 @@ order, one rounding to its input dtype)
      Invariance: lin's schedule makes every output element a fixed function of its own input row
      and the weight (no split-K, no tile or blocking keyed on the row count), and silu_and_mul is
      elementwise. So a token's expert output is the same whether the expert received 1 row or
-     all T*k of them, and wherever the row lands in the expert's range. A grouped GEMM that
-     replaces this loop must keep that property (one K order per row whatever its tile holds).
+     all T*k of them, and wherever the row lands in the expert's range.
+     * reference (CPU): a Python loop over the experts, ``lin`` on each expert's gathered rows.
+     * Triton (CUDA): ``triton_kernels.grouped_linear``, ONE launch for all experts' rows
+       (programs over (expert, m-tile, n-tile), found on the device from ``offsets``; rows
+       gathered by token inside the kernel) with lin's K loop: 64-wide K blocks, one ``tl.dot``
+       each, accumulated in K order into fp32 from +0, one rounding. So a row's bits should be
+       those of the Triton ``lin`` for that row alone (on the H200 lin's tiles never changed the
+       bits); the GPU tests of ``tests/kernels/test_moe_grouped_gemm.py`` check that the grouped
+       path equals the loop on the Triton ``lin`` bitwise, and that a token's rows do not change
+       with its experts' loads (not yet run on a GPU). Both differ from the CPU reference
+       (different kernels, as for ``lin``).
   5. shared expert (if any): ys = lin(silu_and_mul(lin(x, shared_gate_up)), shared_down) in x's
      dtype, the same schedule as a routed expert; with a Qwen-style gate,
      g = fp32(sigmoid(lin(fp32(x), fp32(shared_gate)))) (float64 exp, one fp32 rounding).
@@ -85,22 +100,34 @@ Autograd: the reference is made of torch ops, so autograd runs through the exper
 activation and the routing weights (the selection itself has no gradient). The regions the model
 binds (``regions.py``) use the public ``linear`` and ``silu_and_mul``, whose designed backwards run
 there; on CPU the mla_moe and hybrid_moe ``backward_determinism`` gates check the result is
-deterministic. A fast GPU backward (grouped GEMM) is a later step.
+deterministic. On CUDA the experts' backward is ``triton_kernels._GroupedLinearFn``: input
+gradients by the grouped kernel on the transposed weights (a token's k rows summed in fp32 over a
+fixed [T, k] layout, no atomics), weight gradients by a per-(expert, tile) kernel that walks the
+expert's rows in order: deterministic, not batch invariant, no float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .reference import moe_forward_reference
+from .._triton_util import want_triton
+from .reference import _forward, _spec, moe_forward_reference
+from .triton_kernels import experts_forward_triton
 from .types import MoEWeights
 
 
 def moe_forward(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k: int,
                 norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
                 routed_scaling_factor: float = 1.0) -> torch.Tensor:
-    """Batch-invariant MoE layer (module docstring). Until the Triton twin exists, every device
-    runs :func:`moe_forward_reference`."""
+    """Batch-invariant MoE layer (module docstring): on CUDA the invariant ``linear`` and
+    ``silu_and_mul`` (Triton) with the grouped-GEMM experts, elsewhere
+    :func:`moe_forward_reference`."""
+    if want_triton(x):
+        from ..activation import silu_and_mul
+        from ..gemm import linear
+
+        spec = _spec(kind, top_k, norm_topk_prob, n_group, topk_group, routed_scaling_factor)
+        return _forward(x, weights, spec, linear, silu_and_mul, experts_forward_triton)
     return moe_forward_reference(x, weights, kind=kind, top_k=top_k, norm_topk_prob=norm_topk_prob,
                                  n_group=n_group, topk_group=topk_group,
                                  routed_scaling_factor=routed_scaling_factor)

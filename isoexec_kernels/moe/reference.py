@@ -148,14 +148,20 @@ def _spec(kind, top_k, norm_topk_prob, n_group, topk_group, routed_scaling_facto
                       topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
 
 
-def _forward(x, weights: MoEWeights, spec: RouterSpec, linear, act):
+def _forward(x, weights: MoEWeights, spec: RouterSpec, linear, act, experts=None):
+    """The layer from its building blocks; ``experts(x, disp, gate_up, down)`` replaces the
+    expert loop when given (the Triton grouped GEMM on CUDA, ``api.moe_forward``)."""
     H = x.shape[-1]
     weights.check(H)
     spec.check(weights.num_experts)
     x2 = x.reshape(-1, H)
     routing = route(router_logits(x2, weights.router, linear), spec, weights.correction_bias)
     disp = dispatch(routing.ids, weights.num_experts)
-    rows = experts_forward(x2, disp, weights.gate_up.to(x.dtype), weights.down.to(x.dtype), linear, act)
+    gate_up, down = weights.gate_up.to(x.dtype), weights.down.to(x.dtype)
+    if experts is None:
+        rows = experts_forward(x2, disp, gate_up, down, linear, act)
+    else:
+        rows = experts(x2, disp, gate_up, down)
     shared = gate = None
     if weights.shared_gate_up is not None:
         shared, gate = shared_expert_forward(x2, weights.shared_gate_up.to(x.dtype),

@@ -4,10 +4,11 @@
 The invariant implementations are the reference building blocks of ``reference.py`` (rounding
 schedule: ``api.py``) with the public ``linear`` and ``silu_and_mul`` kernels, so that autograd
 runs their designed backwards (the selection itself has no gradient; the routing weights do,
-through the fp32 router GEMM and the float64-evaluated sigmoid / softmax). The expert loop is a
-per-expert Python loop: fine for the CPU twin, but on a GPU it is a host sync plus two GEMM
-launches per expert, so the sm90 compositions run it only until the Triton grouped GEMM exists
-(a grouped GEMM must keep one K order per row, whatever the expert's load; ``api.py`` step 4).
+through the fp32 router GEMM and the float64-evaluated sigmoid / softmax). The ``experts`` region
+runs, on CUDA, the Triton grouped GEMM (``triton_kernels.experts_forward_triton``: grouped GEMM,
+``silu_and_mul``, grouped GEMM; no host sync, its own deterministic backward), and elsewhere the
+per-expert Python loop of the reference (one K order per row whatever the expert's load in both;
+``api.py`` step 4).
 
 Signatures (the stock twins in ``native.py`` take the same):
   router(x [T, H], weight [E, H], spec: RouterSpec, correction_bias=None [E] fp32,
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import torch
 
+from .._triton_util import want_triton
 from ..activation import silu_and_mul
 from ..gemm import linear
 from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, route, router_logits
+from .triton_kernels import experts_forward_triton
 from .types import Dispatch, RouterSpec, Routing
 
 
@@ -46,7 +49,10 @@ def moe_dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
 
 def moe_experts(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Region ``experts``: each expert's SwiGLU on the rows it owns (invariant GEMM, position-free
-    activation): a row's output does not depend on how many rows its expert received."""
+    activation): a row's output does not depend on how many rows its expert received. CUDA: the
+    Triton grouped GEMM; elsewhere the reference loop."""
+    if want_triton(x):
+        return experts_forward_triton(x, disp, gate_up, down)
     return experts_forward(x, disp, gate_up, down, linear, silu_and_mul)
 
 
