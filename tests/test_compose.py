@@ -121,8 +121,9 @@ def test_committed_compositions_build_for_both_arches():
 
 @pytest.mark.parametrize("family", ["mla_moe", "hybrid_moe"])
 def test_moe_families_compose_on_both_arches_with_the_reference_moe(family):
-    """The MoE families' contracts build for cpu and sm90; on sm90 the MoE regions are the torch
-    reference (until the grouped GEMM) and mla_moe's attention records the expanded form."""
+    """The MoE families' contracts build for cpu and sm90 with the invariant experts impl (the
+    reference loop on cpu, the grouped GEMM on sm90) and mla_moe's attention records the
+    expanded form."""
     for comp in ("isoexec", "native"):
         for arch in ("cpu", "sm90"):
             c = build_contract(family, comp, arch)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import torch
 
 from .._triton_util import jit, next_pow2, tl, triton
+from ..activation.api import silu_and_mul
 from ..gemm.reference import BLOCK_K, block_k_for
 from .types import Dispatch
 
@@ -257,8 +258,6 @@ def experts_forward_triton(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tenso
     order (x's dtype) = grouped GEMM (x gathered by ``disp.token``, gate_up [E, 2I, H]) ->
     the invariant ``silu_and_mul`` (activation op's public API, on the concatenated [R, 2I]) ->
     grouped GEMM (down [E, H, I]). Three launches, no host sync; differentiable."""
-    from ..activation import silu_and_mul
-
     h = grouped_linear(x, gate_up, disp.offsets, disp.token, disp.row_of_pair, disp.top_k)
     return grouped_linear(silu_and_mul(h), down, disp.offsets)
 
