@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,19 @@ def json_path(parts) -> str:
     return out
 
 
+# Stricter than JSON Schema's own types, as a Python reader of YAML needs: 2.0 is not an integer
+# (YAML reads it as a float, which a step count or a size must not be), and NaN or infinity is not a
+# number (every range check passes for NaN).
+_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many({
+    "integer": lambda _, v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda _, v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+})
+_Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_TYPES)
+
+
 def check_schema(data: Any, schema: dict, what: str) -> None:
     """Validate ``data`` against ``schema``; the error names the JSON path of the best match."""
-    validator = jsonschema.Draft202012Validator(schema)
+    validator = _Validator(schema)
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         best = jsonschema.exceptions.best_match(errors)

@@ -11,22 +11,20 @@ choice is keyed by (seed, step, ...) rather than drawn from a stream that a rest
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import inspect
 import io
 import json
-import math
 import re
 import time
-import types
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
+import yaml
 
-from .. import kernel_compiles, registry
+from .. import kernel_compiles
 from ..assembly import installed_model
 from ..compose import build_contract, load_model_config
 from ..contract import check as check_contract
@@ -38,6 +36,7 @@ from ..errors import ConfigError, IsoExecError
 from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
 from ..train.trainer import TrainBatch, TrainConfig, Trainer
+from ..yamlio import check_schema
 from .advantages import GroupFiller, TooManyRounds, dynamic_sampling, group_advantages
 from .data import PromptStream, load_problems, problems_from_rows, synthetic_arithmetic
 from .metrics import MetricsWriter, logprob_diff_stats, summary_line
@@ -51,59 +50,14 @@ class LiveCheckFailed(IsoExecError):
     exit_code = 1
 
 
-#: What a value must be, per type hint, in the words of an error message.
-_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-               dict: "a mapping", type(None): "null"}
+#: The one statement of the run configuration's keys, types and ranges (also the workflow's, which
+#: refers to it); package data, so an installed isoexec has it.
+SCHEMA_PATH = Path(__file__).with_name("config.schema.yaml")
 
 
-def _type_ok(v: Any, hint: Any) -> bool:
-    """Whether ``v`` (a value read from YAML/JSON) fits the dataclass type hint ``hint``. Strict
-    where Python is lax: a bool is not an integer, an integer is a number, NaN/inf are not."""
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return any(_type_ok(v, a) for a in typing.get_args(hint))
-    if origin in (tuple, list) or hint in (tuple, list):
-        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return isinstance(v, (list, tuple)) and all(_type_ok(x, args[0]) for x in v) if args else \
-            isinstance(v, (list, tuple))
-    if hint is bool:
-        return isinstance(v, bool)
-    if hint is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if hint is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    if hint is dict or origin is dict:
-        return isinstance(v, dict)
-    if hint is str:
-        return isinstance(v, str)
-    return hint is type(None) and v is None
-
-
-def _type_words(hint: Any) -> str:
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_words(a) for a in typing.get_args(hint))
-    if origin in (tuple, list) or hint in (tuple, list):
-        return "a list"
-    return _TYPE_WORDS.get(hint, getattr(hint, "__name__", str(hint)))
-
-
-def check_fields(where: str, cls: type, d: Any) -> dict:
-    """``d`` as a dict of ``cls``'s fields: refuses a non-mapping, unknown keys and values whose
-    type does not fit the field's type hint, each with one line naming the key. The one place
-    the RL loop's configuration sections (the run, ``engine``, ``wandb``) are type-checked, so a
-    bad value is refused before a model is built rather than deep inside a step."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where} must be a mapping of keys to values, got {d!r}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
-    unknown = sorted(str(k) for k in set(d) - set(known))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    for k, v in d.items():
-        if not _type_ok(v, hints[k]):
-            raise ConfigError(f"{where}: {k} must be {_type_words(hints[k])}, got {v!r}")
-    return dict(d)
+@functools.cache
+def config_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
 
 
 @dataclass
@@ -115,10 +69,6 @@ class WandbConfig:
     project: str = "isoexec"
     mode: str = "offline"                   # offline | online | disabled
     name: Optional[str] = None              # None: <family>-<composition>-seed<seed>
-
-
-WANDB_MODES = ("offline", "online", "disabled")
-DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass
@@ -159,58 +109,34 @@ class RLConfig:
 
     @classmethod
     def from_dict(cls, d: Any) -> "RLConfig":
-        """Build and check a configuration: every key known, every value of its type and range,
-        the ``train``/``engine``/``synthetic``/``wandb`` sections too. Everything that can be
-        checked without building a model is checked here, so a refused config does no work."""
-        cfg = cls(**check_fields("rl config", cls, d))
+        """Build and check a configuration: every key, type and range by the schema
+        (``config.schema.yaml``, the ``train``/``engine``/``synthetic``/``wandb`` sections too), then
+        what a schema cannot say. Everything that can be checked without building a model is
+        checked here, so a refused config does no work."""
+        check_schema(d, config_schema(), "rl config")
+        cfg = cls(**d)
         cfg._check()
         return cfg
 
     def _check(self) -> None:
+        """The checks across keys, and those of the section classes' own constructors."""
         def bad(msg):
             raise ConfigError(f"rl config: {msg}")
 
-        for name in ("steps", "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_prompt_tokens",
-                     "max_response_tokens", "warmup_batch_size"):
-            if getattr(self, name) < 1:
-                bad(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seed", "overlong_cache", "max_refill_rounds", "warmup_sft_steps", "checkpoint_every"):
-            if getattr(self, name) < 0:
-                bad(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.mini_batch_size > self.prompts_per_step:
             bad(f"mini_batch_size {self.mini_batch_size} counts prompts (groups of samples_per_prompt "
                 f"sequences, as verl's ppo_mini_batch_size) and exceeds prompts_per_step {self.prompts_per_step}")
-        if self.family not in registry.FAMILIES:
-            bad(f"family must be one of {', '.join(registry.FAMILIES)}, got {self.family!r}")
-        if self.arch not in registry.ARCHES:
-            bad(f"arch must be one of {', '.join(registry.ARCHES)}, got {self.arch!r}")
-        if self.dtype not in DTYPES:
-            bad(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.prompt_style not in ("full", "compact"):
-            bad(f"prompt_style must be full or compact, got {self.prompt_style!r}")
-        if self.temperature < 0:
-            bad(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p must be in (0, 1], got {self.top_p}")
         if self.overlong_cache >= self.max_response_tokens:
             bad("overlong_cache must be smaller than max_response_tokens")
-        TrainConfig.from_dict({"seed": self.seed, **check_fields("rl config `train`", TrainConfig, self.train)})
-        engine = check_fields("rl config `engine`", EngineConfig, self.engine)
+        TrainConfig.from_dict({"seed": self.seed, **self.train})   # e.g. rs_kind needs rs_threshold
         try:
-            EngineConfig(**engine)
-        except AssertionError as exc:      # EngineConfig states its ranges as assertions
+            EngineConfig(**self.engine)
+        except AssertionError as exc:      # EngineConfig states its checks as assertions
             bad(f"`engine`: {exc}")
-        wb = WandbConfig(**check_fields("rl config `wandb`", WandbConfig, self.wandb))
-        if wb.mode not in WANDB_MODES:
-            bad(f"`wandb`: mode must be one of {', '.join(WANDB_MODES)}, got {wb.mode!r}")
-        if self.dataset == "synthetic":
-            known = set(inspect.signature(synthetic_arithmetic).parameters) - {"seed"}
-            unknown = sorted(str(k) for k in set(self.synthetic) - known)
-            if unknown:
-                bad(f"`synthetic`: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if self.dataset == "synthetic":    # e.g. min_terms <= max_terms, enough distinct problems
             try:
                 synthetic_arithmetic(**{"n": 256, "seed": self.seed, **self.synthetic})
-            except (TypeError, ValueError) as exc:
+            except ValueError as exc:
                 bad(f"`synthetic`: {exc}")
 
     @property

@@ -129,17 +129,26 @@ def test_gates_only_runs_the_named_gates_and_refuses_unknown_names(tmp_path):
 
 
 # `isoexec run --config` with a bad value: one line on stderr naming the key, exit 2, no traceback,
-# and no output folder (every value is checked before any work starts).
+# and no output folder (every value is checked before any work starts). Keys, types and ranges are
+# checked by the packaged schema (isoexec/rl/config.schema.yaml), the rest by RLConfig._check.
 BAD_RL_CONFIGS = [
-    ("steps: banana\n", "steps must be an integer, got 'banana'"),
-    ("steps: null\n", "steps must be an integer, got None"),
+    ("steps: banana\n", "rl config: $.steps: 'banana' is not of type 'integer'"),
+    ("steps: null\n", "rl config: $.steps: None is not of type 'integer'"),
+    ("steps: 0\n", "rl config: $.steps: 0 is less than the minimum of 1"),
     ("rl: 5\n", "`rl` must be a mapping of RL settings, got 5"),
-    ("engine: {bogus: 1}\n", "rl config `engine`: unknown key(s) bogus"),
-    ("engine: [1, 2]\n", "engine must be a mapping, got [1, 2]"),
-    ("dtype: float7\n", "dtype must be one of auto, float32, bfloat16, got 'float7'"),
-    ("temperature: hot\n", "temperature must be a number, got 'hot'"),
-    ("rl: {train: {tis_threshold: high}}\n", "rl config `train`: tis_threshold must be a number or null"),
-    ("wandb: {enabled: yes please}\n", "rl config `wandb`: enabled must be true or false"),
+    ("engine: {bogus: 1}\n", "rl config: $.engine: Additional properties are not allowed ('bogus' was unexpected)"),
+    ("engine: [1, 2]\n", "rl config: $.engine: [1, 2] is not of type 'object'"),
+    ("dtype: float7\n", "rl config: $.dtype: 'float7' is not one of ['auto', 'float32', 'bfloat16']"),
+    ("temperature: hot\n", "rl config: $.temperature: 'hot' is not of type 'number'"),
+    ("temperature: .nan\n", "rl config: $.temperature: nan is not of type 'number'"),
+    ("rl: {train: {tis_threshold: high}}\n", "rl config: $.train.tis_threshold: 'high' is not of type 'number', 'null'"),
+    ("wandb: {enabled: yes please}\n", "rl config: $.wandb.enabled: 'yes please' is not of type 'boolean'"),
+    ("synthetic: {n: 10, max_operands: 9}\n", "rl config: $.synthetic: Additional properties are not allowed"),
+    # what the schema cannot say: checks across keys
+    ("prompts_per_step: 2\nmini_batch_size: 4\n", "rl config: mini_batch_size 4 counts prompts"),
+    ("max_response_tokens: 8\n", "rl config: overlong_cache must be smaller than max_response_tokens"),
+    ("engine: {chunk_align: 4096}\n", "rl config: `engine`: max_num_batched_tokens (2048) must be >= chunk_align"),
+    ("synthetic: {min_terms: 3, max_terms: 2}\n", "rl config: `synthetic`: synthetic_arithmetic: need 1 <= min_terms"),
 ]
 
 
@@ -156,10 +165,27 @@ def test_run_refuses_a_bad_config_value_in_one_line_and_leaves_nothing(tmp_path,
     assert not out.exists()
 
 
+# The same through the real command (a fresh process): values the schema catches inside a section,
+# and a float where an integer is needed (YAML reads 2.0 as a float).
+@pytest.mark.parametrize("text,line", [
+    ("engine: {max_num_seqs: many}\n", "rl config: $.engine.max_num_seqs: 'many' is not of type 'integer'"),
+    ("wandb: {enabled: false, projct: x}\n",
+     "rl config: $.wandb: Additional properties are not allowed ('projct' was unexpected)"),
+    ("rl: {prompts_per_step: 4.0}\n", "rl config: $.prompts_per_step: 4.0 is not of type 'integer'"),
+], ids=["engine-type", "wandb-unknown-key", "float-for-int"])
+def test_run_schema_refusals_through_the_command(tmp_path, text, line):
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(text)
+    out = tmp_path / "out"
+    r = run("run", "--config", str(cfg), "--composition", "isoexec", "--out", str(out))
+    assert r.returncode == 2 and r.stderr == f"isoexec: error: {line}\n", r.stderr
+    assert not out.exists()
+
+
 def test_run_bad_config_through_the_installed_command_has_no_traceback(tmp_path):
     cfg = tmp_path / "rl.yaml"
     cfg.write_text("temperature: hot\n")
     r = run("run", "--config", str(cfg), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert r.stderr == "isoexec: error: rl config: temperature must be a number, got 'hot'\n"
+    assert r.stderr == "isoexec: error: rl config: $.temperature: 'hot' is not of type 'number'\n"
     assert not (tmp_path / "out").exists()

@@ -75,6 +75,9 @@ def make_workspace(root: Path, pkgs: Path, bindir: Path) -> dict:
         shutil.copy2(REPO / name, root / name)
     for name in ("workflow", "configs", "profiles"):
         shutil.copytree(REPO / name, root / name, ignore=ignore)
+    # the workflow schema refers to the package's RL config schema by its place in the checkout
+    (root / "isoexec/rl").mkdir(parents=True)
+    shutil.copy2(REPO / "isoexec/rl/config.schema.yaml", root / "isoexec/rl/config.schema.yaml")
     return {**os.environ, "PYTHONPATH": str(pkgs), "PATH": f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 

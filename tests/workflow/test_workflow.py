@@ -34,7 +34,15 @@ def copy_workflow(dst: Path) -> Path:
     shutil.copytree(REPO / "configs", dst / "configs", ignore=ignore)
     shutil.copytree(REPO / "profiles", dst / "profiles", ignore=ignore)  # Snakemake reads profiles/default itself
     shutil.copy2(REPO / "environment.yml", dst / "environment.yml")  # the rules' conda environment
+    copy_rl_schema(dst)
     return dst
+
+
+def copy_rl_schema(dst: Path) -> None:
+    """The workflow schema refers to the package's RL config schema by its place in the checkout
+    (../../isoexec/rl/config.schema.yaml from workflow/schemas/), so a copy of the workflow needs it."""
+    (dst / "isoexec/rl").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(REPO / "isoexec/rl/config.schema.yaml", dst / "isoexec/rl/config.schema.yaml")
 
 
 def snakemake(cwd: Path, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -199,6 +207,12 @@ def test_schema_refuses_an_unknown_key(wf):
     ("rl: {settings: {engine: [1, 2]}}\n", "is not of type 'object'"),
     ("rl: {settings: {dtype: float7}}\n", "'float7' is not one of"),
     ("rl: {settings: {temperature: hot}}\n", "'hot' is not of type 'number'"),
+    # rl.settings is the package's schema (isoexec/rl/config.schema.yaml), nested sections included
+    ("rl: {settings: {engine: {max_num_seqs: many}}}\n", "'many' is not of type 'integer'"),
+    ("rl: {settings: {train: {loss: ppo}}}\n", "'ppo' is not one of ['dapo', 'grpo', 'reinforce']"),
+    ("rl: {arms: {a: {composition: native, settings: {wandb: {projct: x}}}}}\n", "'projct' was unexpected"),
+    ("rl: {settings: {family: dense}}\n", "'family' should not be valid under"),   # set by the workflow
+    ("rl: {settings: {seed: 1}}\n", "'seed' should not be valid under"),
     ("rl: {require_checkpoints: maybe}\n", "'maybe' is not of type 'boolean'"),
     ("resume: 3\n", "3 is not one of [True, False, 'true', 'false']"),
 ])
@@ -210,11 +224,14 @@ def test_schema_checks_every_key_and_type(wf, text, expect):
 
 def test_rl_settings_synthetic_is_refused_by_the_workflow(wf):
     """The runs read the data set the workflow makes from rl.synthetic; rl.settings.synthetic would be
-    silently ignored, so it is refused with one line."""
-    bad = write_config(wf / "bad.yaml", "rl: {settings: {synthetic: {n: 10}}}\n")
-    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
-    assert r.returncode != 0
-    assert "config: rl.settings set `synthetic`, which the workflow's runs do not read" in r.stdout + r.stderr
+    silently ignored, so the schema refuses it (in each arm's settings too)."""
+    for text in ("rl: {settings: {synthetic: {n: 10}}}\n",
+                 "rl: {arms: {a: {composition: native, settings: {synthetic: {n: 10}}}}}\n"):
+        bad = write_config(wf / "bad.yaml", text)
+        r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
+        assert r.returncode != 0
+        assert "Error validating config file" in r.stdout + r.stderr
+        assert "'synthetic' should not be valid under" in r.stdout + r.stderr, text
 
 
 def test_schema_refuses_a_bad_arch(wf):

@@ -164,12 +164,6 @@ if RL_ON and _arm_comps:
     raise WorkflowError(f"config: rl.arms use composition(s) {', '.join(_arm_comps)} that are not in "
                         f"`compositions` (no contract is built for them); add them there")
 
-_set_synthetic = ["rl.settings"] * ("synthetic" in (RL_CONF.get("settings") or {})) + [
-    f"rl.arms.{n}.settings" for n, a in RL_ARMS.items() if "synthetic" in a["settings"]]
-if RL_ON and _set_synthetic:
-    raise WorkflowError(f"config: {', '.join(_set_synthetic)} set `synthetic`, which the workflow's runs do not "
-                        "read (they get the data set the workflow makes); set `rl.synthetic` instead")
-
 wildcard_constraints:
     arm="|".join(map(re.escape, RL_ARMS)) or "(?!)",
 
