@@ -40,9 +40,13 @@ def copy_workflow(dst: Path) -> Path:
 
 def copy_rl_schema(dst: Path) -> None:
     """The workflow schema refers to the package's RL config schema by its place in the checkout
-    (../../isoexec/rl/config.schema.yaml from workflow/schemas/), so a copy of the workflow needs it."""
-    (dst / "isoexec/rl").mkdir(parents=True, exist_ok=True)
-    shutil.copy2(REPO / "isoexec/rl/config.schema.yaml", dst / "isoexec/rl/config.schema.yaml")
+    (../../isoexec/rl/config.schema.yaml from workflow/schemas/), so a copy of the workflow needs
+    it. The whole package is linked, not a lone isoexec/rl/ folder: the rules' scripts run with the
+    workflow folder on sys.path, where a folder named isoexec without its __init__.py would import
+    as an empty namespace package ahead of an editable install (isoexec.rl.tables not found)."""
+    link = dst / "isoexec"
+    if not link.exists():
+        link.symlink_to(REPO / "isoexec", target_is_directory=True)
 
 
 def snakemake(cwd: Path, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
