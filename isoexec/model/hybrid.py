@@ -67,7 +67,7 @@ class HybridModel(DenseModel):
         nn.Module.__init__(self)
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        layer_cls = {"full_attention": GatedAttentionLayer, "linear_attention": GatedDeltaNetLayer}
+        layer_cls = self.layer_classes()
         self.layers = nn.ModuleList(layer_cls[t](cfg, dtype, device) for t in cfg.layer_types)
         self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
@@ -75,6 +75,11 @@ class HybridModel(DenseModel):
         self.plans = {}
         self.contract = None
         self._rope_tables: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def layer_classes() -> dict:
+        """The layer class of each ``layer_types`` entry (the MoE variant overrides it)."""
+        return {"full_attention": GatedAttentionLayer, "linear_attention": GatedDeltaNetLayer}
 
     # ------------------------------------------------------------------------------ init
     @torch.no_grad()
@@ -195,7 +200,7 @@ class HybridModel(DenseModel):
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
         cfg, plan = self.cfg, self._plan(batch.case)
-        eps, inter = cfg.rms_norm_eps, cfg.intermediate_size
+        eps = cfg.rms_norm_eps
         x = plan["embed"](ids, self.embed)
         rope = self.rope_table()
         kv_layer = gdn_layer = 0
@@ -207,8 +212,12 @@ class HybridModel(DenseModel):
             else:
                 x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
                 gdn_layer += 1
-            n = plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True)
-            gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter))
-            g, u = gu.split((inter, inter), dim=-1)
-            x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
+            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True))
         return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
+
+    def _mlp(self, plan, L, n: torch.Tensor) -> torch.Tensor:
+        """The layer's SwiGLU MLP on its normed input ``n`` (the MoE variant overrides it)."""
+        inter = self.cfg.intermediate_size
+        gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter))
+        g, u = gu.split((inter, inter), dim=-1)
+        return plan["down_proj"](plan["act"](g, u), L.down_weight)

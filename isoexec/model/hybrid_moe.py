@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from isoexec_kernels.moe import RouterSpec
+
 from ..model_config import HybridMoeConfig
-from .batch import ForwardBatch
 from .hybrid import GatedAttentionLayer, GatedDeltaNetLayer, HybridModel, _params
 from .mla_moe import moe_layer
 
@@ -49,37 +50,14 @@ class HybridMoeModel(HybridModel):
 
     family = "hybrid_moe"
 
-    def __init__(self, cfg: HybridMoeConfig, dtype=torch.float32, device="cpu"):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        layer_cls = {"full_attention": MoeGatedAttentionLayer, "linear_attention": MoeGatedDeltaNetLayer}
-        self.layers = nn.ModuleList(layer_cls[t](cfg, dtype, device) for t in cfg.layer_types)
-        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.plans = {}
-        self.contract = None
-        self._rope_tables: dict[str, torch.Tensor] = {}
-        from isoexec_kernels.moe import RouterSpec
+    @staticmethod
+    def layer_classes() -> dict:
+        return {"full_attention": MoeGatedAttentionLayer, "linear_attention": MoeGatedDeltaNetLayer}
 
+    def __init__(self, cfg: HybridMoeConfig, dtype=torch.float32, device="cpu"):
+        super().__init__(cfg, dtype, device)
         self.router_spec = RouterSpec(kind="softmax_topk", top_k=cfg.num_experts_per_tok, norm_topk_prob=True)
 
-    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
-        cfg, plan = self.cfg, self._plan(batch.case)
-        eps = cfg.rms_norm_eps
-        x = plan["embed"](ids, self.embed)
-        rope = self.rope_table()
-        kv_layer = gdn_layer = 0
-        for L in self.layers:
-            n = plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True)
-            if L.kind == "full_attention":
-                x = x + self._gated_attention(plan, kv_layer, L, n, batch, rope)
-                kv_layer += 1
-            else:
-                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
-                gdn_layer += 1
-            n = plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True)
-            x = x + moe_layer(plan, L, n, self.router_spec, cfg.num_experts, cfg.shared_expert_intermediate_size)
-        return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
+    def _mlp(self, plan, L, n: torch.Tensor) -> torch.Tensor:
+        """The layer's MoE block (router, experts, gated shared expert) on its normed input."""
+        return moe_layer(plan, L, n, self.router_spec, self.cfg.num_experts, self.cfg.shared_expert_intermediate_size)
