@@ -48,13 +48,21 @@ class DenseModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(DenseLayer(cfg, dtype, device) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layers(cfg, dtype, device))
         self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
         self.plans: dict[str, ExecutionPlan] = {}
         self.contract: ExecutionContract | None = None
         self._rope_tables: dict[str, torch.Tensor] = {}
+
+    def make_layers(self, cfg, dtype, device) -> list[nn.Module]:
+        """The decoder layers (the other families override this, and :meth:`rope_dim`)."""
+        return [DenseLayer(cfg, dtype, device) for _ in range(cfg.num_layers)]
+
+    def rope_dim(self) -> int:
+        """Channels of a head that RoPE rotates."""
+        return self.cfg.head_dim
 
     # ------------------------------------------------------------------------------ contract
     def install(self, contract: ExecutionContract, facts: RuntimeFacts | None = None) -> list[BoundRecord]:
@@ -96,7 +104,7 @@ class DenseModel(nn.Module):
         is bitwise the same as one computed on the fly for that position."""
         dev = str(self.embed.device)
         if dev not in self._rope_tables:
-            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.head_dim,
+            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.rope_dim(),
                                                 self.cfg.rope_theta, self.embed.device)
         return self._rope_tables[dev]
 

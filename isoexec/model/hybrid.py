@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from isoexec_kernels.gdn_core import CHUNK, GDNState
-from isoexec_kernels.rope import rope_cache
 
 from ..errors import BindingRefused
 from ..model_config import HybridConfig
@@ -63,23 +62,18 @@ class HybridModel(DenseModel):
 
     family = "hybrid"
 
-    def __init__(self, cfg: HybridConfig, dtype=torch.float32, device="cpu"):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        layer_cls = self.layer_classes()
-        self.layers = nn.ModuleList(layer_cls[t](cfg, dtype, device) for t in cfg.layer_types)
-        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.plans = {}
-        self.contract = None
-        self._rope_tables: dict[str, torch.Tensor] = {}
-
     @staticmethod
     def layer_classes() -> dict:
         """The layer class of each ``layer_types`` entry (the MoE variant overrides it)."""
         return {"full_attention": GatedAttentionLayer, "linear_attention": GatedDeltaNetLayer}
+
+    def make_layers(self, cfg: HybridConfig, dtype, device) -> list[nn.Module]:
+        layer_cls = self.layer_classes()
+        return [layer_cls[t](cfg, dtype, device) for t in cfg.layer_types]
+
+    def rope_dim(self) -> int:
+        """The first ``rotary_dim`` channels (partial rotary)."""
+        return self.cfg.rotary_dim
 
     # ------------------------------------------------------------------------------ init
     @torch.no_grad()
@@ -103,15 +97,6 @@ class HybridModel(DenseModel):
                 v = torch.randn(prm.shape, generator=g) * std
             prm.copy_(v)
         return self
-
-    def rope_table(self) -> torch.Tensor:
-        """fp32 (cos | sin) rows of the first ``rotary_dim`` channels (partial rotary) for every
-        position, built once per device."""
-        dev = str(self.embed.device)
-        if dev not in self._rope_tables:
-            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.rotary_dim,
-                                                self.cfg.rope_theta, self.embed.device)
-        return self._rope_tables[dev]
 
     # ------------------------------------------------------------------------------ engine state
     def _chunk(self) -> int:

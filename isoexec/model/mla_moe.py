@@ -30,6 +30,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from isoexec_kernels.mla import expand_qkv, write_mla_kv_pages
+from isoexec_kernels.moe import RouterSpec
+
 from ..model_config import MLA_LATENT_NORM_EPS, MlaMoeConfig
 from .batch import ForwardBatch
 from .dense import DenseModel
@@ -91,18 +94,7 @@ class MlaMoeModel(DenseModel):
     family = "mla_moe"
 
     def __init__(self, cfg: MlaMoeConfig, dtype=torch.float32, device="cpu"):
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.layers = nn.ModuleList(MlaLayer(cfg, t, dtype, device) for t in cfg.mlp_layer_types)
-        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size, dtype=dtype, device=device))
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device))
-        self.plans = {}
-        self.contract = None
-        self._rope_tables: dict[str, torch.Tensor] = {}
-        from isoexec_kernels.moe import RouterSpec
-
+        super().__init__(cfg, dtype, device)
         self.router_spec = RouterSpec(kind="sigmoid_group_topk", top_k=cfg.num_experts_per_tok,
                                       norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
                                       topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
@@ -124,15 +116,12 @@ class MlaMoeModel(DenseModel):
             prm.copy_(v)
         return self
 
-    def rope_table(self) -> torch.Tensor:
-        """fp32 (cos | sin) rows of the ``qk_rope_head_dim`` rope channels for every position."""
-        dev = str(self.embed.device)
-        if dev not in self._rope_tables:
-            from isoexec_kernels.rope import rope_cache
+    def make_layers(self, cfg: MlaMoeConfig, dtype, device) -> list[nn.Module]:
+        return [MlaLayer(cfg, t, dtype, device) for t in cfg.mlp_layer_types]
 
-            self._rope_tables[dev] = rope_cache(self.cfg.max_position_embeddings, self.cfg.qk_rope_head_dim,
-                                                self.cfg.rope_theta, self.embed.device)
-        return self._rope_tables[dev]
+    def rope_dim(self) -> int:
+        """The ``qk_rope_head_dim`` rope channels."""
+        return self.cfg.qk_rope_head_dim
 
     # ------------------------------------------------------------------------------ forward
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +134,6 @@ class MlaMoeModel(DenseModel):
         return x.unflatten(-1, (d // 2, 2)).transpose(-1, -2).reshape(*x.shape[:-1], d)
 
     def _mla(self, plan, layer: int, L: MlaLayer, n: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        from isoexec_kernels.mla import expand_qkv
-
         cfg = self.cfg
         T = n.shape[0]
         nh, nope, rd, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -168,8 +155,6 @@ class MlaMoeModel(DenseModel):
         attn = plan["attn_core"]
         if not batch.is_engine:
             return attn(q, k, v, batch.cu_seqlens, batch.max_seqlen, scale)
-        from isoexec_kernels.mla import write_mla_kv_pages
-
         kc, vc = batch.kv.k[layer], batch.kv.v[layer]
         write_mla_kv_pages(k, v, kc, vc, batch.slot_mapping)  # pad + copy: no arithmetic, part of attn_core
         dv = self.cfg.v_head_dim
