@@ -92,6 +92,14 @@ VARLEN_PAGE_SIZE = 1 << 30  # "page" length used to address packed varlen K/V as
 
 
 @triton.jit
+def _rows_descriptor(base, rows, row_stride, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """TMA descriptor of ``rows`` rows of HEAD_DIM contiguous values starting at ``base``, read in
+    [BLOCK_N, HEAD_DIM] blocks; rows past ``rows`` read as zero."""
+    return tl.make_tensor_descriptor(base, shape=[rows, HEAD_DIM], strides=[row_stride, 1],
+                                     block_shape=[BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
 def _attend_block(acc, l_i, m_i, q, j, lim, seq, kvh, ctx, K, V, BlockTable, stride_bt,
                   page_size, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
                   qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -181,10 +189,8 @@ def _attention_fwd_kernel(
             # TMA loads through descriptors bounded to this sequence's ctx rows
             # (new names: a variable may not change type inside a runtime branch)
             kv0 = tl.load(BlockTable + seq * stride_bt).to(tl.int64)
-            k_src = tl.make_tensor_descriptor(K + kv0 * stride_ks + kvh * stride_kh, shape=[ctx, HEAD_DIM],
-                                              strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-            v_src = tl.make_tensor_descriptor(V + kv0 * stride_vs + kvh * stride_vh, shape=[ctx, HEAD_DIM],
-                                              strides=[stride_vs, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            k_src = _rows_descriptor(K + kv0 * stride_ks + kvh * stride_kh, ctx, stride_ks, BLOCK_N, HEAD_DIM)
+            v_src = _rows_descriptor(V + kv0 * stride_vs + kvh * stride_vh, ctx, stride_vs, BLOCK_N, HEAD_DIM)
         else:
             k_src = K
             v_src = V
@@ -263,10 +269,16 @@ def varlen_kv_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
     tests/kernels/test_attention.py). fp32 K/V keep pointer loads: their TMA staging buffers
     do not fit in shared memory at head_dim 256 (262 KB compiled for sm90), and fp32 attention
     serves tests, not models."""
-    if k.dtype not in (torch.bfloat16, torch.float16) or not tma_supported(k.device):
+    return _tma_rows_ok(k, v)
+
+
+def _tma_rows_ok(*ts: torch.Tensor) -> bool:
+    """16-bit [tokens, heads, head_dim] tensors that TMA can read on this device: 16-byte
+    aligned bases and token/head strides."""
+    if ts[0].dtype not in (torch.bfloat16, torch.float16) or not tma_supported(ts[0].device):
         return False
-    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-               and (t.stride(1) * t.element_size()) % 16 == 0 for t in (k, v))
+    return all(t.data_ptr() % 16 == 0 and all((t.stride(i) * t.element_size()) % 16 == 0 for i in (0, 1))
+               for t in ts)
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale, max_seqlen_q,
@@ -445,12 +457,10 @@ def _attention_bwd_dq_kernel(
         last_tok = (tl.minimum(row0 + BLOCK_M, n_rows) - 1) // GROUP
         hi = tl.where(causal != 0, last_tok + 1, length)
         if KV_TMA:  # this sequence's K/V rows of this KV head, rows past the end zero-filled
-            k_desc = tl.make_tensor_descriptor(K + start.to(tl.int64) * stride_kt + kvh * stride_kh,
-                                               shape=[length, HEAD_DIM], strides=[stride_kt, 1],
-                                               block_shape=[BLOCK_N, HEAD_DIM])
-            v_desc = tl.make_tensor_descriptor(V + start.to(tl.int64) * stride_vt + kvh * stride_vh,
-                                               shape=[length, HEAD_DIM], strides=[stride_vt, 1],
-                                               block_shape=[BLOCK_N, HEAD_DIM])
+            k_desc = _rows_descriptor(K + start.to(tl.int64) * stride_kt + kvh * stride_kh, length, stride_kt,
+                                      BLOCK_N, HEAD_DIM)
+            v_desc = _rows_descriptor(V + start.to(tl.int64) * stride_vt + kvh * stride_vh, length, stride_vt,
+                                      BLOCK_N, HEAD_DIM)
         for n0 in range(0, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < length
@@ -488,15 +498,8 @@ def _bwd_tma(q, k, v, dout, group: int, block_m: int) -> tuple[bool, bool]:
     16-bit tensors on a GPU with TMA, 16-byte aligned bases and token/head strides; the dK/dV
     kernel's 3-D box of GROUP heads also needs GROUP a power of two dividing BLOCK_M. The loads
     give the same values either way (rows past a sequence's end read as zero)."""
-    if q.dtype not in (torch.bfloat16, torch.float16) or not tma_supported(q.device):
-        return False, False
-
-    def aligned(*ts):
-        return all(t.data_ptr() % 16 == 0 and all((t.stride(i) * t.element_size()) % 16 == 0 for i in (0, 1))
-                   for t in ts)
-
     pow2 = group & (group - 1) == 0 and block_m % group == 0
-    return pow2 and aligned(q, dout), aligned(k, v)
+    return pow2 and _tma_rows_ok(q, dout), varlen_kv_tma(k, v)
 
 
 def varlen_attention_backward_triton(q, k, v, out, lse2, dout, cu_seqlens, max_seqlen: int,
