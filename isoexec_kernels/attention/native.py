@@ -56,21 +56,36 @@ def _sdpa_padded(q_pad, k_pad, v_pad, q_lens, ctx_lens, scale, causal):
     return out.transpose(1, 2)
 
 
-def _flash_varlen_usable(q: torch.Tensor) -> bool:
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+def _flash_varlen_usable(q: torch.Tensor, v: torch.Tensor) -> bool:
+    d = max(q.shape[-1], v.shape[-1])
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0
+            and d <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+def _same_head_dim(q, k, v):
+    """Flash needs one head dim for q, k and v; MLA has a value head dim unlike the query's.
+    Zero-pad the narrower side to the wider (a stock engine does this for MLA): zero query/key
+    columns add nothing to a score (the scale is passed explicitly), zero value columns give zero
+    output columns, dropped by the caller through the returned value width."""
+    dq, dv = q.shape[-1], v.shape[-1]
+    if dv < dq:
+        v = F.pad(v, (0, dq - dv))
+    elif dq < dv:
+        q, k = F.pad(q, (0, dv - dq)), F.pad(k, (0, dv - dq))
+    return q, k, v, dv
 
 
 def attention_native_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float,
                             causal: bool = True) -> torch.Tensor:
     """Stock twin of ``varlen_attention``: FlashAttention-2 varlen on a GPU (module docstring),
     padded SDPA elsewhere; differentiable either way."""
-    if _flash_varlen_usable(q):
+    if _flash_varlen_usable(q, v):
         cu = cu_seqlens.to(torch.int32)
         n = max(int(max_seqlen), 1)
+        q, k, v, dv = _same_head_dim(q, k, v)
         out = torch.ops.aten._flash_attention_forward(
             q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, n, n, 0.0, causal, False, scale=scale)[0]
-        return out
+        return out[..., :dv]
     cu = [int(x) for x in cu_seqlens.tolist()]
     starts, lens = cu[:-1], [e - s for s, e in zip(cu[:-1], cu[1:])]
     width = max(max(lens, default=0), 1)
@@ -97,7 +112,7 @@ def attention_native_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     if max_seqlen_q is None:
         max_seqlen_q = int(q_lens.max().item()) if n_seq else 0
-    if _flash_varlen_usable(q) and n_seq:
+    if _flash_varlen_usable(q, v_cache) and n_seq:
         return _flash_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale,
                             max(int(max_seqlen_q), 1))
     lq = max(int(max_seqlen_q), 1)
@@ -127,9 +142,10 @@ def _flash_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, s
     k = _gather_pages(k_cache, block_table).reshape(b * width, *k_cache.shape[2:])
     v = _gather_pages(v_cache, block_table).reshape(b * width, *v_cache.shape[2:])
     cu_k = torch.arange(0, (b + 1) * width, width, dtype=torch.int32, device=q.device)
+    q, k, v, dv = _same_head_dim(q, k, v)
     return torch.ops.aten._flash_attention_forward(
-        q.contiguous(), k, v, cu_seqlens_q.to(torch.int32), cu_k, max_seqlen_q, width, 0.0, True, False,
-        scale=scale, seqused_k=context_lens.to(torch.int32))[0]
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q.to(torch.int32), cu_k, max_seqlen_q, width,
+        0.0, True, False, scale=scale, seqused_k=context_lens.to(torch.int32))[0][..., :dv]
 
 
 def attention_native_paged_decode(q, k_cache, v_cache, block_table, context_lens,

@@ -23,21 +23,28 @@ def _f64_varlen(q, k, v, lens, scale):
     return torch.cat(out)
 
 
+# (query/key head dim, value head dim): equal as in GQA models; MLA's value head is narrower than its
+# query/key head (rope + no-rope parts), which flash takes only after zero-padding
+HEAD_DIMS = [(128, 128), (192, 128), (64, 128)]
+
+
 @pytest.mark.gpu
-def test_native_varlen_flash_matches_float64_and_the_padded_path_with_gradients(kb):
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
+def test_native_varlen_flash_matches_float64_and_the_padded_path_with_gradients(kb, d, dv):
     g = torch.Generator().manual_seed(3)
-    lens, hq, hkv, d = [1, 63, 200, 333], 16, 8, 128
+    lens, hq, hkv = [1, 63, 200, 333], 16, 8
     T, scale = sum(lens), d ** -0.5
-    q, k, v = (torch.randn(T, h, d, generator=g).bfloat16().cuda() for h in (hq, hkv, hkv))
+    q, k, v = (torch.randn(T, h, w, generator=g).bfloat16().cuda() for h, w in ((hq, d), (hkv, d), (hkv, dv)))
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    assert nat._flash_varlen_usable(q)
+    assert nat._flash_varlen_usable(q, v)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = nat.attention_native_varlen(*leaves, cu, max(lens), scale)
     want = _f64_varlen(q, k, v, lens, scale)
     assert kb.rel_l2(out, want) < kb.TOL[torch.bfloat16]
     padded = nat.attention_native_varlen(q.float(), k.float(), v.float(), cu, max(lens), scale)  # fp32: padded SDPA
     assert kb.rel_l2(padded, want) < 1e-4
-    dy = torch.randn(T, hq, d, generator=g).bfloat16().cuda()
+    assert out.shape == (T, hq, dv)
+    dy = torch.randn(T, hq, dv, generator=g).bfloat16().cuda()
     out.backward(dy)
     ref = [t.double().requires_grad_() for t in (q, k, v)]
     _f64_varlen(*ref, lens, scale).backward(dy.double())
@@ -46,16 +53,17 @@ def test_native_varlen_flash_matches_float64_and_the_padded_path_with_gradients(
 
 
 @pytest.mark.gpu
-def test_native_paged_flash_prefill_and_decode_match_the_padded_sdpa_path(kb):
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
+def test_native_paged_flash_prefill_and_decode_match_the_padded_sdpa_path(kb, d, dv):
     """The engine's stock paged path (page gather + FlashAttention-2 varlen with used-key counts)
     computes the same function as the masked padded SDPA it replaced: chunks that start mid-
     sequence (bottom-right causal alignment) and single-token decode rows, at bf16 tolerance."""
     g = torch.Generator().manual_seed(5)
-    hq, hkv, d, page, scale = 16, 8, 128, 16, 128 ** -0.5
+    hq, hkv, page, scale = 16, 8, 16, d ** -0.5
     ctx, q_lens = [5, 70, 300, 17], [5, 13, 1, 17]
     pages_per = 20
     kc = torch.randn(len(ctx) * pages_per, page, hkv, d, generator=g).bfloat16().cuda()
-    vc = torch.randn(len(ctx) * pages_per, page, hkv, d, generator=g).bfloat16().cuda()
+    vc = torch.randn(len(ctx) * pages_per, page, hkv, dv, generator=g).bfloat16().cuda()
     bt = torch.randperm(len(ctx) * pages_per, generator=g).view(len(ctx), pages_per).int().cuda()
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
     lens = torch.tensor(ctx, dtype=torch.int32, device="cuda")
@@ -63,8 +71,22 @@ def test_native_paged_flash_prefill_and_decode_match_the_padded_sdpa_path(kb):
     flash = nat.attention_native_paged_prefill(q, kc, vc, bt, cu, lens, scale, max(q_lens))
     padded = nat.attention_native_paged_prefill(q.float(), kc.float(), vc.float(), bt, cu, lens, scale,
                                                 max(q_lens))  # fp32: the padded SDPA path
+    assert flash.shape == (sum(q_lens), hq, dv)
     assert kb.rel_l2(flash, padded) < kb.TOL[torch.bfloat16]
     qd = torch.randn(len(ctx), hq, d, generator=g).bfloat16().cuda()
     dec = nat.attention_native_paged_decode(qd, kc, vc, bt, lens, scale)
     dec_ref = nat.attention_native_paged_decode(qd.float(), kc.float(), vc.float(), bt, lens, scale)
     assert kb.rel_l2(dec, dec_ref) < kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
+def test_zero_padding_to_one_head_dim_keeps_the_attention_function(d, dv):
+    """What the flash paths do for MLA, checked on CPU: attention over the zero-padded q/k/v, cut
+    back to the value width, equals attention over the original tensors (float64)."""
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 4, 9, w, generator=g, dtype=torch.float64) for w in (d, d, dv))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5)
+    qp, kp, vp, width = nat._same_head_dim(q, k, v)
+    assert qp.shape[-1] == kp.shape[-1] == vp.shape[-1] == max(d, dv) and width == dv
+    got = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=d ** -0.5)
+    torch.testing.assert_close(got[..., :width], want, rtol=1e-12, atol=1e-12)
