@@ -129,7 +129,7 @@ def attention_native_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), k_pad.transpose(1, 2), v_pad.transpose(1, 2),
         attn_mask=mask[:, None], scale=scale, enable_gqa=True).transpose(1, 2)
-    return out.reshape(n_seq * lq, *q.shape[1:]).index_select(0, row)
+    return out.reshape(n_seq * lq, *out.shape[2:]).index_select(0, row)
 
 
 def _flash_paged(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale, max_seqlen_q):

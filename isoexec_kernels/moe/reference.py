@@ -92,7 +92,10 @@ def dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
     flat = ids.reshape(-1).long()
     tok = torch.arange(T, device=ids.device).repeat_interleave(k)
     order = torch.argsort(flat * T + tok)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount on CUDA reads its input's max on the host, which a
+    # captured decode graph forbids; integer adds are exact in any order
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
     offsets[1:] = torch.cumsum(counts, 0)
     row_of_pair = torch.empty_like(order)

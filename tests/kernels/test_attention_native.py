@@ -90,3 +90,26 @@ def test_zero_padding_to_one_head_dim_keeps_the_attention_function(d, dv):
     assert qp.shape[-1] == kp.shape[-1] == vp.shape[-1] == max(d, dv) and width == dv
     got = torch.nn.functional.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=d ** -0.5)
     torch.testing.assert_close(got[..., :width], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
+def test_padded_paged_prefill_of_whole_sequences_equals_varlen_on_cpu(d, dv):
+    """The padded-SDPA paged path (CPU, fp32) with a value head unlike the query's: a prefill of
+    whole sequences from the page cache is the varlen attention of the same rows."""
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, page, lens = 4, 2, 4, [3, 9, 1]
+    T, scale = sum(lens), d ** -0.5
+    q, k, v = (torch.randn(T, h, w, generator=g) for h, w in ((hq, d), (hkv, d), (hkv, dv)))
+    pages_per = 3
+    kc, vc = torch.zeros(len(lens) * pages_per, page, hkv, d), torch.zeros(len(lens) * pages_per, page, hkv, dv)
+    bt = torch.randperm(len(lens) * pages_per, generator=g).view(len(lens), pages_per).int()
+    at = 0
+    for b, n in enumerate(lens):
+        for j in range(n):
+            kc[bt[b, j // page], j % page], vc[bt[b, j // page], j % page] = k[at + j], v[at + j]
+        at += n
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    paged = nat.attention_native_paged_prefill(q, kc, vc, bt, cu, torch.tensor(lens, dtype=torch.int32), scale,
+                                               max(lens))
+    assert paged.shape == (T, hq, dv)
+    torch.testing.assert_close(paged, nat.attention_native_varlen(q, k, v, cu, max(lens), scale))
