@@ -7,6 +7,9 @@ import textwrap
 
 import pytest
 
+# one xdist worker runs this module: its module-scoped fixture is made once
+pytestmark = pytest.mark.xdist_group("cli_built_contracts")
+
 CLI = [sys.executable, "-m", "isoexec.cli"]
 
 

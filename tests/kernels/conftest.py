@@ -172,7 +172,10 @@ def start_interp(name: str) -> dict:
 
 
 def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
-    """Wait for (start, if need be) the subprocess of fixture ``name``; its exit code and output."""
+    """Wait for (start, if need be) the subprocess of fixture ``name``; its exit code and output.
+    The other runs the selected tests need start too, so that they run beside this wait."""
+    for other in sorted(_needed - {name}):
+        start_interp(other)
     run = start_interp(name)
     try:
         run["proc"].wait(timeout=timeout)
@@ -186,11 +189,26 @@ def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(run["proc"].args, run["proc"].returncode, *text)
 
 
+_needed: set = set()   # interpreter runs that a selected test uses
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under pytest-xdist (`-n`, `--dist loadgroup`) every test that reads an interpreter run goes to
+    # one worker, so each run is made once, not once per worker (each takes minutes of a core).
+    for item in items:
+        if any(n in INTERP_RUNS for n in getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("triton_interpreter"))
+
+
 def pytest_collection_finish(session):
     if not _has_triton():
         return
-    needed = {n for item in session.items for n in getattr(item, "fixturenames", ()) if n in INTERP_RUNS}
-    for name in sorted(needed):
+    _needed.update(n for item in session.items for n in getattr(item, "fixturenames", ()) if n in INTERP_RUNS)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # every worker collects every test: only the worker that gets the interpreter group starts
+        # the runs, when its first such test asks for one (wait_interp)
+        return
+    for name in sorted(_needed):
         start_interp(name)
 
 

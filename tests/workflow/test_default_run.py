@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+# one xdist worker runs the module: two `snakemake` runs in the checkout at once would lock each other out
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("default_run")]
 
 CONFIG = yaml.safe_load((REPO / "configs/config.yaml").read_text())
 RES = REPO / CONFIG["results_dir"] / CONFIG["run_name"]

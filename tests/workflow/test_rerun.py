@@ -64,7 +64,9 @@ sys.exit(main())
 """
 
 RUN = "res/cpu/runs/dense/isoexec/seed0"
-pytestmark = pytest.mark.slow   # about 2 min on 2 idle cores: five workflow runs (-m "not slow" skips them)
+# about 2 min on 2 idle cores: five workflow runs (-m "not slow" skips them); one xdist worker runs
+# the module, so its runs (a module fixture) are made once
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow_rerun")]
 
 
 def make_workspace(root: Path, pkgs: Path, bindir: Path) -> dict:
