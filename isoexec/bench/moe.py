@@ -129,8 +129,8 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     arch = "cpu" if device == "cpu" else runtime_arch()
     decode_m, train_m = (DECODE_M, TRAIN_M) if big else (QUICK_DECODE_M, QUICK_TRAIN_M)
-    # quick runs are format checks: one timed call after one warm-up (the CPU reference loops are slow)
-    reps = dict(rep_ms=0, min_reps=1) if quick or not big else {}
+    # quick and CPU runs are format checks: one timed call after one warm-up (the CPU reference loops are slow)
+    reps = dict(rep_ms=0, min_reps=1) if not big else {}
     rows = []
     for shape in _shapes(big):
         weights = moe_weights(shape, device, dtype)
