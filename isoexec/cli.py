@@ -276,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_gates_run)
 
     pb = sub.add_parser("bench", help="microbenchmarks: ours vs the stock path in the same run (JSON result)")
-    pb.add_argument("name", choices=["gemm", "attention", "rmsnorm", "logprob", "engine", "cpr", "train"])
+    pb.add_argument("name", choices=list(BENCHES))
     pb.add_argument("--out", required=True, help="result JSON (results/<run>/bench/<name>.json)")
     pb.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if available")
     pb.add_argument("--quick", action="store_true", help="small shapes (smoke test)")

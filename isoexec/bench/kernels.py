@@ -23,6 +23,7 @@ from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
 from .common import print_rows, rotating, row, time_ms
 from .cpr import bench_cpr_rows
 from .engine import bench_engine
+from .moe import bench_moe
 from .train import bench_train
 
 # (name, K, N): the dense family's projections at Qwen3-0.6B and Qwen3-8B dimensions.
@@ -175,4 +176,5 @@ def _bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict
 
 
 BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
-           "engine": _bench_engine, "cpr": _bench_cpr, "train": _bench_train}
+           "engine": _bench_engine, "cpr": _bench_cpr, "train": _bench_train,
+           "moe": bench_moe}

@@ -20,7 +20,7 @@ SMALLER = {"engine": ("import isoexec.bench.engine as e; "
                       "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4); ")}
 
 
-@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine"])
+@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe"])
 def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
     out = tmp_path / f"{name}.json"
     cli = ["-c", SMALLER[name] + "import sys; from isoexec.cli import main; sys.exit(main())"] \
@@ -39,6 +39,11 @@ def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
         assert {(r["workload"], r["baseline"]) for r in obj["rows"]} == {
             ("batch", "native_engine"), ("batch", "transformers_generate"), ("staggered", "native_engine")}
         assert all(r["requests"] == 4 for r in obj["rows"])
+    if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size
+        assert {(r["stage"], r["M"]) for r in obj["rows"]} == {
+            (f"moe.{s}.{p}", m) for s in ("glm47_flash", "qwen35_35b_a3b")
+            for p, ms in (("fwd", (1, 16, 64)), ("fwd+bwd", (64,))) for m in ms}
+        assert all(r["pass"] == r["stage"].rsplit(".", 1)[1] and r["speed_ratio"] > 0 for r in obj["rows"])
 
 
 def test_report_renders_every_row(tmp_path):
