@@ -24,7 +24,7 @@ from ..envinfo import env_info
 from .artifacts import write_artifact
 from .compare import merge
 from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
-from .engine_gates import SIZES as ENGINE_SIZES
+from .engine_gates import sizes as engine_sizes
 from .kernel_gates import GateOutcome, entry_with_impl
 from .kinds import KINDS, NEGATIVE_CONTROLS, kernel_gate_names
 from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
@@ -93,7 +93,8 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
                      ("backward_determinism", lambda g: backward_determinism(m, g, **BACKWARD_GATE_SIZES[arch]))]
             for gname, gfn in ENGINE_GATES.items():
                 if gname not in GPU_ONLY_GATES or arch != "cpu":
-                    gates.append((gname, lambda g, gfn=gfn: gfn(m, contract, g, **ENGINE_SIZES[arch])))
+                    gates.append((gname, lambda g, gfn=gfn, gname=gname:
+                                  gfn(m, contract, g, **engine_sizes(gname, arch))))
             if expect == "variant":
                 gates = [(name, fn) for name, fn in gates if name in of]
             elif only:
