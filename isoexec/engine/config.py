@@ -25,6 +25,9 @@ class EngineConfig:
     # graph decode steps of host time on the H200), 0 (every step) without
     prefill_interval: int | None = None
     log_every: int = 0                   # one progress line to stderr every N steps; 0: silent
+    # keep the whole fp32 log-softmax row of every sampled position in ``runner.full_rows`` (the
+    # engine_full_vocab gate; RL losses over the whole distribution); off: nothing is computed
+    record_full_logprobs: bool = False
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"

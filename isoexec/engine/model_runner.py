@@ -55,6 +55,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.graphs: Optional[DecodeGraphs] = None
         self.graph_replays = 0                      # decode steps served by a graph (gates check > 0)
+        # Opt-in record of the whole fp32 log-softmax row of every sampled position (request id,
+        # position of the sampled token, row), from the very logits the sampler chose from; None
+        # (the default) computes and keeps nothing. ``EngineConfig.record_full_logprobs``.
+        self.full_rows: Optional[list[tuple[int, int, torch.Tensor]]] = None
         if cuda_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             max_pages = -(-max_model_len // page_size)
             sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
@@ -109,7 +113,13 @@ class ModelRunner:
         def logprob(lg, targets):
             return self.model.logprobs_from_logits(lg, targets, case)
 
-        return self.sampler.sample(logits, plan, logprob)
+        out = self.sampler.sample(logits, plan, logprob)
+        if self.full_rows is not None:
+            # eager, after the sampler (never inside a captured graph); the rows stay on the
+            # device, so recording adds no host sync
+            full = self.model.log_softmax_from_logits(logits, case)
+            self.full_rows.extend((s.request_id, s.num_tokens, full[i]) for i, s in enumerate(picked))
+        return out
 
 
 class DecodeGraphs:

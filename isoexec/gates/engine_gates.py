@@ -3,6 +3,10 @@
 - ``engine_generate_verify``: every token the engine samples (mixed greedy / temperature /
   top-k / top-p requests, staggered arrivals, chunked prefill, mixed prefill+decode steps) has an
   engine logprob equal, bit for bit, to the trainer's ``score_logprobs`` over prompt + response.
+- ``engine_full_vocab``: the same generate-then-verify traffic; at every sampled position the
+  engine's whole fp32 log-softmax row (recorded from the logits it sampled from) equals the
+  trainer's row over prompt + response, bit for bit, and the row's entry at the sampled token is
+  the logprob the engine returned.
 - ``engine_needle``: one request alone vs inside a large random batch with staggered arrivals:
   identical tokens and bitwise-identical logprobs.
 - ``engine_preemption``: a page budget so small that requests are preempted and recomputed gives
@@ -19,11 +23,21 @@ import random
 import torch
 
 from ..engine import Engine, EngineConfig, SamplingParams
-from ..train.scoring import PackedSequences, score_logprobs
+from ..train.scoring import PackedSequences, score_log_softmax, score_logprobs
 from .compare import BitReport, compare_bits
 
 SIZES = {"cpu": dict(requests=24, max_prompt=40, max_tokens=12),
          "sm90": dict(requests=128, max_prompt=300, max_tokens=96)}
+# Gates whose comparison is much larger per token than one logprob get their own sizes: the
+# full-vocabulary gate compares V elements per sampled token (rows kept on both sides), so it runs
+# fewer, shorter requests; they still stagger, chunk and mix prefill with decode.
+GATE_SIZES = {"engine_full_vocab": {"cpu": dict(requests=8, max_prompt=24, max_tokens=8),
+                                    "sm90": dict(requests=32, max_prompt=300, max_tokens=64)}}
+
+
+def sizes(gate: str, arch: str) -> dict:
+    """The sizes the runner passes to engine gate ``gate`` on ``arch``."""
+    return GATE_SIZES.get(gate, SIZES)[arch]
 
 
 def _engine(model, contract, **kw) -> Engine:
@@ -78,15 +92,60 @@ def verify_engine_logprobs(model, results) -> BitReport:
     return compare_bits(got, want)
 
 
-def engine_generate_verify(model, contract, gen: torch.Generator, requests: int, max_prompt: int,
-                           max_tokens: int) -> tuple[list[BitReport], dict]:
+def verify_engine_full_rows(model, results, engine_rows) -> list[BitReport]:
+    """Engine fp32 log-softmax rows of every sampled position (``engine_rows``: the runner's
+    ``full_rows`` record) vs the trainer's rows at the same positions of prompt + response; and
+    each engine row's entry at its sampled token vs the logprob the engine returned (so the rows
+    compared are the distributions the returned logprobs came from)."""
+    dev = model.embed.device
+    packed = PackedSequences.from_lists([r.prompt + r.ids for r in results], device=dev)
+    by_pos = {(rid, pos): row for rid, pos, row in engine_rows}
+    starts, rows, got, missing = 0, [], [], 0
+    for r, n in zip(results, packed.lengths):
+        for j in range(len(r.ids)):
+            # packed row starts + len(prompt) - 1 + j predicts generated token j, which the engine
+            # sampled when the sequence held len(prompt) + j tokens
+            rows.append(starts + len(r.prompt) - 1 + j)
+            row = by_pos.get((r.request_id, len(r.prompt) + j))
+            missing += row is None
+            got.append(row)
+        starts += n
+    if missing:
+        return [_vacuous(f"{missing} sampled position(s) without a recorded engine row")]
+    got = torch.stack(got)
+    want = score_log_softmax(model, packed, torch.tensor(rows, dtype=torch.int64, device=dev))
+    ids = torch.tensor([t for r in results for t in r.ids], dtype=torch.int64, device=got.device)
+    at_token = got.gather(1, ids[:, None])[:, 0]
+    return [compare_bits(got, want), compare_bits(at_token, torch.cat([r.logprobs for r in results]).to(got.device))]
+
+
+def _generate(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int,
+              **engine_kw) -> tuple[Engine, list]:
+    """The generate-then-verify traffic: mixed sampling kinds, staggered arrivals; results in
+    request order."""
     rng = random.Random(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))
     prompts = _prompts(gen, requests, max_prompt, model.cfg.vocab_size)
     params = _params(rng, requests, max_tokens)
     reqs = [(rng.randint(0, 8), p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-    results = run_staggered(_engine(model, contract), reqs)
-    ordered = [results[i] for i in range(requests)]
+    engine = _engine(model, contract, **engine_kw)
+    results = run_staggered(engine, reqs)
+    return engine, [results[i] for i in range(requests)]
+
+
+def engine_generate_verify(model, contract, gen: torch.Generator, requests: int, max_prompt: int,
+                           max_tokens: int) -> tuple[list[BitReport], dict]:
+    _, ordered = _generate(model, contract, gen, requests, max_prompt, max_tokens)
     return [verify_engine_logprobs(model, ordered)], {"requests": requests, "tokens": sum(len(r.ids) for r in ordered)}
+
+
+def engine_full_vocab(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
+                      ) -> tuple[list[BitReport], dict]:
+    """Generate-then-verify over whole rows: RL losses that read the whole distribution (KL to a
+    reference, entropy bonus) need every entry of the engine's row to be the trainer's."""
+    engine, ordered = _generate(model, contract, gen, requests, max_prompt, max_tokens, record_full_logprobs=True)
+    reports = verify_engine_full_rows(model, ordered, engine.runner.full_rows)
+    return reports, {"requests": requests, "tokens": sum(len(r.ids) for r in ordered),
+                     "vocab": model.cfg.vocab_size}
 
 
 def engine_needle(model, contract, gen: torch.Generator, requests: int, max_prompt: int, max_tokens: int
@@ -157,6 +216,7 @@ def engine_graph_eager(model, contract, gen: torch.Generator, requests: int, max
     return reports, {"requests": requests, "graph_replays": replays}
 
 
-ENGINE_GATES = {"engine_generate_verify": engine_generate_verify, "engine_needle": engine_needle,
+ENGINE_GATES = {"engine_generate_verify": engine_generate_verify, "engine_full_vocab": engine_full_vocab,
+                "engine_needle": engine_needle,
                 "engine_preemption": engine_preemption, "engine_graph_eager": engine_graph_eager}
 GPU_ONLY_GATES = frozenset({"engine_graph_eager"})

@@ -168,6 +168,19 @@ class DenseModel(nn.Module):
         """fp32 log-softmax of ``logits`` rows gathered at ``targets`` (the logprob region)."""
         return self._plan(case)["logprob"](logits, targets)
 
+    def log_softmax_from_logits(self, logits: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 log-softmax rows [R, V] of ``logits`` by the full-row twin of the impl the contract
+        binds to the logprob region for ``case`` (``isoexec_kernels.logprob.FULL_ROWS``: the same
+        rounding schedule, so row[t] is the bits ``logprobs_from_logits`` gives for target t). For
+        users whose loss needs the whole distribution (KL, entropy) and for ``engine_full_vocab``."""
+        from isoexec_kernels.logprob import FULL_ROWS
+
+        impl = self._plan(case)["logprob"].record.impl_id
+        if impl not in FULL_ROWS:
+            raise BindingRefused(f"logprob impl {impl!r} (case {case!r}) has no full-row twin in "
+                                 "isoexec_kernels.logprob.FULL_ROWS")
+        return FULL_ROWS[impl](logits)
+
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 log p(targets[t] | row t) for hidden rows [T, H] (lm_head then the logprob region)."""
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)

@@ -5,6 +5,8 @@ variable-length batch and returns, for every token after the first of each seque
 log-probability the model assigns to it given its prefix. ``grad=True`` is the training case
 (``trainer_fwd``: autograd on, the result is differentiable); ``grad=False`` is the scoring case
 (``trainer_score``: no graph). Both must produce the same bits as the engine for the same tokens.
+``score_log_softmax`` gives whole fp32 log-softmax rows instead (for losses over the whole
+distribution: KL, entropy), by the logprob region's full-row twin.
 """
 
 from __future__ import annotations
@@ -64,3 +66,16 @@ def score_logprobs(model, packed: PackedSequences, grad: bool = False) -> torch.
         hidden = model.hidden_states(packed.tokens, batch)
         rows = packed.scored_rows
         return model.token_logprobs(hidden[rows], packed.targets[rows], case)
+
+
+def score_log_softmax(model, packed: PackedSequences, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 log-softmax rows [len(rows), V] of the packed rows ``rows`` (default: ``scored_rows``),
+    scoring case. Row r is the distribution of the token after packed row r; its entry at that
+    token is the bits ``score_logprobs`` returns. Only the asked rows go through lm_head (a row's
+    logits do not depend on the others: the lm_head region is batch invariant)."""
+    case = "trainer_score"
+    batch = ForwardBatch.packed(packed.lengths, case, packed.tokens.device)
+    with torch.no_grad():
+        hidden = model.hidden_states(packed.tokens, batch)
+        rows = packed.scored_rows if rows is None else rows
+        return model.log_softmax_from_logits(model.logits(hidden[rows], case), case)

@@ -14,4 +14,12 @@ IMPLS = (
     Impl("torch_log_softmax", "torch", "logprob", token_logprobs_native, native=True),
 )
 
+# The whole fp32 log-softmax row of each logprob impl, by the same rounding schedule as its token
+# function (api.py docstring: logprob_t and log_softmax_j are both (z - m) - lse_rel of one row
+# statistic), so row[t] of a row equals the token logprob of t bit for bit. Looked up by impl id
+# (``DenseModel.log_softmax_from_logits``) rather than declared as a case callable, because the
+# contract binds one callable per (region, case) and the full row is an optional extra output of
+# that same region, not a different numerical policy; ``engine_full_vocab`` checks row[t] == token.
+FULL_ROWS = {"logprob_fixed": log_softmax, "torch_log_softmax": log_softmax_native}
+
 __all__ = [name for name in dir() if not name.startswith("_")]
