@@ -21,7 +21,7 @@ def test_readme_has_exactly_two_commands():
     # the main job runs before pytest: tests/workflow/test_default_run.py checks its outputs (and
     # makes the run itself only when pytest runs alone)
     steps = [s.strip() for s in tests.split("&&")]
-    assert steps.index("snakemake --cores all") < steps.index("python3 -m pytest -q -n auto --dist loadgroup"), steps
+    assert steps.index("snakemake --cores all") < steps.index("python3 -m pytest -q -n auto --dist loadfile"), steps
     for c in cmds:
         assert "\n" not in c.strip() and "pip install" in c
 

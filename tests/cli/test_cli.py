@@ -7,9 +7,6 @@ import textwrap
 
 import pytest
 
-# one xdist worker runs this module: its module-scoped fixture is made once
-pytestmark = pytest.mark.xdist_group("cli_built_contracts")
-
 CLI = [sys.executable, "-m", "isoexec.cli"]
 
 

@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -141,6 +143,11 @@ def _run_interpreter_cases() -> dict:
 # They start as soon as collection shows that a selected test needs them, so they run beside the
 # other tests instead of in front of the first test that uses them; the fixtures wait for them.
 # Output goes to files (a full pipe would stop a child that nobody reads yet).
+#
+# Under pytest-xdist every worker collects every test, and the tests that read a run may land on
+# any worker: the workers of one test run share a folder (named by xdist's test-run id), the first
+# to claim a run starts it there, and every worker reads its result from there, so each run is
+# made once per test run, not once per worker.
 _ATTENTION_CODE = ("import importlib.util, json, sys; "
                    "spec = importlib.util.spec_from_file_location('attention_gates', {path!r}); "
                    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
@@ -150,7 +157,10 @@ INTERP_RUNS = {  # fixture name -> argv of its TRITON_INTERPRET=1 subprocess
     "attention_interp": lambda: [sys.executable, "-c", _ATTENTION_CODE.format(
         path=os.path.join(_HERE, "test_attention.py"))],
 }
+# the run's output files are <folder>/<name>.out and .err; <name>.rc appears (atomically) when it ends
+_RUN_TO_FILES = '"$@" > "$0.out" 2> "$0.err"; echo $? > "$0.rc.tmp"; mv "$0.rc.tmp" "$0.rc"'
 _started: dict = {}
+_needed: set = set()   # interpreter runs that a selected test uses
 
 
 def _has_triton() -> bool:
@@ -159,15 +169,35 @@ def _has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def start_interp(name: str) -> dict:
-    """Start the interpreter subprocess of fixture ``name`` unless it is running already."""
-    if name not in _started:
-        import tempfile
+def _run_folder() -> Path:
+    """Where this test run's interpreter outputs go: shared by the xdist workers of one run, a
+    private folder otherwise."""
+    import tempfile
 
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen(INTERP_RUNS[name](), env=dict(os.environ, TRITON_INTERPRET="1"),
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True)
-        _started[name] = {"proc": proc, "out": out, "err": err}
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid:
+        folder = Path(tempfile.gettempdir()) / f"isoexec-interp-{uid}"
+        folder.mkdir(exist_ok=True)
+        return folder
+    return Path(tempfile.mkdtemp(prefix="isoexec-interp-"))
+
+
+def start_interp(name: str) -> dict:
+    """Start the interpreter subprocess of fixture ``name`` unless this process started it or
+    (xdist) another worker of this test run claimed it."""
+    if name not in _started:
+        folder = _started.setdefault("__folder__", _run_folder())
+        base = folder / name
+        try:   # O_EXCL: exactly one worker of the run wins the claim
+            os.close(os.open(f"{base}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            _started[name] = {"base": base, "proc": None}
+            return _started[name]
+        # a session of its own, so that a kill reaches the interpreter under the shell too
+        proc = subprocess.Popen(["sh", "-c", _RUN_TO_FILES, str(base), *INTERP_RUNS[name]()],
+                                env=dict(os.environ, TRITON_INTERPRET="1"), stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        _started[name] = {"base": base, "proc": proc}
     return _started[name]
 
 
@@ -177,46 +207,49 @@ def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
     for other in sorted(_needed - {name}):
         start_interp(other)
     run = start_interp(name)
-    try:
-        run["proc"].wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        run["proc"].kill()
-        run["proc"].wait()
-    text = []
-    for f in (run["out"], run["err"]):
-        f.seek(0)
-        text.append(f.read())
-    return subprocess.CompletedProcess(run["proc"].args, run["proc"].returncode, *text)
-
-
-_needed: set = set()   # interpreter runs that a selected test uses
-
-
-def pytest_collection_modifyitems(config, items):
-    # Under pytest-xdist (`-n`, `--dist loadgroup`) every test that reads an interpreter run goes to
-    # one worker, so each run is made once, not once per worker (each takes minutes of a core).
-    for item in items:
-        if any(n in INTERP_RUNS for n in getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("triton_interpreter"))
+    base, deadline = run["base"], time.monotonic() + timeout
+    rc_file = Path(f"{base}.rc")
+    while not rc_file.exists() and time.monotonic() < deadline:
+        if run["proc"] is not None and run["proc"].poll() is not None and not rc_file.exists():
+            break   # the shell itself died (killed): no rc will come
+        time.sleep(0.2)
+    if not rc_file.exists() and run["proc"] is not None and run["proc"].poll() is None:
+        _kill(run["proc"])
+    rc = int(rc_file.read_text()) if rc_file.exists() else -9
+    read = lambda ext: Path(f"{base}.{ext}").read_text() if Path(f"{base}.{ext}").exists() else ""  # noqa: E731
+    return subprocess.CompletedProcess(INTERP_RUNS[name](), rc, read("out"), read("err") or
+                                       ("" if rc_file.exists() else f"no result after {timeout} s"))
 
 
 def pytest_collection_finish(session):
     if not _has_triton():
         return
     _needed.update(n for item in session.items for n in getattr(item, "fixturenames", ()) if n in INTERP_RUNS)
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # every worker collects every test: only the worker that gets the interpreter group starts
-        # the runs, when its first such test asks for one (wait_interp)
-        return
     for name in sorted(_needed):
         start_interp(name)
 
 
 def pytest_sessionfinish(session):
-    for run in _started.values():  # a run whose tests were not reached (-x, interrupted)
-        if run["proc"].poll() is None:
-            run["proc"].kill()
-            run["proc"].wait()
+    shared = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+    for name, run in _started.items():
+        proc = run.get("proc") if isinstance(run, dict) else None
+        if proc is None or proc.poll() is not None:
+            continue
+        if shared and not (session.shouldfail or session.shouldstop):
+            proc.wait(timeout=900)   # another worker may still read it: let it finish, never orphan it
+        else:   # a run whose tests were not reached (-x, interrupted)
+            _kill(proc)
+    if not shared and "__folder__" in _started:   # a private folder: nobody reads it any more
+        import shutil
+
+        shutil.rmtree(_started["__folder__"], ignore_errors=True)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    import signal
+
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,9 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-# one xdist worker runs the module: two `snakemake` runs in the checkout at once would lock each other out
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("default_run")]
+# one module, so one xdist worker (`--dist loadfile`): two `snakemake` runs in the checkout at once
+# would lock each other out
+pytestmark = pytest.mark.slow
 
 CONFIG = yaml.safe_load((REPO / "configs/config.yaml").read_text())
 RES = REPO / CONFIG["results_dir"] / CONFIG["run_name"]

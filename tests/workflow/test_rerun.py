@@ -64,9 +64,7 @@ sys.exit(main())
 """
 
 RUN = "res/cpu/runs/dense/isoexec/seed0"
-# about 2 min on 2 idle cores: five workflow runs (-m "not slow" skips them); one xdist worker runs
-# the module, so its runs (a module fixture) are made once
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workflow_rerun")]
+pytestmark = pytest.mark.slow   # about 2 min on 2 idle cores: five workflow runs (-m "not slow" skips them)
 
 
 def make_workspace(root: Path, pkgs: Path, bindir: Path) -> dict:

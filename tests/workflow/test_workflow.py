@@ -27,6 +27,13 @@ EXPECTED_JOBS = {"contract_draft": 4, "gates": 2, "contract_admit": 4, "contract
                  "synthetic_data": 1, "rl_run": 4, "rl_tables": 1, "all": 1}
 
 
+def scaled_jobs(n_families: int) -> dict[str, int]:
+    """EXPECTED_JOBS (two families) for ``n_families`` families: per-family jobs scale, the
+    tables, the data and the benchmarks do not."""
+    per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_run")
+    return {k: v * n_families // 2 if k in per_family else v for k, v in EXPECTED_JOBS.items()}
+
+
 def copy_workflow(dst: Path) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copy2(REPO / "Snakefile", dst / "Snakefile")
@@ -112,7 +119,9 @@ def test_dry_run_of_the_h200_config_asks_for_a_gpu(wf):
 
     benches = yaml.safe_load((wf / "configs/h200.yaml").read_text())["benchmarks"]["names"]
     assert "train" in benches  # the H200 config also benchmarks the trainer step
-    assert job_stats(out) == {**EXPECTED_JOBS, "bench": len(benches)}
+    families = yaml.safe_load((wf / "configs/h200.yaml").read_text())["families"]
+    assert families == ["dense", "hybrid", "mla_moe", "hybrid_moe"]   # the four families at real layer dims
+    assert job_stats(out) == {**scaled_jobs(len(families)), "bench": len(benches)}
     assert "results/h200/gates/dense" in out and "configs/models/dense_qwen3_0p6b.yaml" in out
     gates_job = job_block(out, "gates")
     assert "gpu=1" in gates_job
