@@ -133,7 +133,8 @@ def test_paper_config_refuses_rl_without_checkpoints_and_data(wf):
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml")
     assert r.returncode != 0
     line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
-    for missing in ("checkpoints.dense is not set", "checkpoints.hybrid is not set",
+    for missing in ("checkpoints.dense is not set", "checkpoints.hybrid is not set", "checkpoints.mla_moe is not set",
+                    "checkpoints.hybrid_moe is not set",
                     "rl.dataset 'data/dapo-math-17k.parquet' does not exist", "set rl.enabled: false"):
         assert missing in line, missing
     bad = write_config(wf / "bad_ckpt.yaml", f"checkpoints: {{dense: {wf / 'nowhere'}, hybrid: {wf}}}\n")
@@ -142,17 +143,20 @@ def test_paper_config_refuses_rl_without_checkpoints_and_data(wf):
 
 
 def test_paper_config_dry_runs_with_checkpoints_and_data(wf):
-    for fam in ("dense", "hybrid"):
+    families = ("dense", "hybrid", "mla_moe", "hybrid_moe")   # the paper's four families
+    for fam in families:
         (wf / "ckpt" / fam).mkdir(parents=True)
         (wf / "ckpt" / fam / "config.json").write_text("{}")
     (wf / "data").mkdir()
     (wf / "data/dapo-math-17k.parquet").write_bytes(b"PAR1")
-    given = write_config(wf / "given.yaml", f"checkpoints: {{dense: {wf / 'ckpt/dense'}, hybrid: {wf / 'ckpt/hybrid'}}}\n")
+    given = write_config(wf / "given.yaml", "checkpoints: {" + ", ".join(f"{f}: {wf / 'ckpt' / f}" for f in families) + "}\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml", str(given))
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "paper_figures/paper/contracts.md" in out and "configs/models/dense_qwen3_8b.yaml" in out
-    assert job_stats(out)["rl_run"] == 4 and "results/paper/runs/dense/isoexec/seed0" in out
+    assert job_stats(out)["rl_run"] == 2 * len(families) and "results/paper/runs/dense/isoexec/seed0" in out
+    for model in ("mla_moe_glm47_flash", "hybrid_moe_qwen3p5_35b_a3b"):
+        assert f"configs/models/{model}.yaml" in out, model
 
 
 def test_the_qwen3_8b_model_config_has_its_dimensions():
