@@ -186,7 +186,9 @@ def start_interp(name: str) -> dict:
     """Start the interpreter subprocess of fixture ``name`` unless this process started it or
     (xdist) another worker of this test run claimed it."""
     if name not in _started:
-        folder = _started.setdefault("__folder__", _run_folder())
+        if "__folder__" not in _started:
+            _started["__folder__"] = _run_folder()
+        folder = _started["__folder__"]
         base = folder / name
         try:   # O_EXCL: exactly one worker of the run wins the claim
             os.close(os.open(f"{base}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
