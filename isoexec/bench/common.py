@@ -86,3 +86,16 @@ def print_rows(rows: list[dict], keys: list[str], log=print) -> None:
         shape = " ".join(f"{k}={r[k]}" for k in keys if k in r)
         log(f"{shape:<48} {r['baseline']:<14} {r['baseline_ms']:9.4f} ms  ours {r['ours_ms']:9.4f} ms  "
             f"ratio {r['speed_ratio']:.3f}")
+
+
+def fwd_bwd(fn, inputs: tuple, grad_out: torch.Tensor):
+    """One forward + backward of ``fn(*inputs)`` w.r.t. every input that requires grad."""
+    def run():
+        out = fn(*inputs)
+        torch.autograd.grad(out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad], grad_out)
+    return run
+
+
+def leaf(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a fresh autograd leaf (what ``fwd_bwd`` differentiates with respect to)."""
+    return t.detach().requires_grad_(True)

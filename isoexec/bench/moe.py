@@ -40,8 +40,7 @@ from ..compose import build_contract
 from ..enforce import ExecutionPlan
 from ..envinfo import runtime_arch
 from ..model.mla_moe import moe_layer
-from .common import print_rows, rotating, row, time_ms
-from .train import _fwd_bwd, _leaf
+from .common import fwd_bwd, leaf, print_rows, rotating, row, time_ms
 
 COMPOSITIONS = ("native", "isoexec")
 
@@ -77,7 +76,7 @@ def _shapes(big: bool) -> list[MoeShape]:
 
 
 # full expert counts of the real models, recorded next to the benchmarked count in every row
-_MODEL_EXPERTS = {"glm47_flash": 64, "qwen35_35b_a3b": 256}
+_MODEL_EXPERTS = {s.name: s.experts for s in _shapes(big=True)}
 DECODE_M, TRAIN_M = (1, 64, 256), (4096, 8192)
 QUICK_DECODE_M, QUICK_TRAIN_M = (1, 16), (64,)
 
@@ -113,7 +112,7 @@ TRAINED = ("router_weight", "experts_gate_up", "experts_down", "shared_gate_up",
 
 def moe_fn(plan: ExecutionPlan, shape: MoeShape, weights: dict):
     """``fn(x, *trained weights) -> [M, H]``: the model's ``moe_layer`` under ``plan``, the trained
-    weights passed as arguments so that ``_fwd_bwd`` differentiates with respect to them."""
+    weights passed as arguments so that ``fwd_bwd`` differentiates with respect to them."""
     names = [n for n in TRAINED if n in weights]
     fixed = {k: v for k, v in weights.items() if k not in names}
 
@@ -165,12 +164,12 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
 
             timed("fwd", m, fwd)
         for m in train_m:
-            x = _leaf(torch.randn(m, shape.hidden, device=device, dtype=dtype))
+            x = leaf(torch.randn(m, shape.hidden, device=device, dtype=dtype))
             g = torch.randn(m, shape.hidden, device=device, dtype=dtype)
             runs = {}
             for c in COMPOSITIONS:
                 fn, ws = moe_fn(plans[c, "trainer_fwd"], shape, weights)
-                runs[c] = _fwd_bwd(fn, (x, *[_leaf(w) for w in ws]), g)
+                runs[c] = fwd_bwd(fn, (x, *[leaf(w) for w in ws]), g)
             timed("fwd+bwd", m, runs.__getitem__)
         del weights
         if device == "cuda":

@@ -34,25 +34,13 @@ from ..assembly import installed_model
 from ..compose import load_model_config
 from ..envinfo import runtime_arch
 from ..model import ForwardBatch
-from .common import print_rows, rotating, row, time_ms
+from .common import fwd_bwd, leaf, print_rows, rotating, row, time_ms
 
 # Qwen3-0.6B projections (K, N) and its attention / vocabulary shapes
 _LINEARS = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "down": (3072, 1024),
             "lm_head": (1024, 151936)}
 _TINY_LINEARS = {"qkv": (64, 128), "o": (64, 64), "lm_head": (64, 512)}
 _TOP_KERNELS = 15
-
-
-def _fwd_bwd(fn, inputs: tuple, grad_out: torch.Tensor):
-    """One forward + backward of ``fn(*inputs)`` w.r.t. every input that requires grad."""
-    def run():
-        out = fn(*inputs)
-        torch.autograd.grad(out, [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad], grad_out)
-    return run
-
-
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(True)
 
 
 def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
@@ -74,50 +62,50 @@ def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
         print_rows([r], ["stage", "T", "K", "N", "V"], log)
 
     for name, (K, N) in (_LINEARS if big else _TINY_LINEARS).items():
-        x, w = _leaf(rnd(T, K)), _leaf(rnd(N, K, scale=0.02))
+        x, w = leaf(rnd(T, K)), leaf(rnd(N, K, scale=0.02))
         g = rnd(T, N)
-        timed(f"linear.{name}", {"T": T, "K": K, "N": N}, _fwd_bwd(linear, (x, w), g), _fwd_bwd(linear_native, (x, w), g))
+        timed(f"linear.{name}", {"T": T, "K": K, "N": N}, fwd_bwd(linear, (x, w), g), fwd_bwd(linear_native, (x, w), g))
 
     H = 1024 if big else 64
     nh, nkv, hd, seqs = (16, 8, 128, 8) if big else (4, 2, 16, 4)
-    x, w = _leaf(rnd(T, H)), _leaf(torch.ones(H, device=device, dtype=dtype))
+    x, w = leaf(rnd(T, H)), leaf(torch.ones(H, device=device, dtype=dtype))
     g = rnd(T, H)
-    timed("rmsnorm", {"T": T, "K": H}, _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
-          _fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
+    timed("rmsnorm", {"T": T, "K": H}, fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
+          fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
     # q/k norm: the same op over [T, heads, head_dim] (many short rows)
-    x, w = _leaf(rnd(T, nh, hd)), _leaf(torch.ones(hd, device=device, dtype=dtype))
+    x, w = leaf(rnd(T, nh, hd)), leaf(torch.ones(hd, device=device, dtype=dtype))
     g = rnd(T, nh, hd)
-    timed("rmsnorm.qk_head", {"T": T, "heads": nh, "K": hd}, _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
-          _fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
+    timed("rmsnorm.qk_head", {"T": T, "heads": nh, "K": hd}, fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6), (x, w), g),
+          fwd_bwd(lambda a, b: rms_norm_native(a, b, 1e-6), (x, w), g))
 
     pos = torch.arange(T, device=device) % (T // seqs)
     table = rope_cache(T, hd, 1e6, device)
-    x, g = _leaf(rnd(T, nh, hd)), rnd(T, nh, hd)
+    x, g = leaf(rnd(T, nh, hd)), rnd(T, nh, hd)
     timed("rope", {"T": T, "heads": nh, "head_dim": hd},
-          _fwd_bwd(lambda a: apply_rope(a, pos, table), (x,), g),
-          _fwd_bwd(lambda a: apply_rope_native(a, pos, theta=1e6), (x,), g))
+          fwd_bwd(lambda a: apply_rope(a, pos, table), (x,), g),
+          fwd_bwd(lambda a: apply_rope_native(a, pos, theta=1e6), (x,), g))
 
     lens = [T // seqs] * seqs
     cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(seqs)], dtype=torch.int32, device=device)
-    q, k, v = _leaf(rnd(T, nh, hd)), _leaf(rnd(T, nkv, hd)), _leaf(rnd(T, nkv, hd))
+    q, k, v = leaf(rnd(T, nh, hd)), leaf(rnd(T, nkv, hd)), leaf(rnd(T, nkv, hd))
     g = rnd(T, nh, hd)
     scale = hd ** -0.5
     timed("attention.varlen", {"T": T, "seqs": seqs, "heads": nh, "kv_heads": nkv, "head_dim": hd},
-          _fwd_bwd(lambda a, b, c: varlen_attention(a, b, c, cu, max(lens), scale), (q, k, v), g),
-          _fwd_bwd(lambda a, b, c: attention_native_varlen(a, b, c, cu, max(lens), scale), (q, k, v), g))
+          fwd_bwd(lambda a, b, c: varlen_attention(a, b, c, cu, max(lens), scale), (q, k, v), g),
+          fwd_bwd(lambda a, b, c: attention_native_varlen(a, b, c, cu, max(lens), scale), (q, k, v), g))
 
     inter = 3072 if big else 96
-    gu, g = _leaf(rnd(T, 2 * inter)), rnd(T, inter)
-    timed("act.silu_mul", {"T": T, "N": inter}, _fwd_bwd(silu_and_mul, (gu,), g), _fwd_bwd(silu_and_mul_native, (gu,), g))
+    gu, g = leaf(rnd(T, 2 * inter)), rnd(T, inter)
+    timed("act.silu_mul", {"T": T, "N": inter}, fwd_bwd(silu_and_mul, (gu,), g), fwd_bwd(silu_and_mul_native, (gu,), g))
 
     V = 151936 if big else 512
     ids = torch.randint(0, V, (T,), device=device)
-    table_e, g = _leaf(rnd(V, H, scale=0.02)), rnd(T, H)
-    timed("embed", {"T": T, "V": V, "K": H}, _fwd_bwd(lambda t: embedding(ids, t), (table_e,), g),
-          _fwd_bwd(lambda t: embedding_native(ids, t), (table_e,), g))
+    table_e, g = leaf(rnd(V, H, scale=0.02)), rnd(T, H)
+    timed("embed", {"T": T, "V": V, "K": H}, fwd_bwd(lambda t: embedding(ids, t), (table_e,), g),
+          fwd_bwd(lambda t: embedding_native(ids, t), (table_e,), g))
 
     Tl = 2048 if big else 64
-    nxt = rotating(lambda: (_leaf(rnd(Tl, V, scale=3.0)), torch.randint(0, V, (Tl,), device=device)), 2)
+    nxt = rotating(lambda: (leaf(rnd(Tl, V, scale=3.0)), torch.randint(0, V, (Tl,), device=device)), 2)
     g = torch.randn(Tl, device=device, dtype=torch.float32)
 
     def lp(fn):

@@ -38,7 +38,8 @@ from .scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
-                 cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = (), num_state_slots: int = 0):
+                 cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = (), num_state_slots: int = 0,
+                 record_full_logprobs: bool = False):
         self.model = model
         cfg = model.cfg
         self.device = model.embed.device
@@ -58,7 +59,7 @@ class ModelRunner:
         # Opt-in record of the whole fp32 log-softmax row of every sampled position (request id,
         # position of the sampled token, row), from the very logits the sampler chose from; None
         # (the default) computes and keeps nothing. ``EngineConfig.record_full_logprobs``.
-        self.full_rows: Optional[list[tuple[int, int, torch.Tensor]]] = None
+        self.full_rows: Optional[list[tuple[int, int, torch.Tensor]]] = [] if record_full_logprobs else None
         if cuda_graphs and self.device.type == "cuda" and torch.cuda.is_available():
             max_pages = -(-max_model_len // page_size)
             sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
