@@ -7,6 +7,12 @@ choice (BLOCK_K and the K order never change, so they must), and writes one JSON
 timing and the best candidate per (shape, M). Usage on the GPU machine:
 
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_sweep.json [--small] [--large]
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_leaves.json --leaves
+
+``--leaves`` sweeps the K-leaf count of the small-N shapes instead (1, 2, 4, 8 leaves; split-K
+tiles at M <= 256, the one-program leaf walk above): each leaf count has its own bits, so the
+candidates are compared with the leaf walk of the same count, and the count to pin per shape is
+the one whose worst M is best.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from isoexec.bench.common import graph_time_ms
-from isoexec_kernels.gemm import linear_triton, tile_for_m
+from isoexec_kernels.gemm import k_leaves_for, linear_triton, tile_for_m
 
 LARGE_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("0.6b.qkv", 1024, 4096),
                 ("0.6b.gate_up", 1024, 6144)]
@@ -88,15 +94,76 @@ def sweep(shapes, ms, candidates, log):
     return out
 
 
+LEAF_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("8b.o", 4096, 4096), ("8b.down", 12288, 4096)]
+LEAF_COUNTS = (1, 2, 4, 8)
+LEAF_M = [1, 64, 256, 2048, 8192]
+LEAF_SMALL = [_cfg("split", bm, bn, 4, 4) for bm, bn in ((16, 32), (16, 64), (64, 32), (64, 64), (64, 128))]
+LEAF_LARGE = [_cfg("tma", 128, 128, 8, 4), _cfg("tma", 64, 128, 4, 4), _cfg("tma", 128, 128, 4, 4),
+              _cfg("tma", 128, 256, 8, 3)]
+
+
+def sweep_leaves(log):
+    out = []
+    for name, K, N in LEAF_SHAPES:
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        for M in LEAF_M:
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+            it = {"i": 0}
+
+            def nxt():
+                it["i"] = (it["i"] + 1) % 4
+                return xs[it["i"]]
+
+            with torch.no_grad():
+                cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
+                for leaves in LEAF_COUNTS:
+                    walk = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
+                    ref = linear_triton(xs[0], w, impl="tma", tile=walk, leaves=leaves)
+                    cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE
+                    if M <= 256:
+                        cands = cands + [dict(tile_for_m(M, torch.bfloat16, 1, 1), path="pointer")]
+                    rows = []
+                    for c in cands:
+                        tile = {k: v for k, v in c.items() if k != "path"}
+                        try:
+                            got = linear_triton(xs[0], w, impl=c["path"], tile=tile, leaves=leaves)
+                            same = bool(torch.equal(_bits(got), _bits(ref)))
+                            ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=c["path"], tile=tile,
+                                                                      leaves=leaves), 60)
+                        except Exception as exc:  # noqa: BLE001 - a candidate may not fit
+                            rows.append({**c, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+                            continue
+                        rows.append({**c, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same})
+                    ok = [r for r in rows if "ms" in r]
+                    best = max(ok, key=lambda r: r["ratio"]) if ok else None
+                    out.append({"shape": name, "M": M, "K": K, "N": N, "leaves": leaves, "cublas_ms": round(cublas, 5),
+                                "best": best, "candidates": rows, "all_same_bits": all(r["same_bits"] for r in ok),
+                                "pinned_leaves": k_leaves_for(N, K)})
+                    log(f"{name:<10} M={M:<5} leaves={leaves} cublas {cublas * 1000:7.1f} us  best "
+                        f"{best['ratio'] if best else float('nan'):.3f} "
+                        f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages')} if best else ''}"
+                        f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
+    summary = {}
+    for name, K, N in LEAF_SHAPES:
+        for leaves in LEAF_COUNTS:
+            r = [o["best"]["ratio"] for o in out if o["shape"] == name and o["leaves"] == leaves and o["best"]]
+            summary[f"{name} leaves={leaves}"] = {"worst": min(r), "by_M": r} if r else None
+            log(f"summary {name:<10} leaves={leaves}: worst {min(r) if r else float('nan'):.3f} by M {r}")
+    return out, summary
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--large", action="store_true")
+    ap.add_argument("--leaves", action="store_true")
     a = ap.parse_args()
-    both = not (a.small or a.large)
+    both = not (a.small or a.large or a.leaves)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    if a.leaves:
+        res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.large or both:
         res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print)
     if a.small or both:

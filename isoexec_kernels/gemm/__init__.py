@@ -2,15 +2,16 @@
 
 from ..impl import Constant, Impl
 from .api import linear
-from .reference import BLOCK_K, block_k_for, linear_reference
+from .reference import BLOCK_K, K_LEAVES, block_k_for, k_leaves_for, leaf_bounds, linear_reference
 from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
 from .native import linear_native
 
 IMPLS = (
-    Impl("gemm_fixed_k", "1", "linear", linear,
+    Impl("gemm_fixed_k", "2", "linear", linear,
          constants={"BLOCK_K": Constant(64, (32, 64, 128), fixed=BLOCK_K), "ACC_DTYPE": Constant("fp32")},
          fusable=True, hazards=("signed_zero", "subnormal", "k_not_tile_multiple", "noncontiguous"),
-         doc="fixed BLOCK_K, sequential K-block accumulation in fp32 keyed on (N, K) only; no split-K"),
+         doc="fixed BLOCK_K, sequential K-block accumulation in fp32 within fixed K leaves keyed on (N, K) "
+             "only, leaves summed left to right (split-K at small M, one program at large M: same bits)"),
     Impl("torch_linear", "torch", "linear", linear_native, fusable=True, native=True,
          doc="torch.nn.functional.linear: cuBLAS / CPU BLAS, batch-variant"),
 )

@@ -5,14 +5,21 @@ Public API
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
-  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
+  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``k_leaves_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
   ``gemm_path(N, K, dtype, device, M)``
 
 Rounding schedule (every output element, whatever M, the row's position or its neighbours)
   inputs bf16/fp16/fp32; products and accumulation in fp32; K is cut into fixed blocks of
-  ``BLOCK_K = 64`` (the last zero-padded); blocks are accumulated sequentially in K order into
-  an fp32 accumulator that starts at +0; bias (if any) is added in fp32 after the last block;
-  one round-to-nearest-even cast to the input dtype at the end. No split-K, no TF32.
+  ``BLOCK_K = 64`` (the last zero-padded), and the blocks into ``L = k_leaves_for(N, K)``
+  contiguous K leaves (a function of the weight shape only; leaf j holds blocks
+  ``[j*nb//L, (j+1)*nb//L)`` of the nb blocks; L = 1 for most shapes). Inside a leaf the blocks
+  are accumulated sequentially in K order into an fp32 accumulator that starts at +0; the
+  leaves are summed left to right in fp32, the first taken as it is; bias (if any) is added in
+  fp32 after the last leaf; one round-to-nearest-even cast to the input dtype at the end. No
+  TF32. A small batch may compute the leaves in separate programs (split-K) and sum them in a
+  second pass; a large batch walks them in one program; both are the schedule above, so a
+  row's bits never depend on M. (The leaves exist for speed: a weight with few output tiles,
+  such as Qwen3-0.6B's o_proj and down_proj, otherwise leaves most SMs idle at decode sizes.)
 
   * reference (impl ``ref_gemm``): the 64 products of a block are exact-rounded fp32 products
     summed by the halves pairwise tree of :func:`isoexec_kernels._ref.tree_sum0`.

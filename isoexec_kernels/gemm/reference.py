@@ -20,6 +20,39 @@ def block_k_for(N: int, K: int) -> int:
     return BLOCK_K
 
 
+# K leaves per weight shape (N, K): the shapes whose output has few tiles (small N) get their K
+# cut into leaves, so a small batch can spread one tile's K over several programs (split-K) and
+# still give the bits a large batch gets from one program walking the leaves in turn. Picked
+# from the H200 tile sweep (scripts/gemm_tile_sweep.py --leaves); a shape not listed has 1 leaf.
+K_LEAVES = {
+    (1024, 2048): 4,     # Qwen3-0.6B o_proj
+    (1024, 3072): 4,     # Qwen3-0.6B down_proj
+    (4096, 4096): 2,     # Qwen3-8B o_proj
+    (4096, 12288): 4,    # Qwen3-8B down_proj
+}
+MAX_K_LEAVES = 8
+
+
+def k_leaves_for(N: int, K: int) -> int:
+    """Number of K leaves for a weight [N, K]: a function of the weight shape only (never of M),
+    at most the number of K blocks. Pinned by the contract through the impl version."""
+    return max(1, min(K_LEAVES.get((int(N), int(K)), 1), num_k_blocks(K)))
+
+
+def num_k_blocks(K: int) -> int:
+    return max(1, -(-int(K) // BLOCK_K))
+
+
+def leaf_bounds(K: int, leaves: int) -> list[tuple[int, int]]:
+    """K-block ranges ``[b0, b1)`` of each leaf: block counts split as evenly as possible, the
+    larger leaves last (leaf j starts at block ``j * nb // leaves``)."""
+    nb = num_k_blocks(K)
+    if not 1 <= leaves <= nb:
+        raise ValueError(f"linear: {leaves} K leaves for K={K} ({nb} blocks of {BLOCK_K}); "
+                         f"need 1 <= leaves <= {nb}")
+    return [(j * nb // leaves, (j + 1) * nb // leaves) for j in range(leaves)]
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     if weight.dim() != 2:
         raise ValueError(f"linear: weight must be [N, K], got shape {tuple(weight.shape)}")
@@ -33,9 +66,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         raise ValueError(f"linear: bias must be [N]={weight.shape[0]}, got {tuple(bias.shape)}")
 
 
-def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  leaves: int | None = None) -> torch.Tensor:
     M, K = x2.shape
     N = w.shape[0]
+    leaves = k_leaves_for(N, K) if leaves is None else leaves
     out_dtype = x2.dtype
     acc_out = torch.empty((M, N), dtype=torch.float32, device=x2.device)
     if M == 0 or N == 0:
@@ -45,34 +80,42 @@ def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) 
     blocks = []
     for k0 in range(0, K, BLOCK_K):
         blocks.append((k0, min(K, k0 + BLOCK_K), wf[:, k0:k0 + BLOCK_K].t().contiguous()))
+    bounds = leaf_bounds(K, leaves) if K > 0 else [(0, 0)]
     xf = x2.float()
     rows = min(M, _ref.rows_per_chunk(BLOCK_K * N))
     scratch = torch.empty(BLOCK_K * rows * N, dtype=torch.float32, device=x2.device)
     for r0 in range(0, M, rows):
         xc = xf[r0:r0 + rows]
         m = xc.shape[0]
-        acc = torch.zeros((m, N), dtype=torch.float32, device=x2.device)
-        for k0, k1, wT in blocks:
-            bk = k1 - k0
-            p = 1 << (bk - 1).bit_length()  # last block: zero-pad to a power of two
-            prod = scratch[:p * m * N].view(p, m, N)
-            # exact-rounded fp32 products, K-major so each tree level is one contiguous add
-            torch.mul(xc[:, k0:k1].t().contiguous()[:, :, None], wT[:, None, :], out=prod[:bk])
-            if p > bk:
-                prod[bk:].zero_()
-            acc.add_(_ref.tree_sum0_(prod))
-        acc_out[r0:r0 + rows] = acc
+        total = None
+        for b0, b1 in bounds:
+            # one leaf: its blocks accumulated in K order from +0
+            acc = torch.zeros((m, N), dtype=torch.float32, device=x2.device)
+            for k0, k1, wT in blocks[b0:b1]:
+                bk = k1 - k0
+                p = 1 << (bk - 1).bit_length()  # last block: zero-pad to a power of two
+                prod = scratch[:p * m * N].view(p, m, N)
+                # exact-rounded fp32 products, K-major so each tree level is one contiguous add
+                torch.mul(xc[:, k0:k1].t().contiguous()[:, :, None], wT[:, None, :], out=prod[:bk])
+                if p > bk:
+                    prod[bk:].zero_()
+                acc.add_(_ref.tree_sum0_(prod))
+            # leaves summed left to right, the first leaf taken as it is (no +0 start)
+            total = acc if total is None else total.add_(acc)
+        acc_out[r0:r0 + rows] = total
     if bias is not None:
         acc_out = acc_out + bias.float()
     return acc_out.to(out_dtype)
 
 
-def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     leaves: int | None = None):
     """``x[..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]`` in x.dtype, by the reference
     schedule (api.py's docstring): fp32 products, halves tree per 64-wide K block, blocks
-    accumulated in K order from +0, bias in fp32, one rounding. Not differentiable by itself
-    (use :func:`linear`)."""
+    accumulated in K order from +0 within each K leaf, the leaves summed left to right, bias in
+    fp32, one rounding. ``leaves`` overrides :func:`k_leaves_for` (tests). Not differentiable by
+    itself (use :func:`linear`)."""
     _check(x, weight, bias)
     K = x.shape[-1]
-    out = _reference_2d(x.reshape(-1, K), weight, bias)
+    out = _reference_2d(x.reshape(-1, K), weight, bias, leaves)
     return out.reshape(*x.shape[:-1], weight.shape[0])

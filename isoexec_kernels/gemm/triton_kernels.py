@@ -7,7 +7,7 @@ import torch
 
 from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, tl,
                             tma_supported, triton)
-from .reference import _check, block_k_for
+from .reference import _check, block_k_for, k_leaves_for, leaf_bounds
 
 
 GROUP_M = 8
@@ -21,8 +21,11 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     """Triton launch for a batch of M rows against a weight [N, K]:
     ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize}``.
 
-    Only scheduling changes between entries: BLOCK_K (64) and the sequential K order are the
-    same everywhere, so every entry gives the same bits (on the H200 every candidate of the tile
+    Only scheduling changes between entries: BLOCK_K (64), the K leaves of the shape
+    (:func:`k_leaves_for`, never a function of M) and the K order inside a leaf are the same
+    everywhere, so every entry gives the same bits; ``path="split"`` (small M, shapes with more
+    than one leaf) computes the leaves in separate programs and sums them in a second pass in
+    the order the fused kernels use (on the H200 every candidate of the tile
     sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for the dense-family shapes
     at M 1..8192; the per-bucket gates
     ``test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket`` re-check it on each
@@ -36,6 +39,21 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     def cfg(path, bm, bn, warps, stages, ws=False):
         return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                     warp_specialize=ws)
+
+    leaves = k_leaves_for(N, K)
+    if leaves > 1:
+        # K cut into leaves (small N): small M splits K over (tile, leaf) programs so about one
+        # program per SM reads each weight tile once; large M walks the leaves in one program,
+        # with two fp32 tiles live (the sum so far and the leaf), hence no 128 x 256 tiles
+        if M <= 16:
+            return cfg("split", 16, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
+        if M <= 64:
+            return cfg("split", 64, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
+        if M <= 256:
+            return cfg("split", 64, 64 if N <= 2048 else 128, 4, 4)
+        if M <= 1024:
+            return cfg("tma", 64, 128, 4, 4)
+        return cfg("tma", 128, 128, 8, 4)
 
     if M <= 16:  # decode: weight-bandwidth bound, many thin tiles, deep pipelines for long K
         if N > 16384:
@@ -81,7 +99,10 @@ def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int =
     aligned contiguous buffer when needed, so its layout never picks the path. The two kernels
     run the same K loop and gave identical bits on the H200 (see :func:`tile_for_m`)."""
     es = dtype.itemsize
-    if tile_for_m(M, dtype, N, K)["path"] != "tma":
+    path = tile_for_m(M, dtype, N, K)["path"]
+    if path == "split":
+        return "split" if k_leaves_for(N, K) > 1 else "pointer"
+    if path != "tma":
         return "pointer"
     if tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:
         return "tma"
@@ -93,7 +114,7 @@ def _gemm_tma_persistent_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
@@ -117,12 +138,20 @@ def _gemm_tma_persistent_kernel(
         tm = first_m + (tile % rows_in_group)
         tn = (tile % group_span) // rows_in_group
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ks in range(k_steps):
-            # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
-            # last block.
-            a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
-            b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
-            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        for leaf in tl.static_range(LEAVES):
+            # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
+            # as the split-K kernels below compute them
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+                # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
+                # last block.
+                a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
+                b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
+                part = tl.dot(a, b.T, part, input_precision="ieee")
+            if leaf == 0:
+                acc = part
+            else:
+                acc = acc + part
         if HAS_BIAS:
             offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -135,7 +164,7 @@ def _gemm_pointer_kernel(
     x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr,
+    BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, LEAVES: tl.constexpr,
 ):
     # One program per output tile, same grouping and the same K loop as the TMA kernel.
     pid = tl.program_id(0)
@@ -152,19 +181,84 @@ def _gemm_pointer_kernel(
     offs_k = tl.arange(0, BLOCK_K_)
     m_ok = offs_m < M
     n_ok = offs_n < N
+    k_steps = tl.cdiv(K, BLOCK_K_)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K_):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, b.T, acc, input_precision="ieee")
+    for leaf in tl.static_range(LEAVES):
+        # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is)
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+            k0 = ks * BLOCK_K_
+            k_ok = (k0 + offs_k) < K
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part = tl.dot(a, b.T, part, input_precision="ieee")
+        if leaf == 0:
+            acc = part
+        else:
+            acc = acc + part
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@jit
+def _gemm_leaf_partial_kernel(
+    x_ptr, w_ptr, part_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr,
+    LEAVES: tl.constexpr,
+):
+    # Split-K for small M: program (tile, leaf) computes one leaf of one tile, exactly as the
+    # fused kernels' leaf loop does, and stores it in fp32 to part[leaf, M, N].
+    pid = tl.program_id(0)
+    leaf = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    group_span = GROUP_M_ * tiles_n
+    group = pid // group_span
+    first_m = group * GROUP_M_
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
+    tm = first_m + (pid % rows_in_group)
+    tn = (pid % group_span) // rows_in_group
+    offs_m = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    k_steps = tl.cdiv(K, BLOCK_K_)
+    offs_k = tl.arange(0, BLOCK_K_)
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+        k0 = ks * BLOCK_K_
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
+                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        part = tl.dot(a, b.T, part, input_precision="ieee")
+    dst = part_ptr + leaf.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(dst, part, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@jit
+def _gemm_leaf_sum_kernel(part_ptr, out_ptr, bias_ptr, MN, N, stride_om, stride_on,
+                          HAS_BIAS: tl.constexpr, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+    # The leaves of each element summed left to right (leaf 0 as it is), then the bias, then one
+    # rounding: the fused kernels' order.
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for leaf in tl.static_range(1, LEAVES):
+        acc = acc + tl.load(part_ptr + offs + leaf * MN, mask=ok, other=0.0)
+    row = offs // N
+    col = offs % N
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + col, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + col * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -176,7 +270,10 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _triton_2d(x2, w, bias, impl=None, tile=None):
+_SUM_BLOCK = 1024
+
+
+def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
@@ -191,8 +288,12 @@ def _triton_2d(x2, w, bias, impl=None, tile=None):
     path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     bk = block_k_for(N, K)
+    leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
+    leaf_bounds(K, leaves)  # checks 1 <= leaves <= number of K blocks
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
+    if path == "split" and leaves == 1:
+        path = "pointer"  # one leaf: nothing to split
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
@@ -206,7 +307,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None):
         _gemm_tma_persistent_kernel[(programs,)](
             x2, w, out, bias_arg, M, N, K,
             HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif path == "pointer":
@@ -214,16 +315,30 @@ def _triton_2d(x2, w, bias, impl=None, tile=None):
         _gemm_pointer_kernel[grid](
             x2, w, out, bias_arg, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
+            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+    elif path == "split":
+        # small M: one program per (tile, leaf) writes the leaf in fp32, a second pass sums the
+        # leaves in order, adds the bias and rounds -- the fused kernels' arithmetic, in two steps
+        part = torch.empty((leaves, M, N), dtype=torch.float32, device=x2.device)
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), leaves)
+        _gemm_leaf_partial_kernel[grid](
+            x2, w, part, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        _gemm_leaf_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
+            part, out, bias_arg, M * N, N, out.stride(0), out.stride(1),
+            HAS_BIAS=has_bias, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
+        )
     else:
-        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma' or 'pointer')")
+        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer' or 'split')")
     return out
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  impl: str | None = None, tile: dict | None = None) -> torch.Tensor:
+                  impl: str | None = None, tile: dict | None = None, leaves: int | None = None) -> torch.Tensor:
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
@@ -233,5 +348,5 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the interpreter's bf16 dot is broken)."""
     _check(x, weight, bias)
     K = x.shape[-1]
-    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile)
+    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -90,6 +90,40 @@ def test_linear_row_alone_equals_row_in_batch_bitwise(kb, dtype):
     assert checked == len(BATCH_SIZES)
 
 
+@pytest.mark.parametrize("leaves", (2, 3, 5))
+def test_linear_reference_k_leaves_match_float64_and_keep_rows_invariant(kb, leaves):
+    # K = 330: 6 blocks (the last partial) cut into uneven leaves for 5
+    w, b, g = _weights(24, 330, torch.float32, seed=70 + leaves)
+    row = torch.randn(330, generator=g)
+    alone = gemm.linear_reference(row[None], w, b, leaves=leaves)[0]
+    for m in (2, 17, 64):
+        batch, idx = kb.needle_batch(row, m, g)
+        out = gemm.linear_reference(batch, w, b, leaves=leaves)
+        kb.assert_bitwise(out[idx], alone, f"{leaves} leaves M={m} row {idx}")
+        assert kb.rel_l2(out, batch.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
+    one = gemm.linear_reference(row[None], w, b, leaves=1)[0]
+    assert kb.bit_report(alone, one)["differing"] > 0, "leaves changed no bit: the leaf sum is not exercised"
+
+
+def test_linear_reference_k_leaves_are_summed_left_to_right():
+    # leaf 0 = 1e8, leaf 1 = 1.0, leaf 2 = -1e8 (one K block each): ((1e8 + 1) - 1e8) = 0 in fp32,
+    # while any other order keeps the 1
+    w = torch.ones(1, 192)
+    x = torch.zeros(1, 192)
+    x[0, 0], x[0, 64], x[0, 128] = 1e8, 1.0, -1e8
+    assert gemm.linear_reference(x, w, leaves=3).item() == 0.0
+    assert gemm.leaf_bounds(330, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
+
+
+def test_k_leaves_depend_on_the_weight_shape_only_and_bad_counts_are_refused():
+    for (n, k), leaves in gemm.K_LEAVES.items():
+        assert gemm.k_leaves_for(n, k) == leaves and 1 <= leaves <= k // gemm.BLOCK_K
+    assert gemm.k_leaves_for(48, 160) == 1
+    w = torch.zeros(4, 130)
+    with pytest.raises(ValueError, match="4 K leaves for K=130"):
+        gemm.linear_reference(torch.zeros(1, 130), w, leaves=4)
+
+
 def test_linear_row_invariant_across_reference_row_chunks(kb):
     # N large enough that the reference processes rows in several chunks
     N, K = 1100, 70
@@ -193,8 +227,11 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
     for n in (1024, 4096, 151936):
         for m in list(BATCH_SIZES) + [257, 1000, 1024, 1025, 2048, 4096, 4097, 10240]:
             cfg = gemm.tile_for_m(m, torch.bfloat16, n)
-            assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer")
+            assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer", "split")
             seen.add((n, tuple(sorted(cfg.items()))))
+    for (n, k) in gemm.K_LEAVES:
+        paths = {gemm.tile_for_m(m, torch.bfloat16, n, k)["path"] for m in (1, 16, 17, 64, 256, 257, 4096)}
+        assert paths == {"split", "tma"}, (n, k, paths)
         assert gemm.block_k_for(n, 4096) == gemm.BLOCK_K
     # the CUDA gate below runs CUDA_BATCH_SIZES for every N of CUDA_N: every bucket
     buckets = {tuple(sorted(gemm.tile_for_m(m, torch.bfloat16, n).items()))
@@ -274,6 +311,23 @@ def interp_case_linear_noncontiguous_and_bias_free(kb):
     kb.assert_bitwise(gemm.linear_triton(x, w), gemm.linear_triton(x.contiguous(), w), "strided x")
 
 
+def interp_case_linear_split_k_equals_one_program_leaf_walk_fp32(kb):
+    # the same tile on every path, so each tl.dot sees the same operand tiles: split-K (leaves in
+    # separate programs, summed by a second pass) must give the bits of the fused leaf walk
+    g = torch.Generator().manual_seed(54)
+    w = torch.randn(40, 5 * 64 + 20, generator=g) / 10
+    b = torch.randn(40, generator=g)
+    x = torch.randn(20, 5 * 64 + 20, generator=g)
+    tile = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    for leaves in (2, 3, 6):
+        split = gemm.linear_triton(x, w, b, impl="split", tile=tile, leaves=leaves)
+        kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="pointer", tile=tile, leaves=leaves), split,
+                          f"split vs pointer, {leaves} leaves")
+        kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=tile, leaves=leaves), split,
+                          f"split vs tma, {leaves} leaves")
+        assert kb.rel_l2(split, x.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_linear_triton_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_gemm", case)
@@ -283,8 +337,10 @@ def test_linear_triton_under_interpreter(interp_results, kb, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1000, 200), (151936, 1024)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1024, 2048), (1000, 200), (151936, 1024)])
 def test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket(kb, N, K):
+    # (1024, 3072), (1024, 2048) and (4096, 4096) have K leaves: M <= 256 runs split-K, larger M
+    # the one-program leaf walk, so this also gates split == fused
     g = torch.Generator().manual_seed(61)
     w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
     b = torch.randn(N, generator=g).bfloat16().cuda()
