@@ -6,8 +6,10 @@ from .reference import BLOCK_K, K_LEAVES, block_k_for, k_leaves_for, leaf_bounds
 from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
 from .native import linear_native
 
+# Version 1 still: K_LEAVES is empty, so every shape computes the plain K loop of version 1; the
+# version must change with the first entry of that table (the bits of that shape change).
 IMPLS = (
-    Impl("gemm_fixed_k", "2", "linear", linear,
+    Impl("gemm_fixed_k", "1", "linear", linear,
          constants={"BLOCK_K": Constant(64, (32, 64, 128), fixed=BLOCK_K), "ACC_DTYPE": Constant("fp32")},
          fusable=True, hazards=("signed_zero", "subnormal", "k_not_tile_multiple", "noncontiguous"),
          doc="fixed BLOCK_K, sequential K-block accumulation in fp32 within fixed K leaves keyed on (N, K) "

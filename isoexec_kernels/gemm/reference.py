@@ -20,19 +20,15 @@ def block_k_for(N: int, K: int) -> int:
     return BLOCK_K
 
 
-# K leaves per weight shape (N, K): the shapes whose output has few tiles (small N) get their K
-# cut into leaves, so a small batch can spread one tile's K over several programs (split-K) and
-# still give the bits a large batch gets from one program walking the leaves in turn. Picked
-# from the H200 tile sweep (scripts/gemm_tile_sweep.py --leaves); a shape not listed has 1 leaf.
-K_LEAVES = {
-    (1024, 2048): 4,     # Qwen3-0.6B o_proj
-    (1024, 3072): 4,     # Qwen3-0.6B down_proj
-    (4096, 4096): 2,     # Qwen3-8B o_proj
-    (4096, 12288): 4,    # Qwen3-8B down_proj
-}
-MAX_K_LEAVES = 8
-
-
+# K leaves per weight shape (N, K). A shape with few output tiles (small N) can cut its K into
+# leaves, so that a small batch spreads one tile's K over several programs (split-K) and still
+# gets the bits a large batch gets from one program walking the leaves in turn. Measured on the
+# H200 (scripts/gemm_tile_sweep.py --leaves, commit 26feb16, docs/kernels.md): 2-8 leaves make
+# Qwen3-0.6B o_proj/down_proj and Qwen3-8B o_proj 1.3-1.6x faster at M <= 64, but today's
+# one-program leaf walk costs 6-25% at M >= 2048 (each leaf restarts the K pipeline and two fp32
+# tiles must stay live, ruling out 128 x 256 tiles). Until the walk is cheaper no shape is
+# listed: every shape has 1 leaf, the schedule of the plain K loop.
+K_LEAVES: dict[tuple[int, int], int] = {}
 def k_leaves_for(N: int, K: int) -> int:
     """Number of K leaves for a weight [N, K]: a function of the weight shape only (never of M),
     at most the number of K blocks. Pinned by the contract through the impl version."""

@@ -115,10 +115,13 @@ def test_linear_reference_k_leaves_are_summed_left_to_right():
     assert gemm.leaf_bounds(330, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
 
 
-def test_k_leaves_depend_on_the_weight_shape_only_and_bad_counts_are_refused():
+def test_k_leaves_depend_on_the_weight_shape_only_and_bad_counts_are_refused(monkeypatch):
     for (n, k), leaves in gemm.K_LEAVES.items():
         assert gemm.k_leaves_for(n, k) == leaves and 1 <= leaves <= k // gemm.BLOCK_K
     assert gemm.k_leaves_for(48, 160) == 1
+    monkeypatch.setitem(gemm.K_LEAVES, (48, 160), 8)
+    assert gemm.k_leaves_for(48, 160) == 3, "more leaves than K blocks must be capped"
+    assert gemm.k_leaves_for(160, 48) == 1
     w = torch.zeros(4, 130)
     with pytest.raises(ValueError, match="4 K leaves for K=130"):
         gemm.linear_reference(torch.zeros(1, 130), w, leaves=4)
@@ -229,9 +232,17 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
             cfg = gemm.tile_for_m(m, torch.bfloat16, n)
             assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer", "split")
             seen.add((n, tuple(sorted(cfg.items()))))
-    for (n, k) in gemm.K_LEAVES:
-        paths = {gemm.tile_for_m(m, torch.bfloat16, n, k)["path"] for m in (1, 16, 17, 64, 256, 257, 4096)}
-        assert paths == {"split", "tma"}, (n, k, paths)
+    # a shape with K leaves splits K at small M and walks the leaves at large M
+    leafy = (1024, 3072)
+    saved = dict(gemm.K_LEAVES)
+    try:
+        gemm.K_LEAVES[leafy] = 4
+        paths = {m: gemm.tile_for_m(m, torch.bfloat16, *leafy)["path"] for m in (1, 16, 17, 64, 256, 257, 4096)}
+        assert {paths[m] for m in (1, 16, 17, 64, 256)} == {"split"} and {paths[257], paths[4096]} == {"tma"}, paths
+        assert gemm.gemm_path(*leafy, torch.bfloat16, torch.device("cpu"), M=64) == "split"
+    finally:
+        gemm.K_LEAVES.clear()
+        gemm.K_LEAVES.update(saved)
         assert gemm.block_k_for(n, 4096) == gemm.BLOCK_K
     # the CUDA gate below runs CUDA_BATCH_SIZES for every N of CUDA_N: every bucket
     buckets = {tuple(sorted(gemm.tile_for_m(m, torch.bfloat16, n).items()))
@@ -339,8 +350,8 @@ def test_linear_triton_under_interpreter(interp_results, kb, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1024, 2048), (1000, 200), (151936, 1024)])
 def test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket(kb, N, K):
-    # (1024, 3072), (1024, 2048) and (4096, 4096) have K leaves: M <= 256 runs split-K, larger M
-    # the one-program leaf walk, so this also gates split == fused
+    # a shape listed in K_LEAVES runs split-K at M <= 256 and the leaf walk above: this also
+    # gates split == fused for it
     g = torch.Generator().manual_seed(61)
     w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
     b = torch.randn(N, generator=g).bfloat16().cuda()
@@ -374,3 +385,20 @@ def test_stock_cublas_is_batch_variant_negative_control(kb):
     alone = F.linear(x[:1], w)
     differing = sum(kb.bit_report(F.linear(x[:m], w)[:1], alone)["differing"] for m in (64, 128, 256))
     assert differing > 0, "cuBLAS was batch invariant here: negative control unavailable"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("leaves", (2, 4, 8))
+def test_linear_cuda_split_k_equals_one_program_leaf_walk_bitwise(kb, leaves):
+    # (1024, 3072) at decode and prefill sizes: split-K partials + the ordered sum pass against
+    # the persistent kernel walking the same leaves (the pair the K_LEAVES table relies on)
+    g = torch.Generator().manual_seed(62)
+    w = (torch.randn(1024, 3072, generator=g) / 3072**0.5).bfloat16().cuda()
+    b = torch.randn(1024, generator=g).bfloat16().cuda()
+    for m in (1, 7, 64, 256):
+        x = torch.randn(m, 3072, generator=g).bfloat16().cuda()
+        split = gemm.linear_triton(x, w, b, impl="split", tile=dict(BLOCK_M=16, BLOCK_N=32, num_warps=4,
+                                                                     num_stages=4), leaves=leaves)
+        walk = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+                                                                  num_stages=4), leaves=leaves)
+        kb.assert_bitwise(split, walk, f"{leaves} leaves M={m}: split vs walk")
