@@ -3,7 +3,9 @@
 - ``gemm``: bf16 ``x[M,K] @ W[N,K]^T`` vs ``torch.nn.functional.linear`` (cuBLAS), M in
   {1, 64, 256, 2048, 4096, 10240}, (K, N) of the dense family at Qwen3-0.6B and Qwen3-8B sizes.
 - ``attention``: varlen causal prefill (trainer/prefill kernel) vs SDPA (flash backend) on the
-  same equal-length batch; paged decode at context 2k/8k vs SDPA with one query per sequence.
+  same equal-length batch; paged decode at context 2k/8k (CUDA-graph timing) vs SDPA with one query
+  per sequence on K/V gathered beforehand, and vs the two stock paged paths of the native engine:
+  page gather + FlashAttention-2 varlen, and flex_attention over the paged cache (CUDA only).
 - ``rmsnorm``: rows x hidden vs the transformers formula in torch.
 - ``logprob``: token logprobs over a 151,936 vocabulary vs ``log_softmax`` + ``gather``.
 On CPU (no GPU) the same code runs small shapes and reports ratios only.
@@ -15,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from isoexec_kernels.attention import paged_decode_attention, varlen_attention
+from isoexec_kernels.attention import attention_native_paged_decode, paged_decode_attention, varlen_attention
+from isoexec_kernels.attention.flex_paged import flex_paged_decode_compiled
 from isoexec_kernels.gemm import linear
 from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
 from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
@@ -67,7 +70,7 @@ def bench_gemm(device: str, quick: bool = False, log=print) -> list[dict]:
     return rows
 
 
-def bench_attention(device: str, quick: bool = False, log=print) -> list[dict]:
+def bench_attention(device: str, quick: bool = False, log=print) -> list[dict] | tuple[list[dict], dict]:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     hq, hkv, d = (16, 8, 128) if device == "cuda" else (4, 2, 16)
     scale = d ** -0.5
@@ -98,6 +101,8 @@ def bench_attention(device: str, quick: bool = False, log=print) -> list[dict]:
         print_rows([r], ["stage", "batch", "seqlen"], log)
     decode = [(64, 2048), (64, 8192), (256, 2048)] if device == "cuda" and not quick else [(4, 128)]
     page = 16
+    timer = "cuda-graph" if device == "cuda" else device
+    skipped = []
     for b, ctx in decode:
         pages = b * ctx // page
         kc = torch.randn(pages, page, hkv, d, device=device, dtype=dtype)
@@ -113,14 +118,36 @@ def bench_attention(device: str, quick: bool = False, log=print) -> list[dict]:
             with torch.nn.attention.sdpa_kernel(_flash_backends(device)):
                 return F.scaled_dot_product_attention(q[:, :, None], kd, vd, scale=scale, enable_gqa=True)
 
+        # the stock paths over the same paged cache: the native composition's engine decode
+        # (torch_sdpa: page gather + FlashAttention-2 varlen) and flex_attention reading the pages
+        # in place (torch_flex_decode), in both block layouts (flex_paged.py)
+        stock = {"sdpa_flash" if device == "cuda" else "sdpa_cpu": (sdpa_dec, None),
+                 "native_gather_flash" if device == "cuda" else "native_gather_cpu":
+                     (lambda: attention_native_paged_decode(nxt()[0], kc, vc, bt, lens, scale), None)}
+        if device == "cuda":
+            for name, full in (("native_flex", True), ("native_flex_partial", False)):
+                stock[name] = (lambda full=full: flex_paged_decode_compiled(nxt()[0], kc, vc, bt, lens, scale,
+                                                                            full_blocks=full), full)
+        else:
+            skipped.append({"stage": "decode", "batch": b, "context": ctx,
+                            "baseline": ["native_flex", "native_flex_partial"],
+                            "reason": "flex_attention is a speed baseline only compiled on CUDA; on CPU it runs "
+                                      "eagerly, dense over the whole cache (the correctness reference of the tests)"})
         with torch.no_grad():
-            base = time_ms(sdpa_dec, device)
-            ours = time_ms(lambda: paged_decode_attention(nxt()[0], kc, vc, bt, lens, scale), device)
-        r = row({"stage": "decode", "batch": b, "context": ctx, "heads": hq, "kv_heads": hkv, "head_dim": d},
-                "sdpa_flash" if device == "cuda" else "sdpa_cpu", base, ours)
-        rows.append(r)
-        print_rows([r], ["stage", "batch", "context"], log)
-    return rows
+            q0 = nxt()[0]
+            gathered = attention_native_paged_decode(q0, kc, vc, bt, lens, scale).float()
+            ours = time_ms(lambda: paged_decode_attention(nxt()[0], kc, vc, bt, lens, scale), timer)
+            for name, (fn, full) in stock.items():
+                extra = {}
+                if full is not None:   # the flex path computes the native function: max |diff| here
+                    got = flex_paged_decode_compiled(q0, kc, vc, bt, lens, scale, full_blocks=full).float()
+                    extra = {"max_abs_diff_vs_gather": float((got - gathered).abs().max())}
+                shape = {"stage": "decode", "batch": b, "context": ctx, "heads": hq, "kv_heads": hkv, "head_dim": d,
+                         "timing": "cuda_graph" if device == "cuda" else "cpu"}
+                r = row({**shape, **extra}, name, time_ms(fn, timer), ours)
+                rows.append(r)
+                print_rows([r], ["stage", "batch", "context"], log)
+    return (rows, {"skipped": skipped}) if skipped else rows
 
 
 def _flash_backends(device: str):

@@ -7,11 +7,12 @@ cumulative sequence lengths, GQA native, autograd through its own backward): the
 path torch offers, the one a stock RL trainer uses, with no padding and no host round trip.
 The engine's paged cases on a GPU gather each sequence's pages into one packed K/V and run the
 same FlashAttention-2 varlen kernel with per-sequence used-key counts (a page gather, then flash:
-a stock engine without a paged flash kernel does this). Elsewhere (CPU, fp32) sequences are padded
-into one [B, H, L, D] batch and SDPA runs once with a boolean causal + padding mask (SDPA picks its
-backend and blocking from the padded shape). They are the native composition and the negative
-control: their bits depend on the batch (padding length, batch size, the flash kernel's
-scheduling) and on prefill vs decode shapes.
+a stock engine without a paged flash kernel does this; the other stock decode, torch's
+flex_attention reading the pages in place, is ``flex_paged.py``, impl ``torch_flex_decode``).
+Elsewhere (CPU, fp32) sequences are padded into one [B, H, L, D] batch and SDPA runs once with
+a boolean causal + padding mask (SDPA picks its backend and blocking from the padded shape).
+They are the native composition and the negative control: their bits depend on the batch
+(padding length, batch size, the flash kernel's scheduling) and on prefill vs decode shapes.
 """
 
 from __future__ import annotations
