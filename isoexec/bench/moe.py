@@ -3,9 +3,10 @@
 The layer is the models' own ``moe_layer`` (``isoexec/model/mla_moe.py``: router, dispatch, experts,
 the shared expert's linear and activation regions, combine), run once with the regions the
 isoexec composition binds and once with those the native composition binds (the stock twins of
-``isoexec_kernels/moe/native.py``: transformers' router and eager expert loop). Both plans come
-from the shipped compositions through ``build_contract``, so the benchmark times exactly what the
-mla_moe and hybrid_moe models run, not a copy of it.
+``isoexec_kernels/moe/native.py``: transformers' router and its ``grouped_mm`` experts path, a
+stable sort of the pairs by expert, ``torch._grouped_mm`` for gate_up and down, a weighted sum per
+token; no host sync). Both plans come from the shipped compositions through ``build_contract``, so
+the benchmark times exactly what the mla_moe and hybrid_moe models run, not a copy of it.
 
 Two layer shapes, at their real per-layer dimensions on a GPU (bf16) and tiny on a CPU or with
 ``--quick`` (fp32, a format check):
@@ -25,6 +26,12 @@ Rows (docs/benchmarks.md): ``stage`` ``moe.<shape>.fwd`` for M in {1, 64, 256} (
 w.r.t. the input and every trained weight, a fixed upstream gradient) for the training sizes;
 ``baseline: "torch"`` is the native composition. Every expert is materialised (``experts`` equals
 ``experts_model``); a run that had to drop experts for memory would show it there.
+
+Timing (``timing`` in every row): on CUDA the decode sizes (M <= 256) are timed as CUDA-graph
+replays of both compositions (``common.graph_time_ms``), since the engine decodes in graphs, with
+the eager times beside them (``eager_baseline_ms``, ``eager_ours_ms``); a composition that cannot be
+captured leaves the row eager and says why (``graph_error``). Prefill and training rows, and every
+CPU row, are eager.
 """
 
 from __future__ import annotations
@@ -137,9 +144,19 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
                   "inter": shape.inter, "top_k": shape.spec.top_k, "shared_inter": shape.shared_inter,
                   "router": shape.spec.kind, "dtype": str(dtype).replace("torch.", "")}
 
-        def timed(stage_pass: str, m: int, make_run) -> None:
+        def timed(stage_pass: str, m: int, make_run, graphs: bool = False) -> None:
             t = {c: time_ms(make_run(c), device, **reps) for c in COMPOSITIONS}
-            r = row({"stage": f"moe.{shape.name}.{stage_pass}", "M": m, "pass": stage_pass, **fields},
+            extra = {"timing": "eager"}
+            if graphs:
+                try:
+                    g = {c: time_ms(make_run(c), "cuda-graph") for c in COMPOSITIONS}
+                except RuntimeError as exc:   # a composition that syncs with the host cannot be captured
+                    extra["graph_error"] = str(exc).splitlines()[0][:200]
+                else:
+                    extra = {"timing": "cuda_graph", "eager_baseline_ms": round(t["native"], 6),
+                             "eager_ours_ms": round(t["isoexec"], 6)}
+                    t = g
+            r = row({"stage": f"moe.{shape.name}.{stage_pass}", "M": m, "pass": stage_pass, **fields, **extra},
                     "torch", t["native"], t["isoexec"])
             rows.append(r)
             print_rows([r], ["stage", "M", "H", "experts", "inter", "top_k"], log)
@@ -162,7 +179,7 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
                         return fn(nxt()[0], *ws)
                 return run
 
-            timed("fwd", m, fwd)
+            timed("fwd", m, fwd, graphs=device == "cuda" and m in decode_m)
         for m in train_m:
             x = leaf(torch.randn(m, shape.hidden, device=device, dtype=dtype))
             g = torch.randn(m, shape.hidden, device=device, dtype=dtype)

@@ -11,6 +11,13 @@ Triton ``linear`` on sm90). The ``experts`` region (impl id ``moe_experts_loop``
 compositions keep their meaning) runs the reference per-expert loop on the CPU and the Triton
 grouped GEMM on sm90 (one launch per projection, no host sync); its ``cuda_graph`` capability is
 not declared until the GPU gates have run it under capture.
+
+The stock twins (``native.py``) are transformers 5.17's ``experts_implementation="grouped_mm"``
+path on every device: a stable sort of the pairs by expert, ``torch._grouped_mm`` for gate_up and
+down, a weighted sum of each token's k rows. Router, dispatch and combine never read device data
+on the host, nor do the experts where ``torch._grouped_mm`` runs its grouped kernel (CUDA: bf16,
+sm90/sm100, aligned operands), so these four declare ``cuda_graph``; an experts call that would
+sync (unaligned operands, another dtype on CUDA) refuses to run inside a capture.
 """
 
 from ..impl import Impl
@@ -34,6 +41,7 @@ from .reference import (
     shared_expert_forward,
 )
 from .native import (
+    grouped_mm_unsupported,
     moe_combine_native,
     moe_dispatch_native,
     moe_experts_native,
@@ -47,8 +55,11 @@ from .triton_kernels import experts_forward_triton, grouped_linear
 __all__ = [name for name in dir() if not name.startswith("_")]
 
 # The CPU reference syncs with the host (expert offsets); the sm90 grouped GEMM does not, but no gate
-# has captured it in a CUDA graph yet, so no impl here declares cuda_graph.
+# has captured it in a CUDA graph yet, so the invariant impls do not declare cuda_graph. The stock
+# twins have no host sync on their CUDA path (the grouped_mm regions were captured and replayed on
+# an H200: tests/kernels/test_moe_regions.py, marked gpu).
 _GRAD = frozenset({"grad"})
+_GRAD_GRAPH = frozenset({"grad", "cuda_graph"})
 IMPLS = (
     Impl("moe_router_fp32", "1", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
          doc="fp32 router GEMM (invariant), float64-evaluated softmax/sigmoid, stable sort: ties to the lower "
@@ -61,12 +72,16 @@ IMPLS = (
              "grouped GEMM (one launch, the GEMM's fixed 64-wide K order per row) on sm90"),
     Impl("moe_combine_fp32", "1", "combine", moe_combine, capabilities=_GRAD,
          doc="k weighted rows summed in fp32 from +0 in ascending expert index, shared expert last, one rounding"),
-    Impl("torch_moe_router", "torch", "router", moe_route_native, capabilities=_GRAD, native=True,
+    Impl("torch_moe_router", "torch", "router", moe_route_native, capabilities=_GRAD_GRAPH, native=True,
          doc="transformers' router: torch.topk (tie order unspecified)"),
-    Impl("torch_moe_dispatch", "torch", "dispatch", moe_dispatch_native, capabilities=_GRAD, native=True,
-         doc="transformers' one_hot / torch.where order"),
-    Impl("torch_moe_experts", "torch", "experts", moe_experts_native, capabilities=_GRAD, native=True,
-         doc="eager expert loop: F.linear per expert on its rows (BLAS blocking follows the load)"),
-    Impl("torch_moe_combine", "torch", "combine", moe_combine_native, capabilities=_GRAD, native=True,
-         doc="weighted rows rounded to the model dtype, index_add_ per expert, shared expert added in that dtype"),
+    Impl("torch_moe_dispatch", "grouped_mm", "dispatch", moe_dispatch_native, capabilities=_GRAD_GRAPH, native=True,
+         doc="transformers' grouped_mm order: pairs stably sorted by expert id (token-ascending inside an expert), "
+             "scatter_add counts, no host sync"),
+    Impl("torch_moe_experts", "grouped_mm", "experts", moe_experts_native, capabilities=_GRAD_GRAPH, native=True,
+         doc="transformers' grouped_mm experts: torch._grouped_mm for gate_up and down over the expert-sorted rows "
+             "(per-expert mm on CPU; the CUTLASS grouped kernel for bf16 on sm90), F.silu(gate) * up between; "
+             "unaligned operands fall back to the per-expert F.linear loop"),
+    Impl("torch_moe_combine", "grouped_mm", "combine", moe_combine_native, capabilities=_GRAD_GRAPH, native=True,
+         doc="rows times their weight, each token's k rows summed by torch.sum and rounded to the model dtype, "
+             "shared expert added in that dtype"),
 )

@@ -1,4 +1,5 @@
-"""Stock MoE twin: the mixture-of-experts layer written the way transformers 5.17 computes it.
+"""Stock MoE twin: the mixture-of-experts layer the way transformers 5.17 computes it, on the fastest
+stock path it offers (``experts_implementation="grouped_mm"``).
 
 Same arguments as ``moe.moe_forward``. It is the native composition's MoE and the negative
 control: no promise about the bits of a token when the batch changes.
@@ -10,14 +11,45 @@ control: no promise about the bits of a token when the batch changes.
     ``torch.sigmoid``; correction bias for selection; group score = sum of the group's top-2;
     ``torch.topk`` for groups and experts; weights normalised by ``torch.sum`` + 1e-20, times
     ``routed_scaling_factor``.
-  experts (the eager ``*Experts.forward``): for each expert hit, in ascending expert index, the
-    tokens that chose it are gathered and run through F.linear (gate_up), F.silu(gate) * up (two
-    roundings), F.linear (down), multiplied by their weight, rounded to x's dtype and
-    ``index_add_``-ed into an x-dtype buffer. Each expert's GEMMs see as many rows as the expert
-    received, so stock BLAS blocking (and the position of an element in the SIMD loops of
-    ``F.silu``) can change a token's bits with the batch.
-  (transformers can swap in other expert implementations through ``experts_implementation``;
-  this twin is the eager one, which a config built in code gets.)
+  dispatch, experts, combine (transformers' ``grouped_mm`` experts; the regions below):
+    dispatch: the T*k (token, slot) pairs, listed token-major (pair t*k + j), are ordered by
+      their expert id with a stable sort, so the rows of one expert keep the pairs' order (token
+      ascending: a token picks an expert at most once); the per-expert counts are a scatter_add
+      into E slots and the offsets their prefix sum. transformers sorts with ``torch.sort`` and
+      counts with ``torch.histc``: the same counts, and the same rows wherever its sort keeps
+      equal keys in place (on the CPU it did: ``tests/kernels/test_moe.py`` matches transformers'
+      grouped_mm layer bit for bit).
+    experts: every dispatched row is x[token] (gathered in dispatch order), then ONE
+      ``torch._grouped_mm`` over all experts for gate_up (each expert's row range times its
+      [H, 2I] weight, the group ends passed as int32 offsets), F.silu(gate) * up (two roundings),
+      and one ``torch._grouped_mm`` for down. Experts with no rows are empty groups.
+    combine: each row times its routing weight (dtype promotion as in transformers: the sigmoid
+      router's fp32 weights give fp32 products, the softmax router's x-dtype weights x-dtype
+      ones), the rows put back in (token, slot) order, a token's k rows summed by ``torch.sum``
+      over the slot axis, rounded to x's dtype; then the (gated) shared expert added in that dtype.
+    No host synchronisation on this path: no ``.tolist()``, ``.item()``, ``nonzero``, boolean
+    masks or data-sized outputs; every size is T*k or E, known on the host. So it can be captured
+    in a CUDA graph wherever ``torch._grouped_mm`` itself can: on CUDA its grouped kernel runs for
+    bf16 on sm90/sm100; any other dtype or arch takes torch's fallback, which copies the offsets
+    to the host (the experts region refuses that inside a capture with a clear error).
+  Alignment: ``torch._grouped_mm`` needs row strides that are multiples of 16 bytes (hidden and
+    intermediate sizes multiples of 8 elements in bf16/fp16, of 4 in fp32), the weights' last
+    dimension contiguous and, on CUDA, 16-byte aligned storage. For operands that miss any of
+    this (:func:`grouped_mm_unsupported` says which) the experts region runs the per-expert loop
+    instead: F.linear on each expert's rows, with the offsets read on the host (a sync, so not
+    capturable). Every shipped model shape is aligned.
+  Device choice: one path on every device. transformers 5.17 gives a model ``grouped_mm`` on the
+    CPU too (the eager loop is what a bare experts module without a model config gets), and on
+    the CPU ``torch._grouped_mm`` is one matrix product per expert on the rows it owns: the same
+    products as the eager loop, bit for bit (``tests/kernels/test_moe_regions.py``). So the CPU
+    negative controls keep their variance source -- an expert's GEMM sees as many rows as the
+    expert received, and stock BLAS blocking follows that count -- and CPU and GPU run one path.
+  ``experts_implementation="eager"`` (``moe_forward_native`` only; the regions are grouped_mm):
+    transformers' eager ``*Experts.forward``, kept as the reference the grouped path is tested
+    against: for each expert hit, in ascending expert index, the tokens that chose it are
+    gathered and run through F.linear (gate_up), F.silu(gate) * up, F.linear (down), multiplied
+    by their weight, rounded to x's dtype and ``index_add_``-ed into an x-dtype buffer (host
+    syncs: ``nonzero``, ``torch.where``).
   shared expert: F.linear(gate), F.linear(up) as two products, F.silu(gate) * up, F.linear(down);
     Qwen-style gate: ``F.sigmoid(F.linear(x, shared_gate)) * shared`` in x's dtype; added to the
     routed sum in x's dtype.
@@ -28,7 +60,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .types import MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, RouterSpec
+from .types import Dispatch, MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, RouterSpec, Routing
+
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
+"""``moe_forward_native``'s expert paths (transformers' ``experts_implementation`` names)."""
+
+_ALIGN_BYTES = 16  # torch._grouped_mm: row strides and (on CUDA) base pointers
 
 
 def route_native(x: torch.Tensor, weights: MoEWeights, spec: RouterSpec):
@@ -64,7 +101,8 @@ def _route_native(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     return top_w * spec.routed_scaling_factor, top_i
 
 
-def _experts_native(x, top_i, top_w, gate_up, down):
+def _experts_eager(x, top_i, top_w, gate_up, down):
+    """transformers' eager expert loop, weights and index_add_ included (module docstring)."""
     E = gate_up.shape[0]
     final = torch.zeros_like(x)
     with torch.no_grad():
@@ -82,8 +120,13 @@ def _experts_native(x, top_i, top_w, gate_up, down):
 
 def moe_forward_native(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k: int,
                        norm_topk_prob: bool = True, n_group: int = 1, topk_group: int = 1,
-                       routed_scaling_factor: float = 1.0) -> torch.Tensor:
-    """Stock MoE layer output [..., H] in x's dtype (module docstring)."""
+                       routed_scaling_factor: float = 1.0, experts_implementation: str = "grouped_mm"
+                       ) -> torch.Tensor:
+    """Stock MoE layer output [..., H] in x's dtype (module docstring). ``experts_implementation``:
+    ``"grouped_mm"`` (the regions below, what the native composition runs) or ``"eager"``."""
+    if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+        raise ValueError(f"moe_native: experts_implementation {experts_implementation!r} is not one of "
+                         f"{EXPERTS_IMPLEMENTATIONS}")
     spec = RouterSpec(kind=kind, top_k=top_k, norm_topk_prob=norm_topk_prob, n_group=n_group,
                       topk_group=topk_group, routed_scaling_factor=routed_scaling_factor)
     H = x.shape[-1]
@@ -91,7 +134,13 @@ def moe_forward_native(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k
     spec.check(weights.num_experts)
     x2 = x.reshape(-1, H)
     top_w, top_i = route_native(x2, weights, spec)
-    out = _experts_native(x2, top_i, top_w, weights.gate_up.to(x.dtype), weights.down.to(x.dtype))
+    gate_up, down = weights.gate_up.to(x.dtype), weights.down.to(x.dtype)
+    if experts_implementation == "eager":
+        out = _experts_eager(x2, top_i, top_w, gate_up, down)
+    else:
+        disp = moe_dispatch_native(top_i, weights.num_experts)
+        out = moe_combine_native(moe_experts_native(x2, disp, gate_up, down), disp,
+                                 Routing(ids=top_i, weights=top_w), out_dtype=x.dtype)
     if weights.shared_gate_up is not None:
         sgu = weights.shared_gate_up.to(x.dtype)
         i = sgu.shape[0] // 2
@@ -105,37 +154,89 @@ def moe_forward_native(x: torch.Tensor, weights: MoEWeights, *, kind: str, top_k
 
 # ------------------------------------------------------------------------------ the four regions
 # The stock layer above, cut into the regions a contract binds (signatures: regions.py). Run in
-# sequence they compute what moe_forward_native computes, bit for bit.
+# sequence they compute what moe_forward_native computes (grouped_mm), bit for bit.
 def moe_route_native(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec,
                      correction_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None):
     """transformers' router: ids in ``torch.topk`` order, weights in its dtype; the shared gate
     F.sigmoid(F.linear(x, shared_gate)) in x's dtype."""
-    from .types import Routing
-
     top_w, top_i = _route_native(x, weight, correction_bias, spec)
     g = None if shared_gate is None else F.sigmoid(F.linear(x, shared_gate.to(x.dtype)))
     return Routing(ids=top_i, weights=top_w, shared_gate=g)
 
 
-def moe_dispatch_native(ids: torch.Tensor, num_experts: int):
-    """transformers' expert loop order: experts ascending; inside an expert, ``torch.where`` over
-    its [k, T] mask: slot-major, then token."""
-    from .types import Dispatch
-
+def moe_dispatch_native(ids: torch.Tensor, num_experts: int) -> Dispatch:
+    """The grouped_mm dispatch: pairs ordered by expert id with a stable sort (pair order, i.e. token
+    ascending, inside an expert); counts by scatter_add, offsets their prefix sum. No host sync."""
     T, k = ids.shape
-    mask = F.one_hot(ids.long(), num_classes=num_experts).permute(2, 1, 0)   # [E, k, T]
-    e_idx, slot, tok = torch.where(mask > 0)                                 # row-major: expert, slot, token
-    pair = tok * k + slot
-    counts = torch.bincount(e_idx, minlength=num_experts)
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
     offsets[1:] = torch.cumsum(counts, 0)
-    row_of_pair = torch.empty_like(pair)
-    row_of_pair[pair] = torch.arange(pair.numel(), device=ids.device)
-    return Dispatch(token=tok, offsets=offsets, row_of_pair=row_of_pair, num_tokens=T, top_k=k)
+    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
+    return Dispatch(token=torch.div(order, k, rounding_mode="floor"), offsets=offsets, row_of_pair=row_of_pair,
+                    num_tokens=T, top_k=k)
 
 
-def moe_experts_native(x: torch.Tensor, disp, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """The eager expert loop: per expert hit, F.linear, F.silu(gate) * up, F.linear on its rows."""
+def grouped_mm_unsupported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run the experts on these operands, or None when it can:
+    dtypes (bf16, fp16 or fp32, all three alike), hidden and intermediate sizes whose rows are a
+    multiple of 16 bytes (the gathered rows and the activation are contiguous, so their row stride
+    is that size), weights with a contiguous last dimension and 16-byte multiple row strides, and
+    on CUDA weights whose storage starts 16-byte aligned (the transposed weight views are then the
+    column-major operands torch asks for). Host metadata only."""
+    dt = x.dtype
+    if dt not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {dt} (torch._grouped_mm takes bf16, fp16 or fp32)"
+    if gate_up.dtype != dt or down.dtype != dt:
+        return f"x is {dt} but the expert weights are {gate_up.dtype} and {down.dtype}"
+    align = _ALIGN_BYTES // x.element_size()
+    for name, n in (("hidden size", x.shape[-1]), ("intermediate size", down.shape[-1])):
+        if n % align:
+            return f"{name} {n} is not a multiple of {align} elements ({_ALIGN_BYTES}-byte row strides, {dt})"
+    for name, w in (("gate_up", gate_up), ("down", down)):
+        if w.stride(-1) != 1 or w.stride(-2) < w.shape[-1] or w.stride(-2) % align:
+            return (f"{name} strides {tuple(w.stride())} are not row-major with rows a multiple of "
+                    f"{_ALIGN_BYTES} bytes apart")
+        if w.is_cuda and w.data_ptr() % _ALIGN_BYTES:
+            return f"{name} storage does not start on a {_ALIGN_BYTES}-byte boundary"
+    return None
+
+
+def _cuda_sync_reason(x: torch.Tensor) -> str | None:
+    """Why torch._grouped_mm would take its host-synchronising fallback on x's CUDA device."""
+    if x.dtype != torch.bfloat16:
+        return f"torch._grouped_mm's CUDA grouped kernel is bf16 only; {x.dtype} takes its host-synchronising fallback"
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if major not in (9, 10):
+        return (f"torch._grouped_mm's CUDA grouped kernel needs sm90 or sm100; sm{major}{minor} takes its "
+                "host-synchronising fallback")
+    return None
+
+
+def moe_experts_native(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The grouped_mm experts: x[token] in dispatch order, one ``torch._grouped_mm`` for gate_up,
+    F.silu(gate) * up, one for down; rows [T*k, H] in dispatch order. Operands torch._grouped_mm
+    refuses (:func:`grouped_mm_unsupported`) run the per-expert F.linear loop instead."""
+    why = grouped_mm_unsupported(x, gate_up, down)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        sync = why or _cuda_sync_reason(x)
+        if sync is not None:
+            raise RuntimeError(f"moe_experts_native: cannot run inside a CUDA graph capture: {sync}")
+    if why is not None:
+        return _experts_loop(x, disp, gate_up, down)
+    if disp.token.numel() == 0:
+        return x.new_zeros((0, x.shape[-1]))
+    ends = disp.offsets[1:].to(torch.int32)          # group e ends at row ends[e] (torch's offs)
+    h = torch._grouped_mm(x[disp.token], gate_up.transpose(-2, -1), offs=ends)
+    gate, up = h.chunk(2, dim=-1)
+    return torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=ends)
+
+
+def _experts_loop(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """Fallback for unaligned operands: per expert with rows, F.linear, F.silu(gate) * up, F.linear
+    on its rows (the offsets read on the host)."""
     out = x.new_empty((disp.token.numel(), x.shape[-1]))
     offs = disp.offsets.tolist()
     for e in range(len(offs) - 1):
@@ -146,23 +247,15 @@ def moe_experts_native(x: torch.Tensor, disp, gate_up: torch.Tensor, down: torch
     return out
 
 
-def moe_combine_native(rows: torch.Tensor, disp, routing, shared: torch.Tensor | None = None,
+def moe_combine_native(rows: torch.Tensor, disp: Dispatch, routing: Routing, shared: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """transformers' combine: per expert in ascending index, rows times their weight, rounded to the
-    output dtype and ``index_add_``-ed into a buffer of that dtype; then + the (gated) shared expert
-    in that dtype."""
+    """The grouped_mm combine: rows back in (token, slot) order times their routing weight, a
+    token's k rows summed by ``torch.sum`` over the slot axis, rounded to the output dtype; then
+    + the (gated) shared expert in that dtype. No host sync."""
     T, k = disp.num_tokens, disp.top_k
     dtype = out_dtype or rows.dtype
-    final = torch.zeros((T, rows.shape[-1]), dtype=dtype, device=rows.device)
-    pair_of_row = torch.empty_like(disp.row_of_pair)
-    pair_of_row[disp.row_of_pair] = torch.arange(disp.row_of_pair.numel(), device=rows.device)
-    w_rows = routing.weights.reshape(-1)[pair_of_row]
-    offs = disp.offsets.tolist()
-    for e in range(len(offs) - 1):
-        r0, r1 = offs[e], offs[e + 1]
-        if r1 > r0:
-            h = rows[r0:r1] * w_rows[r0:r1, None]
-            final = final.index_add(0, disp.token[r0:r1], h.to(dtype))
+    weighted = rows[disp.row_of_pair] * routing.weights.reshape(-1, 1)
+    final = weighted.reshape(T, k, rows.shape[-1]).sum(dim=1).to(dtype)
     if shared is not None:
         final = final + (shared if routing.shared_gate is None else routing.shared_gate * shared)
     return final

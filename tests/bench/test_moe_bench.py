@@ -1,6 +1,6 @@
 """``bench moe``: what it times is one function. For the same input and weights, the MoE layer under
 the isoexec composition's regions and under the native composition's regions (the stock twins,
-transformers' router and expert loop) agree at fp32 tolerance on the CPU, forward and backward, for
+transformers' router and its grouped_mm experts path) agree at fp32 tolerance on the CPU, forward and backward, for
 both benchmarked layer shapes. The quick run's result format is checked in test_bench.py."""
 
 import pytest

@@ -8,7 +8,8 @@ import torch
 from isoexec.compose import load_model_config
 from isoexec.gates.kinds import KINDS
 from isoexec.gates.moe_gates import gate_combine, gate_dispatch, gate_experts, gate_router, moe_dims
-from isoexec_kernels.moe import (Routing, moe_combine, moe_dispatch, moe_dispatch_native, moe_experts, moe_route)
+from isoexec_kernels.moe import (Dispatch, Routing, moe_combine, moe_dispatch, moe_dispatch_native, moe_experts,
+                                 moe_route)
 
 CFG = load_model_config("mla_moe_tiny")["hf_config"]
 SIZES = (1, 3, 17)
@@ -47,12 +48,28 @@ def test_a_router_whose_tie_break_follows_the_batch_fails():
     assert out.verdict() == "fail"
 
 
-def test_canonical_dispatch_passes_and_the_stock_order_fails():
+def test_canonical_dispatch_passes_and_a_slot_major_order_fails():
     assert gate_dispatch(moe_dispatch, ("dispatch",), CFG, "batch_invariance", torch.float32, "cpu", _gen(),
                          SIZES, (), {}).verdict() == "pass"
-    stock = gate_dispatch(moe_dispatch_native, ("dispatch",), CFG, "batch_invariance", torch.float32, "cpu", _gen(),
+    # the stock grouped_mm dispatch (a stable sort of the pairs by expert) lands on the same order:
+    # integers only, so it passes too
+    assert gate_dispatch(moe_dispatch_native, ("dispatch",), CFG, "batch_invariance", torch.float32, "cpu", _gen(),
+                         (17, 64), (), {}).verdict() == "pass"
+
+    def slot_major(ids, num_experts):
+        # transformers' eager loop order: inside an expert, slot-major, then token
+        T, k = ids.shape
+        e_idx, slot, tok = torch.where(torch.nn.functional.one_hot(ids, num_experts).permute(2, 1, 0) > 0)
+        offsets = torch.zeros(num_experts + 1, dtype=torch.long)
+        offsets[1:] = torch.cumsum(torch.bincount(e_idx, minlength=num_experts), 0)
+        row_of_pair = torch.empty(T * k, dtype=torch.long)
+        row_of_pair[tok * k + slot] = torch.arange(T * k)
+        return Dispatch(token=tok, offsets=offsets, row_of_pair=row_of_pair, num_tokens=T, top_k=k)
+
+    # inside an expert, tokens that chose it in slot 1 come after those that chose it in slot 0
+    stock = gate_dispatch(slot_major, ("dispatch",), CFG, "batch_invariance", torch.float32, "cpu", _gen(),
                           (17, 64), (), {})
-    assert stock.verdict() == "fail"
+    assert stock.verdict() == "fail" and stock.rel_err == 0.0   # a consistent dispatch, in another order
 
 
 def test_expert_hazards_occur_and_a_load_dependent_expert_fails():

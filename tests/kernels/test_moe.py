@@ -274,13 +274,20 @@ def _copy(dst, src):
         dst.copy_(src)
 
 
-def test_matches_transformers_qwen3_moe_block(kb):
+# transformers' expert paths: "grouped_mm" (what it gives a model, and the native composition's
+# regions) and "eager" (what a bare block gets); the stock twin reproduces each bit for bit
+EXPERTS_IMPLS = ("grouped_mm", "eager")
+
+
+@pytest.mark.parametrize("impl", EXPERTS_IMPLS)
+def test_matches_transformers_qwen3_moe_block(kb, impl):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     for norm in (True, False):
         cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                              norm_topk_prob=norm, hidden_act="silu")
+        cfg._experts_implementation = impl
         block = Qwen3MoeSparseMoeBlock(cfg).eval()
         w, g = _weights(8, 32, 16, 1, torch.float32, seed=9 + norm, shared=False)
         _copy(block.gate.weight, w.router)
@@ -291,16 +298,19 @@ def test_matches_transformers_qwen3_moe_block(kb):
             want = block(x)
         out = moe.moe_forward(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=norm)
         assert kb.rel_l2(out, want) < kb.TOL[torch.float32], f"norm_topk_prob={norm}"
-        kb.assert_bitwise(moe_native.moe_forward_native(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=norm),
-                          want, f"stock twin vs transformers, norm_topk_prob={norm}")
+        kb.assert_bitwise(moe_native.moe_forward_native(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=norm,
+                                                        experts_implementation=impl),
+                          want, f"stock twin vs transformers {impl}, norm_topk_prob={norm}")
 
 
-def test_matches_transformers_qwen3_5_moe_block_with_gated_shared_expert(kb):
+@pytest.mark.parametrize("impl", EXPERTS_IMPLS)
+def test_matches_transformers_qwen3_5_moe_block_with_gated_shared_expert(kb, impl):
     from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
 
     cfg = Qwen3_5MoeTextConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
                                shared_expert_intermediate_size=24, hidden_act="silu")
+    cfg._experts_implementation = impl
     block = Qwen3_5MoeSparseMoeBlock(cfg).eval()
     w, g = _weights(8, 32, 16, 24, torch.float32, seed=11, gated=True)
     _copy(block.gate.weight, w.router)
@@ -315,11 +325,13 @@ def test_matches_transformers_qwen3_5_moe_block_with_gated_shared_expert(kb):
         want = block(x)
     out = moe.moe_forward(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=True)
     assert kb.rel_l2(out, want) < kb.TOL[torch.float32]
-    kb.assert_bitwise(moe_native.moe_forward_native(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=True),
-                      want, "stock twin vs transformers")
+    kb.assert_bitwise(moe_native.moe_forward_native(x, w, kind="softmax_topk", top_k=2, norm_topk_prob=True,
+                                                    experts_implementation=impl),
+                      want, f"stock twin vs transformers {impl}")
 
 
-def test_matches_transformers_deepseek_v3_moe(kb):
+@pytest.mark.parametrize("impl", EXPERTS_IMPLS)
+def test_matches_transformers_deepseek_v3_moe(kb, impl):
     from transformers import DeepseekV3Config
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
 
@@ -328,6 +340,7 @@ def test_matches_transformers_deepseek_v3_moe(kb):
     cfg = DeepseekV3Config(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
                            n_group=4, topk_group=2, n_shared_experts=2, routed_scaling_factor=2.5,
                            norm_topk_prob=True, hidden_act="silu")
+    cfg._experts_implementation = impl
     block = DeepseekV3MoE(cfg).eval()
     w, g = _weights(16, 32, 16, 32, torch.float32, seed=12, bias=True)  # 2 shared experts: Is = 2 * 16
     _copy(block.gate.weight, w.router)
@@ -345,7 +358,8 @@ def test_matches_transformers_deepseek_v3_moe(kb):
     assert ids.tolist() == hf_ids.sort(-1).values.tolist()
     out = moe.moe_forward(x, w, **kw)
     assert kb.rel_l2(out, want) < kb.TOL[torch.float32]
-    kb.assert_bitwise(moe_native.moe_forward_native(x, w, **kw), want, "stock twin vs transformers")
+    kb.assert_bitwise(moe_native.moe_forward_native(x, w, **kw, experts_implementation=impl), want,
+                      f"stock twin vs transformers {impl}")
 
 
 # --------------------------------------------------------------------------- negative control
