@@ -120,27 +120,25 @@ def bench_attention(device: str, quick: bool = False, log=print) -> list[dict] |
 
         # the stock paths over the same paged cache: the native composition's engine decode
         # (torch_sdpa: page gather + FlashAttention-2 varlen) and flex_attention reading the pages
-        # in place (torch_flex_decode), in both block layouts (flex_paged.py)
+        # in place (torch_flex_decode, flex_paged.py)
         stock = {"sdpa_flash" if device == "cuda" else "sdpa_cpu": (sdpa_dec, None),
                  "native_gather_flash" if device == "cuda" else "native_gather_cpu":
                      (lambda: attention_native_paged_decode(nxt()[0], kc, vc, bt, lens, scale), None)}
         if device == "cuda":
-            for name, full in (("native_flex", True), ("native_flex_partial", False)):
-                stock[name] = (lambda full=full: flex_paged_decode_compiled(nxt()[0], kc, vc, bt, lens, scale,
-                                                                            full_blocks=full), full)
+            stock["native_flex"] = (lambda: flex_paged_decode_compiled(nxt()[0], kc, vc, bt, lens, scale), True)
         else:
             skipped.append({"stage": "decode", "batch": b, "context": ctx,
-                            "baseline": ["native_flex", "native_flex_partial"],
+                            "baseline": ["native_flex"],
                             "reason": "flex_attention is a speed baseline only compiled on CUDA; on CPU it runs "
                                       "eagerly, dense over the whole cache (the correctness reference of the tests)"})
         with torch.no_grad():
             q0 = nxt()[0]
             gathered = attention_native_paged_decode(q0, kc, vc, bt, lens, scale).float()
             ours = time_ms(lambda: paged_decode_attention(nxt()[0], kc, vc, bt, lens, scale), timer)
-            for name, (fn, full) in stock.items():
+            for name, (fn, is_flex) in stock.items():
                 extra = {}
-                if full is not None:   # the flex path computes the native function: max |diff| here
-                    got = flex_paged_decode_compiled(q0, kc, vc, bt, lens, scale, full_blocks=full).float()
+                if is_flex:   # the flex path computes the native function: max |diff| here
+                    got = flex_paged_decode_compiled(q0, kc, vc, bt, lens, scale).float()
                     extra = {"max_abs_diff_vs_gather": float((got - gathered).abs().max())}
                 shape = {"stage": "decode", "batch": b, "context": ctx, "heads": hq, "kv_heads": hkv, "head_dim": d,
                          "timing": "cuda_graph" if device == "cuda" else "cpu"}

@@ -21,11 +21,11 @@ is exact on the listed pages, and the kernel visits nothing else. No physical-to
 table is needed (torch's PagedAttention keeps one of [batch, P] entries; building it per call
 would cost B x P writes per layer).
 
-Two layouts of the same lists (``full_blocks``): the complete pages as flex "full" blocks
-(mask_mod skipped there) and the last page as the one partial block, or every page partial.
-They compute the same function; which is faster is for the H200 to say (both are rows of
-``bench attention``): with full blocks flex's decode kernel sizes its split-KV tiles from the
-whole cache length N, which wastes splits when the batch is small.
+Every listed page is a partial flex block (mask_mod evaluated on it). A layout with the complete
+pages as flex "full" blocks (mask_mod skipped) and only the last page partial computes the same
+function on the CPU, but on the H200 (torch 2.11, commit 5dbab7f) the compiled decode kernel gave
+wrong outputs with it (max |diff| 0.12-0.27 against the gather path; the GPU test failed), so it
+was removed.
 
 Eager flex (CPU, or any call without ``torch.compile``) evaluates mask_mod on every key of N and
 ignores the block lists; there the exact dense mask ``flex_paged_dense_mask`` (key n of the cache
@@ -54,9 +54,6 @@ Q_BLOCK = 128
 """The BlockMask's query block (the one decode row sits in block 0); a multiple of every
 BLOCK_M flex's decode kernel uses."""
 
-FULL_BLOCKS = True
-"""The layout ``attention_flex_paged_decode`` uses by default (module docstring)."""
-
 RECOMPILE_LIMIT = 64
 
 _NO_Q_BLOCKS = ({"compute_q_blocks": False}
@@ -76,26 +73,16 @@ def _pages(block_table: torch.Tensor, context_lens: torch.Tensor, page_size: int
 
 
 def flex_paged_block_mask(block_table: torch.Tensor, context_lens: torch.Tensor, page_size: int,
-                          num_pages: int, full_blocks: bool = FULL_BLOCKS, index_width: int | None = None,
+                          num_pages: int, index_width: int | None = None,
                           dense_mask: torch.Tensor | None = None) -> BlockMask:
     """The decode BlockMask over a cache of ``num_pages`` pages (module docstring): one query row
-    of ``Q_BLOCK``, KV blocks = pages. ``index_width`` pads the index lists with zeros to that many
-    columns (flex's CPU kernel wants width x page >= the cache length); ``dense_mask`` [B, N]
-    replaces the page mask (eager flex)."""
-    b = block_table.shape[0]
+    of ``Q_BLOCK``, KV blocks = pages, every listed page a partial block. ``index_width`` pads the
+    index lists with zeros to that many columns (flex's CPU kernel wants width x page >= the cache
+    length); ``dense_mask`` [B, N] replaces the page mask (eager flex)."""
     n, last, rem = _pages(block_table, context_lens, page_size)
-    table = block_table.to(torch.int32)[:, None, None, :]
-    if full_blocks:
-        kv_num = torch.ones(b, 1, 1, dtype=torch.int32, device=block_table.device)
-        kv_idx = last.to(torch.int32)[:, None, None, None]
-        full_num, full_idx = (n - 1).to(torch.int32)[:, None, None], table
-    else:
-        kv_num, kv_idx = n.to(torch.int32)[:, None, None], table
-        full_num = full_idx = None
+    kv_num, kv_idx = n.to(torch.int32)[:, None, None], block_table.to(torch.int32)[:, None, None, :]
     if index_width is not None:
         kv_idx = torch.nn.functional.pad(kv_idx, (0, index_width - kv_idx.shape[-1]))
-        if full_idx is not None:
-            full_idx = torch.nn.functional.pad(full_idx, (0, index_width - full_idx.shape[-1]))
 
     if dense_mask is not None:
         def mask_mod(b, h, q_idx, kv_idx):
@@ -104,7 +91,7 @@ def flex_paged_block_mask(block_table: torch.Tensor, context_lens: torch.Tensor,
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx // page_size != last[b]) | (kv_idx % page_size < rem[b])
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(Q_BLOCK, page_size),
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, None, None, BLOCK_SIZE=(Q_BLOCK, page_size),
                                     mask_mod=mask_mod, seq_lengths=(1, num_pages * page_size), **_NO_Q_BLOCKS)
 
 
@@ -146,7 +133,7 @@ def padded_batch(n: int) -> int:
 
 
 def flex_paged_decode_compiled(q, k_cache, v_cache, block_table, context_lens, scale: float,
-                               full_blocks: bool = FULL_BLOCKS, backend: str = "inductor") -> torch.Tensor:
+                               backend: str = "inductor") -> torch.Tensor:
     """The CUDA path on any device: batch padded to ``padded_batch``, block-list BlockMask, compiled
     flex. On CPU only the ``inductor`` backend honours the block lists (its kernel also wants the
     index lists padded to the cache's page count, done here)."""
@@ -157,7 +144,7 @@ def flex_paged_decode_compiled(q, k_cache, v_cache, block_table, context_lens, s
         block_table = torch.cat([block_table, block_table.new_zeros((bp - n, block_table.shape[1]))])
         context_lens = torch.cat([context_lens, context_lens.new_ones(bp - n)])
     num_pages, page_size = k_cache.shape[0], k_cache.shape[1]
-    mask = flex_paged_block_mask(block_table, context_lens, page_size, num_pages, full_blocks,
+    mask = flex_paged_block_mask(block_table, context_lens, page_size, num_pages,
                                  index_width=None if q.is_cuda else num_pages)
     out = compiled_flex_attention(backend)(q[:, :, None], _cache_as_sequence(k_cache), _cache_as_sequence(v_cache),
                                            block_mask=mask, scale=scale, enable_gqa=True)

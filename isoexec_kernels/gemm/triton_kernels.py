@@ -115,6 +115,7 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
@@ -147,7 +148,7 @@ def _gemm_tma_persistent_kernel(
                 # last block.
                 a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
                 b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
-                part = tl.dot(a, b.T, part, input_precision="ieee")
+                part = tl.dot(a, b.T, part, input_precision=PRECISION)
             if leaf == 0:
                 acc = part
             else:
@@ -165,6 +166,7 @@ def _gemm_pointer_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, LEAVES: tl.constexpr,
+    PRECISION: tl.constexpr = "ieee",
 ):
     # One program per output tile, same grouping and the same K loop as the TMA kernel.
     pid = tl.program_id(0)
@@ -193,7 +195,7 @@ def _gemm_pointer_kernel(
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            part = tl.dot(a, b.T, part, input_precision="ieee")
+            part = tl.dot(a, b.T, part, input_precision=PRECISION)
         if leaf == 0:
             acc = part
         else:
@@ -210,7 +212,7 @@ def _gemm_leaf_partial_kernel(
     x_ptr, w_ptr, part_ptr, M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr,
-    LEAVES: tl.constexpr,
+    LEAVES: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     # Split-K for small M: program (tile, leaf) computes one leaf of one tile, exactly as the
     # fused kernels' leaf loop does, and stores it in fp32 to part[leaf, M, N].
@@ -238,7 +240,7 @@ def _gemm_leaf_partial_kernel(
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot(a, b.T, part, input_precision="ieee")
+        part = tl.dot(a, b.T, part, input_precision=PRECISION)
     dst = part_ptr + leaf.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(dst, part, mask=m_ok[:, None] & n_ok[None, :])
 
@@ -273,7 +275,7 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 _SUM_BLOCK = 1024
 
 
-def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
+def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None):
     M, K = x2.shape
     N = w.shape[0]
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
@@ -289,6 +291,9 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     bk = block_k_for(N, K)
     leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
+    # "ieee": an fp32 FMA chain for fp32 inputs (tensor cores, exact products, for 16-bit ones);
+    # other precisions are a tuning probe only (scripts/router_gemm_probe.py), never the default
+    prec = precision or "ieee"
     leaf_bounds(K, leaves)  # checks 1 <= leaves <= number of K blocks
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
@@ -307,7 +312,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
         _gemm_tma_persistent_kernel[(programs,)](
             x2, w, out, bias_arg, M, N, K,
             HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves,
+            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif path == "pointer":
@@ -316,7 +321,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
             x2, w, out, bias_arg, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
             HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif path == "split":
         # small M: one program per (tile, leaf) writes the leaf in fp32, a second pass sums the
@@ -325,7 +330,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), leaves)
         _gemm_leaf_partial_kernel[grid](
             x2, w, part, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         _gemm_leaf_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
@@ -338,7 +343,8 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None):
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  impl: str | None = None, tile: dict | None = None, leaves: int | None = None) -> torch.Tensor:
+                  impl: str | None = None, tile: dict | None = None, leaves: int | None = None,
+                  precision: str | None = None) -> torch.Tensor:
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
@@ -348,5 +354,5 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     the interpreter's bf16 dot is broken)."""
     _check(x, weight, bias)
     K = x.shape[-1]
-    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves)
+    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves, precision)
     return out.reshape(*x.shape[:-1], weight.shape[0])

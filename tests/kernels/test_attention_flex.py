@@ -102,24 +102,19 @@ def test_the_dense_mask_is_each_sequence_s_context_on_its_scattered_pages():
     assert dense.sum(1).tolist() == CTX
 
 
-@pytest.mark.parametrize("full_blocks", [True, False])
-def test_the_block_lists_with_the_page_mask_are_the_dense_mask(full_blocks):
+def test_the_block_lists_with_the_page_mask_are_the_dense_mask():
     """What the compiled kernel reads (block lists + page mask) is exactly each sequence's context,
     though the page mask alone is not (it admits every unlisted page: why eager flex, which ignores
     the lists, takes the dense mask)."""
     g = torch.Generator().manual_seed(14)
     _, kc, _, bt, lens = _paged(g, CTX, 2, 1, 16)
     p = kc.shape[0]
-    bm = fp.flex_paged_block_mask(bt, lens, PAGE, p, full_blocks=full_blocks)
+    bm = fp.flex_paged_block_mask(bt, lens, PAGE, p)
     assert bm.shape[-2:] == (1, p * PAGE)
     want = _dense_mask_by_loop(bt, lens, p)
     assert torch.equal(_what_the_kernel_reads(bm, p), want)
-    if full_blocks:   # every page but the last is a full block, the last the one partial block
-        assert bm.full_kv_num_blocks.flatten().tolist() == [-(-n // PAGE) - 1 for n in CTX]
-        assert bm.kv_num_blocks.flatten().tolist() == [1] * len(CTX)
-    else:
-        assert bm.full_kv_num_blocks is None
-        assert bm.kv_num_blocks.flatten().tolist() == [-(-n // PAGE) for n in CTX]
+    assert bm.full_kv_num_blocks is None
+    assert bm.kv_num_blocks.flatten().tolist() == [-(-n // PAGE) for n in CTX]
     page_mask_alone = torch.tensor([[bool(bm.mask_mod(torch.tensor(b), 0, 0, torch.tensor(n))) for n in range(p * PAGE)]
                                     for b in range(len(CTX))])
     assert (page_mask_alone & ~want).any()
@@ -181,8 +176,7 @@ def test_inductor_compiled_flex_on_cpu_reads_only_the_listed_pages():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("full_blocks", [True, False])
-def test_compiled_flex_paged_decode_on_cuda_equals_the_gather_path_and_replays_from_a_graph(kb, full_blocks):
+def test_compiled_flex_paged_decode_on_cuda_equals_the_gather_path_and_replays_from_a_graph(kb):
     g = torch.Generator().manual_seed(17)
     hq, hkv, d = 16, 8, 128
     ctx = CTX + [W * PAGE - 1, 2]            # 8 sequences: the padded batch is the batch
@@ -192,10 +186,10 @@ def test_compiled_flex_paged_decode_on_cuda_equals_the_gather_path_and_replays_f
     def want(q, bt, lens):
         return nat.attention_native_paged_decode(q.float(), kc.float(), vc.float(), bt, lens, scale)
 
-    got = fp.flex_paged_decode_compiled(q, kc, vc, bt, lens, scale, full_blocks=full_blocks)
+    got = fp.flex_paged_decode_compiled(q, kc, vc, bt, lens, scale)
     assert got.dtype == torch.bfloat16 and kb.rel_l2(got, want(q, bt, lens)) < kb.TOL[torch.bfloat16]
     # a batch of 5 runs padded to 8
-    got5 = fp.flex_paged_decode_compiled(q[:5], kc, vc, bt[:5], lens[:5], scale, full_blocks=full_blocks)
+    got5 = fp.flex_paged_decode_compiled(q[:5], kc, vc, bt[:5], lens[:5], scale)
     assert kb.rel_l2(got5, want(q[:5], bt[:5], lens[:5])) < kb.TOL[torch.bfloat16]
     # captured once, replayed after the step's tables and lengths changed in place: no host sync in
     # the capture, no recompile
@@ -204,7 +198,7 @@ def test_compiled_flex_paged_decode_on_cuda_equals_the_gather_path_and_replays_f
     graph = torch.cuda.CUDAGraph()
     with torch._dynamo.config.patch(error_on_recompile=True):
         with torch.cuda.graph(graph):
-            out = fp.flex_paged_decode_compiled(sq, kc, vc, sbt, slens, scale, full_blocks=full_blocks)
+            out = fp.flex_paged_decode_compiled(sq, kc, vc, sbt, slens, scale)
     q2, _, _, bt2, lens2 = _paged(g, [80, 1, 33, 16, 17, 64, 9, 48], hq, hkv, d, dtype=torch.bfloat16, device="cuda",
                                   pages=kc.shape[0])
     sq.copy_(q2)
@@ -212,6 +206,6 @@ def test_compiled_flex_paged_decode_on_cuda_equals_the_gather_path_and_replays_f
     slens.copy_(lens2)
     graph.replay()
     torch.cuda.synchronize()
-    kb.assert_bitwise(out, fp.flex_paged_decode_compiled(q2, kc, vc, bt2, lens2, scale, full_blocks=full_blocks),
+    kb.assert_bitwise(out, fp.flex_paged_decode_compiled(q2, kc, vc, bt2, lens2, scale),
                       "graph replay vs eager call of the compiled flex decode")
     assert kb.rel_l2(out, want(q2, bt2, lens2)) < kb.TOL[torch.bfloat16]
