@@ -33,7 +33,11 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     sweep's CUDA-graph timings (ratio to cuBLAS in comments, H200, torch 2.11, triton 3.6).
     fp32 inputs use one small tile for all M (the fp32 ``ieee`` dot is an FMA chain)."""
     if dtype == torch.float32:
-        return dict(path="tma", BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2,
+        # one launch for every M (the fp32 ``ieee`` dot is an FMA chain). The pointer kernel with
+        # 16-row tiles: the MoE router's GEMM (N = 64 or 256 experts, K = 2048) took 2.33 ms at
+        # M = 1 with the former TMA 64 x 64 launch and 84 us with this one on the H200, and at
+        # M = 4096 0.16-0.62 ms instead of 2.5-6.2 ms (scripts/router_gemm_probe.py, 141dbb0)
+        return dict(path="pointer", BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3,
                     warp_specialize=False)
 
     def cfg(path, bm, bn, warps, stages, ws=False):
