@@ -16,7 +16,7 @@ from .api import (
 )
 from .reference import naive_attention_float64, paged_attention_reference, varlen_attention_reference
 from .native import attention_native_paged_decode, attention_native_paged_prefill, attention_native_varlen
-from .flex_paged import attention_flex_paged_decode
+from .flex_paged import attention_flex_paged_decode, attention_stock_paged_decode
 
 _PAGED = frozenset({"grad", "cuda_graph", "paged"})
 IMPLS = (
@@ -28,14 +28,15 @@ IMPLS = (
          per_case(attention_native_varlen, attention_native_paged_prefill, attention_native_paged_decode),
          capabilities=_PAGED, native=True,
          doc="engine decode: page gather + FlashAttention-2 varlen on a GPU (gather_flash)"),
-    # the same stock twin with engine decode on torch's flex_attention, reading the paged cache in
-    # place through a BlockMask built from the block table (flex_paged.py); the native composition
-    # pins one of the two (configs/compositions/native.yaml), `isoexec bench attention` times both
+    # the same stock twin with engine decode on torch's flex_attention on a GPU, reading the paged
+    # cache in place through a BlockMask built from the block table (flex_paged.py); the native
+    # composition pins this one since the H200 measured it 2.0-3.1x faster than the page gather
+    # (configs/compositions/native.yaml; `isoexec bench attention` times both)
     Impl("torch_flex_decode", "torch", "attention",
-         per_case(attention_native_varlen, attention_native_paged_prefill, attention_flex_paged_decode),
+         per_case(attention_native_varlen, attention_native_paged_prefill, attention_stock_paged_decode),
          capabilities=_PAGED, native=True,
-         doc="engine decode: flex_attention over the paged cache (compiled on CUDA); trainer and prefill "
-             "as torch_sdpa"),
+         doc="engine decode: compiled flex_attention over the paged cache on CUDA, the page gather elsewhere; "
+             "trainer and prefill as torch_sdpa"),
 )
 
 __all__ = [name for name in dir() if not name.startswith("_")]

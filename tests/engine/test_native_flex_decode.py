@@ -1,7 +1,7 @@
-"""The native composition with its engine decode on flex_attention (impl ``torch_flex_decode``, the
-switch configs/compositions/native.yaml documents) generates what the page-gather native engine
-generates: same greedy tokens, logprobs at fp32 tolerance. On CPU flex runs eagerly; on a GPU it
-runs compiled and captured in the engine's decode graphs."""
+"""The native composition's engine decode on flex_attention (impl ``torch_flex_decode``, pinned by
+configs/compositions/native.yaml) generates what the page-gather native engine (impl
+``torch_sdpa``) generates: same greedy tokens, logprobs at fp32 tolerance. On a GPU flex runs
+compiled and captured in the engine's decode graphs; on a CPU the impl takes the page gather."""
 
 import sys
 
@@ -16,14 +16,14 @@ from isoexec.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 from isoexec.paths import configs_dir  # noqa: E402
 
-ENTRY = "{region: [attn_core], impl: torch_sdpa, families: [dense, hybrid, hybrid_moe]}"
+ENTRY = "{region: [attn_core], impl: torch_flex_decode, families: [dense]}"
 
 
-def _native_with_flex_decode(tmp_path) -> str:
+def _native_with_gather_decode(tmp_path) -> str:
     text = (configs_dir() / "compositions" / "native.yaml").read_text()
     assert ENTRY in text
-    path = tmp_path / "native_flex.yaml"
-    path.write_text(text.replace(ENTRY, ENTRY.replace("torch_sdpa", "torch_flex_decode")))
+    path = tmp_path / "native_gather.yaml"
+    path.write_text(text.replace(ENTRY, ENTRY.replace("torch_flex_decode", "torch_sdpa")))
     return str(path)
 
 
@@ -45,9 +45,9 @@ def _same_tokens_close_logprobs(a, b):
         torch.testing.assert_close(y.logprobs, x.logprobs, rtol=0, atol=1e-5)
 
 
-def test_native_engine_with_flex_decode_generates_what_the_gather_path_generates(tmp_path):
-    gather = _generate("native", "cpu", "cpu", False, "torch_sdpa")
-    flex = _generate(_native_with_flex_decode(tmp_path), "cpu", "cpu", False, "torch_flex_decode")
+def test_native_composition_pins_flex_decode_and_its_cpu_engine_generates_what_the_gather_path_does(tmp_path):
+    flex = _generate("native", "cpu", "cpu", False, "torch_flex_decode")
+    gather = _generate(_native_with_gather_decode(tmp_path), "cpu", "cpu", False, "torch_sdpa")
     _same_tokens_close_logprobs(gather, flex)
 
 
@@ -57,6 +57,6 @@ def test_native_flex_decode_is_captured_in_the_decode_graphs_and_matches_the_gat
     engine's decode graphs (capture refused on any host sync)."""
     from isoexec.envinfo import runtime_arch
 
-    gather = _generate("native", runtime_arch(), "cuda", False, "torch_sdpa")
-    flex = _generate(_native_with_flex_decode(tmp_path), runtime_arch(), "cuda", True, "torch_flex_decode")
+    gather = _generate(_native_with_gather_decode(tmp_path), runtime_arch(), "cuda", False, "torch_sdpa")
+    flex = _generate("native", runtime_arch(), "cuda", True, "torch_flex_decode")
     _same_tokens_close_logprobs(gather, flex)
