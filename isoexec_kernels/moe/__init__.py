@@ -51,6 +51,8 @@ from .native import (
 )
 from .regions import moe_combine, moe_dispatch, moe_experts, moe_route
 from .triton_kernels import experts_forward_triton, grouped_linear
+from .router_triton import route_triton, route_triton_supported
+from .combine_triton import combine_triton
 
 __all__ = [name for name in dir() if not name.startswith("_")]
 
@@ -61,7 +63,7 @@ __all__ = [name for name in dir() if not name.startswith("_")]
 _GRAD = frozenset({"grad"})
 _GRAD_GRAPH = frozenset({"grad", "cuda_graph"})
 IMPLS = (
-    Impl("moe_router_fp32", "1", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
+    Impl("moe_router_fp32", "2", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
          doc="fp32 router GEMM (invariant), float64-evaluated softmax/sigmoid, stable sort: ties to the lower "
              "expert and group index"),
     Impl("moe_dispatch_stable", "1", "dispatch", moe_dispatch, capabilities=_GRAD,

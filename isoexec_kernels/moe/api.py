@@ -63,6 +63,9 @@ order, one rounding to its input dtype)
      project's CPU, ``torch.topk(zeros(8), 4)`` returned experts [6, 5, 4, 7] and for 256
      experts [1, 3, 0, 2]), so the expert kept on a tie would not be a documented function of
      the row. The k chosen experts are then listed in ascending expert index (``Routing.ids``).
+     On CUDA (the model's ``router`` region) steps 2 and the shared gate's sigmoid run as one
+     Triton launch with the device's fp32 exp and tree sums (``router_triton.py``, its own
+     schedule: the same selection rules, other bits; no float64 on the GPU).
   3. dispatch: the (token, slot) pairs sorted by the unique key expert * T + token, i.e.
      expert-major, token-ascending; expert e owns rows ``offsets[e]:offsets[e+1]`` (integer
      arithmetic only: no rounding).
@@ -93,7 +96,8 @@ order, one rounding to its input dtype)
                                                                 (acc + fp32(ys) without a gate)
          out_t = round_to_x_dtype(acc)
      Every product is rounded to fp32 before its add (no fused multiply-add), and the output is
-     rounded once. transformers instead rounds each weighted expert row to the model dtype and
+     rounded once. On CUDA the ``combine`` region runs these operations as one Triton launch
+     (``combine_triton.py``, compiled without contraction: the same bits). transformers instead rounds each weighted expert row to the model dtype and
      adds it to a model-dtype buffer (``index_add_``), then adds the shared expert in that dtype.
 
 Autograd: the reference is made of torch ops, so autograd runs through the expert GEMMs, the

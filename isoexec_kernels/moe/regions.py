@@ -4,7 +4,10 @@
 The invariant implementations are the reference building blocks of ``reference.py`` (rounding
 schedule: ``api.py``) with the public ``linear`` and ``silu_and_mul`` kernels, so that autograd
 runs their designed backwards (the selection itself has no gradient; the routing weights do,
-through the fp32 router GEMM and the float64-evaluated sigmoid / softmax). The ``experts`` region
+through the fp32 router GEMM and the sigmoid / softmax). On CUDA the routing after the logits is
+one Triton launch (``router_triton.py``: fp32 device exp instead of the reference's float64, its
+own schedule) and the combine another (``combine_triton.py``: the reference's operations, the
+same bits). The ``experts`` region
 runs, on CUDA, the Triton grouped GEMM (``triton_kernels.experts_forward_triton``: grouped GEMM,
 ``silu_and_mul``, grouped GEMM; no host sync, its own deterministic backward), and elsewhere the
 per-expert Python loop of the reference (one K order per row whatever the expert's load in both;
@@ -25,7 +28,9 @@ import torch
 from .._triton_util import want_triton
 from ..activation import silu_and_mul
 from ..gemm import linear
+from .combine_triton import combine_triton
 from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, route, router_logits
+from .router_triton import route_triton, route_triton_supported
 from .triton_kernels import experts_forward_triton
 from .types import Dispatch, RouterSpec, Routing
 
@@ -36,9 +41,15 @@ def moe_route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec, correctio
     (ties to the lower expert / group index); with ``shared_gate`` [1, H] (Qwen), also the
     shared expert's fp32 gate sigmoid(lin(fp32(x), fp32(shared_gate))) [T, 1]."""
     spec.check(weight.shape[0])
-    r = route(router_logits(x, weight, linear), spec, correction_bias)
-    if shared_gate is not None:
-        r.shared_gate = _sigmoid_fp32(linear(x.float(), shared_gate.float()))
+    logits = router_logits(x, weight, linear)
+    gate_logit = None if shared_gate is None else linear(x.float(), shared_gate.float())
+    if want_triton(x) and route_triton_supported(spec, weight.shape[0]):
+        # CUDA: one launch after the GEMMs (router_triton.py: fp32 device exp, no float64)
+        ids, w, g = route_triton(logits, spec, correction_bias, gate_logit)
+        return Routing(ids=ids, weights=w, shared_gate=g)
+    r = route(logits, spec, correction_bias)
+    if gate_logit is not None:
+        r.shared_gate = _sigmoid_fp32(gate_logit)
     return r
 
 
@@ -59,5 +70,8 @@ def moe_experts(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: to
 def moe_combine(rows: torch.Tensor, disp: Dispatch, routing: Routing, shared: torch.Tensor | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Region ``combine``: per token, the k weighted rows in fp32 from +0 in ascending expert
-    index, then the (gated) shared expert, one rounding."""
+    index, then the (gated) shared expert, one rounding. CUDA: the same operations in one Triton
+    launch (combine_triton.py, the same bits)."""
+    if want_triton(rows):
+        return combine_triton(rows, disp, routing, shared, routing.shared_gate, out_dtype)
     return combine(rows, disp, routing, shared, routing.shared_gate, out_dtype)
