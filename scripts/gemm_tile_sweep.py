@@ -54,17 +54,24 @@ def _bits(t):
     return t.contiguous().view(torch.int16)
 
 
+def _cycle(xs):
+    """The inputs in turn (repeated calls do not just hit L2)."""
+    it = {"i": 0}
+
+    def nxt():
+        it["i"] = (it["i"] + 1) % len(xs)
+        return xs[it["i"]]
+
+    return nxt
+
+
 def sweep(shapes, ms, candidates, log):
     out = []
     for name, K, N in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            it = {"i": 0}
-
-            def nxt():
-                it["i"] = (it["i"] + 1) % 4
-                return xs[it["i"]]
+            nxt = _cycle(xs)
 
             with torch.no_grad():
                 ref = linear_triton(xs[0], w)
@@ -108,11 +115,7 @@ def sweep_leaves(log):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         for M in LEAF_M:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            it = {"i": 0}
-
-            def nxt():
-                it["i"] = (it["i"] + 1) % 4
-                return xs[it["i"]]
+            nxt = _cycle(xs)
 
             with torch.no_grad():
                 cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)

@@ -219,7 +219,9 @@ def _gemm_leaf_partial_kernel(
     LEAVES: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
     # Split-K for small M: program (tile, leaf) computes one leaf of one tile, exactly as the
-    # fused kernels' leaf loop does, and stores it in fp32 to part[leaf, M, N].
+    # fused kernels' leaf loop does, and stores it in fp32 to part[leaf, M, N]. (The raster and
+    # the leaf loop are the pointer kernel's, written out again: lazily jitted kernels cannot
+    # call each other, _triton_util.jit.)
     pid = tl.program_id(0)
     leaf = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
