@@ -221,9 +221,10 @@ def cmd_warmup(args) -> int:
     cfg = _rl_config(args, ("family", "model", "arch", "seed", "dataset"))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     rec = warm_up(cfg, args.out, log=log)
+    nll = rec["nll"] or [None]
     print(json.dumps({"out": args.out, "composition": rec["composition"], "weights_sha256": rec["weights_sha256"],
-                      "sft_steps": rec["settings"]["warmup_sft_steps"], "nll_first": rec["nll"][0] if rec["nll"] else None,
-                      "nll_last": rec["nll"][-1] if rec["nll"] else None, "seconds": rec["seconds"]}))
+                      "sft_steps": rec["settings"]["warmup_sft_steps"], "nll_first": nll[0], "nll_last": nll[-1],
+                      "seconds": rec["seconds"]}))
     return EXIT_OK
 
 

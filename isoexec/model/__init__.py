@@ -9,8 +9,8 @@ from .dense import DenseModel
 from .hybrid import HybridModel
 from .mla_moe import MlaMoeModel
 from .hybrid_moe import HybridMoeModel
-from .loading import (CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model, load_hybrid_checkpoint,
-                      save_checkpoint)
+from .loading import (CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model,
+                      load_hybrid_checkpoint, save_checkpoint)
 
 FAMILY_MODELS = {"dense": (DenseModel, DenseConfig), "hybrid": (HybridModel, HybridConfig),
                  "mla_moe": (MlaMoeModel, MlaMoeConfig), "hybrid_moe": (HybridMoeModel, HybridMoeConfig)}

@@ -7,6 +7,10 @@ Every step appends one metrics line; a checkpoint (trainer state, prompt-stream 
 is written every ``checkpoint_every`` steps with a temp-file-and-rename, and a restarted run
 resumes from it and produces the same (non-timing) metrics as an uninterrupted run: every random
 choice is keyed by (seed, step, ...) rather than drawn from a stream that a restart would reset.
+
+A random model is warmed up (supervised) before RL: in the run, with the run's composition, or once
+for every arm of a pair by :func:`warm_up` (``isoexec warmup``, the native composition; the run then
+starts from its checkpoint folder, :mod:`isoexec.rl.warmup`).
 """
 
 from __future__ import annotations

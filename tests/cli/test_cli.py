@@ -232,7 +232,9 @@ def test_warmup_then_run_from_it_and_a_run_of_other_settings_is_refused(tmp_path
     assert "warm-up SFT: 2 steps" in err
     assert main(["run", "--config", str(cfg), "--checkpoint", str(w), "--out", str(tmp_path / "r")]) == 0
     assert "starting from the shared warm-up" in capsys.readouterr().err
-    assert main(["run", "--config", str(cfg), "--checkpoint", str(w), "--seed", "1", "--out", str(tmp_path / "r1")]) == 2
+    r1 = tmp_path / "r1"
+    assert main(["run", "--config", str(cfg), "--checkpoint", str(w), "--seed", "1", "--out", str(r1)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "is the shared warm-up of another configuration (differs in seed, train.seed)" in err
-    assert not (tmp_path / "r1").exists()
+    assert err.count("\n") == 1
+    assert "is the shared warm-up of another configuration (differs in seed, train.seed)" in err
+    assert not r1.exists()

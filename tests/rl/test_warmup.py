@@ -67,7 +67,8 @@ def test_both_arms_start_from_the_same_bits_as_the_native_in_run_warmup(shared_w
     the native run's own warm-up makes: only the composition of the warm-up is fixed. Warmed up in
     the runs themselves, the two arms would start apart (the IsoExec warm-up computes other bits)."""
     folder, _ = shared_warmup
-    arms = {c: RLRun(cfg(composition=c, checkpoint=str(folder)), tmp_path / c, log=quiet) for c in ("isoexec", "native")}
+    arms = {c: RLRun(cfg(composition=c, checkpoint=str(folder)), tmp_path / c, log=quiet)
+            for c in ("isoexec", "native")}
     iso, nat = (bits(arms[c].trainer_model.state_dict()) for c in ("isoexec", "native"))
     assert same_bits(iso, nat)
     for run in arms.values():   # the engine got the same weights at the first weight sync

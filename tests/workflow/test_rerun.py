@@ -11,7 +11,8 @@ isoexec composition only, no benchmarks, a stand-in for `gates run` (the gates h
 here a stopped gate run is recorded and the draft contract is kept), a 4-step shared warm-up (rule
 rl_warmup), 2 RL steps of 2 prompts x 2 samples without dynamic sampling (every step trains, so a
 learning-rate change shows in step 1). The warm-up reruns with what it reads (the data, the
-learning rate, the code) and the runs with it; an RL-only setting leaves it alone. The package and kernel sources run from a copy on PYTHONPATH: the test edits that
+learning rate, the code) and the runs with it; an RL-only setting leaves it alone. The package and
+kernel sources run from a copy on PYTHONPATH: the test edits that
 copy (a code change), and edits in the checkout meanwhile cannot change the code version under it.
 """
 
@@ -186,7 +187,8 @@ def test_nothing_is_rerun_when_nothing_changed(reruns):
 
 def planned(r: subprocess.CompletedProcess) -> set[str]:
     """The rules a dry run would run."""
-    return {ln.split("rule ", 1)[1].rstrip(":") for ln in r.stdout.splitlines() if ln.startswith(("rule ", "localrule "))}
+    return {ln.split("rule ", 1)[1].rstrip(":") for ln in r.stdout.splitlines()
+            if ln.startswith(("rule ", "localrule "))}
 
 
 def test_the_warmup_reruns_only_when_what_it_reads_changes(reruns):

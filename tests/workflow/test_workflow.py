@@ -31,7 +31,8 @@ EXPECTED_JOBS = {"contract_draft": 4, "gates": 2, "contract_admit": 4, "contract
 def scaled_jobs(n_families: int) -> dict[str, int]:
     """EXPECTED_JOBS (two families) for ``n_families`` families: per-family jobs scale, the
     tables, the data and the benchmarks do not."""
-    per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_warmup", "rl_run")
+    per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_warmup",
+                  "rl_run")
     return {k: v * n_families // 2 if k in per_family else v for k, v in EXPECTED_JOBS.items()}
 
 

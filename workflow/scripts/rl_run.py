@@ -6,8 +6,9 @@
   Snakemake keeps it (and a backup, restored if the job fails) and ``isoexec run`` continues from
   its checkpoint: a run killed mid-way, or a finished run given more ``steps``. The inputs the run
   started with are in ``inputs.json`` (settings, SHA-256 of the contract and the data, the code
-  version, the checkpoint folder's file list, or the SHA-256 of a shared warm-up's weights); a resume with other settings than ``steps`` or
-  another data set is refused before any work, and a resumed run that had nothing left to do while
+  version, the checkpoint folder's file list, or the SHA-256 of a shared warm-up's weights); a
+  resume with other settings than ``steps`` or another data set is refused before any work, and a
+  resumed run that had nothing left to do while
   its inputs changed (the contract, the code version, the checkpoint) fails with one line instead of
   keeping results made from the old inputs. A resumed run with steps left under such changes (say, a
   code fix after a walltime kill) goes on, and its log and ``run.json`` name what changed.
