@@ -67,7 +67,7 @@ sys.exit(main())
 """
 
 RUN = "res/cpu/runs/dense/isoexec/seed0"
-pytestmark = pytest.mark.slow   # about 3 min on 2 cores: eight workflow runs and four dry runs (-m "not slow" skips them)
+pytestmark = pytest.mark.slow   # about 3 min on 2 cores: eight workflow runs and three dry runs (-m "not slow" skips them)
 
 
 def make_workspace(root: Path, pkgs: Path, bindir: Path) -> dict:
