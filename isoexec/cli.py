@@ -5,6 +5,8 @@
     isoexec contract verify c.json [--gates DIR] [--json]
     isoexec contract diff a.json b.json [--json]
     isoexec gates run --family dense --composition isoexec [--arch cpu] --out DIR [--seed N] [--json]
+    isoexec run --config rl.yaml --out DIR [--checkpoint FOLDER]
+    isoexec warmup --config rl.yaml --out FOLDER   (the shared warm-up, native composition: run --checkpoint FOLDER)
 
 Exit codes: 0 success (verify: admitted; diff: numerical_policy agrees; gates: every gate passed);
 1 a check failed (not admitted, policies differ, a gate failed, a binding or topology refusal);
@@ -33,7 +35,7 @@ from .gates.artifacts import PENDING, resolve_discharges, verify_contract
 from .gates.runner import gate_names, run_gates
 from .paths import atomic_write, check_output_path
 from .rl.data import synthetic_arithmetic, write_parquet
-from .rl.loop import RLConfig, run_rl
+from .rl.loop import RLConfig, run_rl, warm_up
 from .yamlio import load_yaml
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
@@ -188,17 +190,8 @@ def _load_mapping(path: str) -> dict:
 
 
 def cmd_run(args) -> int:
-    d = _load_mapping(args.config)
-    if "rl" in d:   # a workflow-style file: the settings sit under `rl:`
-        d = d["rl"]
-        if not isinstance(d, dict):
-            raise IsoExecError(f"rl config {args.config!r}: `rl` must be a mapping of RL settings, got {d!r}")
-    d = dict(d)
-    for key in ("family", "composition", "model", "arch", "contract", "seed", "steps", "dataset", "checkpoint"):
-        v = getattr(args, key)
-        if v is not None:
-            d[key] = v
-    cfg = RLConfig.from_dict(d)   # every value checked here: a refused config leaves no output folder
+    cfg = _rl_config(args, ("family", "composition", "model", "arch", "contract", "seed", "steps", "dataset",
+                            "checkpoint"))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     lines = run_rl(cfg, args.out, log=log)
     if lines:
@@ -206,6 +199,32 @@ def cmd_run(args) -> int:
         print(json.dumps({"steps_run": len(lines), "last_step": last["step"],
                           "logprob_abs_diff_max": max(x["logprob_abs_diff_max"] for x in lines),
                           "out": args.out}))
+    return EXIT_OK
+
+
+def _rl_config(args, keys) -> RLConfig:
+    """The RL settings of ``--config`` with the command-line overrides ``keys``, checked."""
+    d = _load_mapping(args.config)
+    if "rl" in d:   # a workflow-style file: the settings sit under `rl:`
+        d = d["rl"]
+        if not isinstance(d, dict):
+            raise IsoExecError(f"rl config {args.config!r}: `rl` must be a mapping of RL settings, got {d!r}")
+    d = dict(d)
+    for key in keys:
+        v = getattr(args, key)
+        if v is not None:
+            d[key] = v
+    return RLConfig.from_dict(d)   # every value checked here: a refused config leaves no output folder
+
+
+def cmd_warmup(args) -> int:
+    cfg = _rl_config(args, ("family", "model", "arch", "seed", "dataset"))
+    log = (lambda s: print(s, file=sys.stderr, flush=True))
+    rec = warm_up(cfg, args.out, log=log)
+    nll = rec["nll"] or [None]
+    print(json.dumps({"out": args.out, "composition": rec["composition"], "weights_sha256": rec["weights_sha256"],
+                      "sft_steps": rec["settings"]["warmup_sft_steps"], "nll_first": nll[0], "nll_last": nll[-1],
+                      "seconds": rec["seconds"]}))
     return EXIT_OK
 
 
@@ -230,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="isoexec", description="Bitwise-identical trainer/engine logprobs: contracts, "
                                 "gates and benchmarks.", epilog="exit codes: 0 ok, 1 check failed, 2 bad input",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench,run,data}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench,run,warmup,data}")
 
     pc = sub.add_parser("contract", help="build, show, verify and diff execution contracts")
     cs = pc.add_subparsers(dest="action", required=True, metavar="{build,show,verify,diff}")
@@ -289,12 +308,25 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--model")
     pr.add_argument("--arch", choices=list(registry.ARCHES))
     pr.add_argument("--contract", help="admitted contract JSON (default: build the draft)")
-    pr.add_argument("--checkpoint", help="HF checkpoint folder (default: random init + warm-up)")
+    pr.add_argument("--checkpoint", help="HF checkpoint folder, or the folder of `isoexec warmup` (default: random "
+                    "init + a warm-up in the run, with its own composition)")
     pr.add_argument("--dataset", help="'synthetic' or a DAPO-schema parquet")
     pr.add_argument("--seed", type=int)
     pr.add_argument("--steps", type=int)
     pr.add_argument("--out", required=True, help="run folder (metrics.jsonl, checkpoint.pt); resumes if present")
     pr.set_defaults(func=cmd_run)
+
+    pw = sub.add_parser("warmup", help="the supervised warm-up of a run's random model, once, with the native "
+                        "composition: a checkpoint folder every arm starts from (run --checkpoint)")
+    pw.add_argument("--config", help="YAML with the RL settings, as for `run` (composition and contract are not "
+                    "read: the warm-up runs the native composition)")
+    pw.add_argument("--family", choices=list(registry.FAMILIES))
+    pw.add_argument("--model")
+    pw.add_argument("--arch", choices=list(registry.ARCHES))
+    pw.add_argument("--dataset", help="'synthetic' or a DAPO-schema parquet")
+    pw.add_argument("--seed", type=int)
+    pw.add_argument("--out", required=True, help="checkpoint folder (config.json, model.safetensors, warmup.json)")
+    pw.set_defaults(func=cmd_warmup)
 
     pd = sub.add_parser("data", help="datasets for RL runs")
     ds = pd.add_subparsers(dest="action", required=True, metavar="{synthetic}")
@@ -312,8 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if getattr(args, "out", None):
-            # gates and run write a folder; every other command writes one file
-            check_output_path(args.out, folder=args.command in ("gates", "run"))
+            # gates, run and warmup write a folder; every other command writes one file
+            check_output_path(args.out, folder=args.command in ("gates", "run", "warmup"))
         return args.func(args)
     except IsoExecError as exc:
         first, *rest = str(exc).split("\n")

@@ -9,7 +9,8 @@ from .dense import DenseModel
 from .hybrid import HybridModel
 from .mla_moe import MlaMoeModel
 from .hybrid_moe import HybridMoeModel
-from .loading import CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model, load_hybrid_checkpoint
+from .loading import (CheckpointError, load_checkpoint, load_dense_checkpoint, load_from_hf_model,
+                      load_hybrid_checkpoint, save_checkpoint)
 
 FAMILY_MODELS = {"dense": (DenseModel, DenseConfig), "hybrid": (HybridModel, HybridConfig),
                  "mla_moe": (MlaMoeModel, MlaMoeConfig), "hybrid_moe": (HybridMoeModel, HybridMoeConfig)}
@@ -27,4 +28,4 @@ def build_model(family: str, hf_config: dict, dtype=None, device="cpu"):
 __all__ = ["DenseConfig", "DenseModel", "HybridConfig", "HybridModel", "MlaMoeConfig", "MlaMoeModel", "HybridMoeConfig",
            "HybridMoeModel", "ForwardBatch", "KVCache", "CheckpointError",
            "build_model", "hf_config_from_dict", "load_checkpoint", "load_dense_checkpoint", "load_hybrid_checkpoint",
-           "load_from_hf_model"]
+           "load_from_hf_model", "save_checkpoint"]

@@ -8,6 +8,7 @@ does not know.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
@@ -15,8 +16,10 @@ from typing import Callable, Iterator, Mapping
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open
+from safetensors.torch import save as safetensors_bytes
 
 from ..errors import IsoExecError
+from ..paths import atomic_write
 from ..model_config import DenseConfig, HybridConfig, HybridMoeConfig, MlaMoeConfig
 
 
@@ -150,6 +153,24 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
     if model.cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
+
+
+def save_checkpoint(model, hf_config: dict, folder: str | Path) -> str:
+    """Write ``model`` as a transformers checkpoint folder that :func:`load_checkpoint` reads back bit
+    for bit (every family; tests/rl/test_warmup.py): ``config.json`` (``hf_config``) and
+    ``model.safetensors`` (:func:`to_hf_state_dict`, in the model's dtype; a tied ``lm_head`` is left
+    out, safetensors stores no shared tensors). Each file is written to a temp file and renamed; the
+    bytes depend only on the weights. Returns the SHA-256 of ``model.safetensors``."""
+    tensors = to_hf_state_dict(model)
+    if model.cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    blob = safetensors_bytes({k: v.detach().to("cpu").contiguous() for k, v in sorted(tensors.items())},
+                             metadata={"format": "pt"})
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "config.json", json.dumps(hf_config, indent=1, sort_keys=True) + "\n")
+    atomic_write(out / "model.safetensors", blob)
+    return hashlib.sha256(blob).hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ hybrid

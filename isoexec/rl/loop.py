@@ -7,6 +7,10 @@ Every step appends one metrics line; a checkpoint (trainer state, prompt-stream 
 is written every ``checkpoint_every`` steps with a temp-file-and-rename, and a restarted run
 resumes from it and produces the same (non-timing) metrics as an uninterrupted run: every random
 choice is keyed by (seed, step, ...) rather than drawn from a stream that a restart would reset.
+
+A random model is warmed up (supervised) before RL: in the run, with the run's composition, or once
+for every arm of a pair by :func:`warm_up` (``isoexec warmup``, the native composition; the run then
+starts from its checkpoint folder, :mod:`isoexec.rl.warmup`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ..debug import first_divergence
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.warmup import warm_up_engine
 from ..errors import ConfigError, IsoExecError
+from ..model import save_checkpoint
 from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
 from ..train.trainer import TrainBatch, TrainConfig, Trainer
@@ -42,6 +47,7 @@ from .data import PromptStream, load_problems, problems_from_rows, synthetic_ari
 from .metrics import MetricsWriter, logprob_diff_stats, summary_line
 from .reward import reward
 from .tokenizer import CharTokenizer, HFTokenizer, prompt_for
+from . import warmup as shared_warmup
 
 
 class LiveCheckFailed(IsoExecError):
@@ -150,14 +156,119 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(h[:5], "little")
 
 
+# ---------------------------------------------------------------------------------- what a run reads
+# The run and the shared warm-up (`isoexec warmup`, :func:`warm_up`) both go through these, so the
+# warm-up sees exactly the problems, prompts, tokenizer and seeds the run would have used.
+def run_device(cfg: RLConfig) -> str:
+    return "cpu" if cfg.arch == "cpu" else "cuda"
+
+
+def run_dtype(cfg: RLConfig) -> torch.dtype:
+    """``auto`` = bfloat16 on a GPU arch, float32 on cpu."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[shared_warmup.resolved_dtype(cfg)]
+
+
+def run_tokenizer(cfg: RLConfig, hf_cfg: dict):
+    tok = CharTokenizer() if cfg.tokenizer == "char" else HFTokenizer(cfg.tokenizer)
+    if tok.vocab_size > hf_cfg["vocab_size"]:
+        raise ConfigError(f"tokenizer has {tok.vocab_size} ids but the model's vocab is {hf_cfg['vocab_size']}")
+    return tok
+
+
+def prompt_text(tok, problem, style: str) -> str:
+    """The prompt string: the user message through the tokenizer's chat template where it has
+    one, else the plain base-model frame (:func:`~isoexec.rl.tokenizer.prompt_for`).
+    ``compact`` keeps only the expression of a synthetic problem ("12+7*3=") as the user
+    message: the tiny CPU models cannot afford the 250-character DAPO instruction."""
+    text = problem.prompt_text
+    if style == "compact":
+        m = re.search(r"Compute (.+?)\.", text)
+        if m:
+            return prompt_for(tok, f"{m.group(1)}=", plain="{prompt}")
+    return prompt_for(tok, text)
+
+
+def run_problems(cfg: RLConfig, tok, log: Callable[[str], None]) -> tuple[list, dict, int]:
+    """The run's problems, their prompt ids and how many were dropped: the data set (the synthetic
+    task from the run's seed, or a parquet) without the problems whose prompt is longer than
+    ``max_prompt_tokens`` (verl's ``filter_overlong_prompts``), with a counted warning. Cutting such
+    a prompt would train on a question the model never saw whole; the count goes into every
+    metrics line."""
+    if cfg.dataset == "synthetic":
+        problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
+    else:
+        problems = load_problems(cfg.dataset)
+    ids = {p.id: tok.encode(prompt_text(tok, p, cfg.prompt_style)) for p in problems}
+    kept = [p for p in problems if len(ids[p.id]) <= cfg.max_prompt_tokens]
+    dropped = len(problems) - len(kept)
+    if dropped:
+        longest = max(len(x) for x in ids.values())
+        log(f"warning: {dropped} of {len(problems)} prompts are longer than max_prompt_tokens="
+            f"{cfg.max_prompt_tokens} tokens (longest {longest}) and were filtered out of the data set")
+    if not kept:
+        raise ConfigError(f"every one of the {len(problems)} prompts is longer than max_prompt_tokens="
+                          f"{cfg.max_prompt_tokens} tokens; raise max_prompt_tokens")
+    return kept, {p.id: ids[p.id] for p in kept}, dropped
+
+
+def supervised_warmup(trainer: Trainer, cfg: RLConfig, tok, problems, prompt_ids, log) -> list[float]:
+    """``warmup_sft_steps`` SFT steps of ``trainer`` on the first 128 problems, solved ("<answer>\n
+    Answer: <answer>" after the prompt), ``warmup_batch_size`` of them per step; the NLL per step."""
+    seqs, prompt_lens = [], []
+    for p in problems[:128]:
+        prompt = prompt_ids[p.id]
+        answer = tok.encode(f" {p.ground_truth}\nAnswer: {p.ground_truth}") + [tok.eos_id]
+        seqs.append(prompt + answer)
+        prompt_lens.append(len(prompt))
+    t0 = time.time()
+    stats = trainer.sft(seqs, prompt_lens, steps=cfg.warmup_sft_steps,
+                        batch_size=min(cfg.warmup_batch_size, len(seqs)))
+    nll = [float(x) for x in stats] if isinstance(stats, (list, tuple)) else []
+    shown = f"NLL {nll[0]:.3f} -> {nll[-1]:.3f}" if nll else str(stats)
+    log(f"warm-up SFT: {cfg.warmup_sft_steps} steps in {time.time() - t0:.1f}s, {shown}")
+    return nll
+
+
+def warm_up(cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
+    """The shared warm-up of run config ``cfg`` (``isoexec warmup``, :mod:`isoexec.rl.warmup`): the
+    run's warm-up — same tokenizer, problems, prompts, model seed, optimizer and SFT sampling seed —
+    with the native composition whatever ``cfg.composition`` says, written to ``out_dir`` as a
+    Hugging Face checkpoint folder (config.json, model.safetensors in the model's dtype) and the
+    record warmup.json, last. Returns the record."""
+    if cfg.checkpoint:
+        raise ConfigError(f"rl config: checkpoint {cfg.checkpoint!r} is set: a run from a checkpoint has no "
+                          "warm-up (leave checkpoint out to warm up a random model)")
+    if not cfg.warmup_sft_steps:
+        raise ConfigError("rl config: warmup_sft_steps is 0: there is nothing to warm up")
+    hf_cfg = load_model_config(cfg.model)["hf_config"]
+    tok = run_tokenizer(cfg, hf_cfg)
+    problems, prompt_ids, _ = run_problems(cfg, tok, log)
+    data = shared_warmup.data_digest(cfg)
+    contract = build_contract(cfg.family, shared_warmup.COMPOSITION, cfg.arch, cfg.model)
+    model = installed_model(cfg.family, shared_warmup.COMPOSITION, cfg.arch, cfg.model, seed=cfg.seed,
+                            dtype=run_dtype(cfg), device=run_device(cfg), contract=contract).model
+    trainer = Trainer(model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)   # only once every input has been checked
+    t0 = time.time()
+    nll = supervised_warmup(trainer, cfg, tok, problems, prompt_ids, log)
+    seconds = time.time() - t0
+    digest = save_checkpoint(model, hf_cfg, out)   # config.json, model.safetensors (the model's dtype)
+    record = {"format": shared_warmup.FORMAT, "composition": shared_warmup.COMPOSITION, "model": cfg.model,
+              "hf_config": json.loads(json.dumps(hf_cfg)), "settings": shared_warmup.warmup_settings(cfg),
+              "data_sha256": data, "weights_sha256": digest,
+              "contract_numerical_policy": contract.identities.numerical_policy, "nll": nll, "seconds": seconds}
+    atomic_write(out / shared_warmup.RECORD, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    log(f"wrote the shared warm-up to {out} (weights sha256 {record['weights_sha256'][:16]}...)")
+    return record
+
+
 class RLRun:
     """Holds the colocated trainer and engine of one run and executes its steps."""
 
     def __init__(self, cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print):
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
-        device = "cpu" if cfg.arch == "cpu" else "cuda"
-        dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
-                 "bfloat16": torch.bfloat16}[cfg.dtype]
+        device, dtype = run_device(cfg), run_dtype(cfg)
         if cfg.contract:
             if not Path(cfg.contract).is_file():
                 raise ConfigError(f"contract file {cfg.contract!r} not found")
@@ -165,10 +276,9 @@ class RLRun:
         else:
             self.contract = build_contract(cfg.family, cfg.composition, cfg.arch, cfg.model)
         hf_cfg = load_model_config(cfg.model)["hf_config"]
-        self.tok = CharTokenizer() if cfg.tokenizer == "char" else HFTokenizer(cfg.tokenizer)
-        if self.tok.vocab_size > hf_cfg["vocab_size"]:
-            raise ConfigError(f"tokenizer has {self.tok.vocab_size} ids but the model's vocab is "
-                              f"{hf_cfg['vocab_size']}")
+        # a checkpoint made by `isoexec warmup` must be the warm-up of this run's settings
+        self.warmup_record = shared_warmup.check_shared_warmup(cfg, hf_cfg)
+        self.tok = run_tokenizer(cfg, hf_cfg)
         where = dict(dtype=dtype, device=device, contract=self.contract)
         self.trainer_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=cfg.seed,
                                              checkpoint=cfg.checkpoint, **where).model
@@ -176,11 +286,7 @@ class RLRun:
         self.engine_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None,
                                             **where).model
         self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
-        if cfg.dataset == "synthetic":
-            problems = problems_from_rows(synthetic_arithmetic(**{"n": 256, "seed": cfg.seed, **cfg.synthetic}))
-        else:
-            problems = load_problems(cfg.dataset)
-        self.problems = self._filter_overlong(problems)
+        self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, log)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
         pages = (cfg.prompts_per_step * cfg.samples_per_prompt * (cfg.max_prompt_tokens + cfg.max_response_tokens)
                  // 16 + 64)
@@ -228,7 +334,9 @@ class RLRun:
             self.log(f"resumed from {self.ckpt_path} at step {self.step}")
         else:
             self.metrics.truncate_after(-1)
-            if self.cfg.warmup_sft_steps and not self.cfg.checkpoint:
+            if self.warmup_record is not None:
+                self.log(shared_warmup.describe(self.warmup_record, self.cfg.checkpoint))
+            elif self.cfg.warmup_sft_steps and not self.cfg.checkpoint:
                 self._warmup()
         # compile every GEMM bucket's kernels now, not inside a timed step (a no-op on a CPU)
         warm_up_kernel_shapes(self.trainer_model, self.tok.vocab_size, self.log)
@@ -242,19 +350,9 @@ class RLRun:
         atomic_write(self.ckpt_path, buf.getvalue())
 
     def _warmup(self) -> None:
-        """Supervised warm-up of a random model on solved problems so that rewards carry signal."""
-        seqs, prompt_lens = [], []
-        for p in self.problems[:128]:
-            prompt = self._prompt_ids[p.id]
-            answer = self.tok.encode(f" {p.ground_truth}\nAnswer: {p.ground_truth}") + [self.tok.eos_id]
-            seqs.append(prompt + answer)
-            prompt_lens.append(len(prompt))
-        t0 = time.time()
-        stats = self.trainer.sft(seqs, prompt_lens, steps=self.cfg.warmup_sft_steps,
-                                 batch_size=min(self.cfg.warmup_batch_size, len(seqs)))
-        nll = [float(x) for x in stats] if isinstance(stats, (list, tuple)) else []
-        shown = f"NLL {nll[0]:.3f} -> {nll[-1]:.3f}" if nll else str(stats)
-        self.log(f"warm-up SFT: {self.cfg.warmup_sft_steps} steps in {time.time() - t0:.1f}s, {shown}")
+        """Supervised warm-up of a random model on solved problems so that rewards carry signal, in
+        this run with its own composition (a run started from ``isoexec warmup``'s folder skips it)."""
+        supervised_warmup(self.trainer, self.cfg, self.tok, self.problems, self._prompt_ids, self.log)
 
     def _clock(self) -> float:
         """Seconds on a monotonic clock, after the device has finished the work queued so far: a
@@ -270,34 +368,7 @@ class RLRun:
         return self._clock() - t0
 
     def _prompt_text(self, problem) -> str:
-        """The prompt string: the user message through the tokenizer's chat template where it has
-        one, else the plain base-model frame (:func:`~isoexec.rl.tokenizer.prompt_for`).
-        ``compact`` keeps only the expression of a synthetic problem ("12+7*3=") as the user
-        message: the tiny CPU models cannot afford the 250-character DAPO instruction."""
-        text = problem.prompt_text
-        if self.cfg.prompt_style == "compact":
-            m = re.search(r"Compute (.+?)\.", text)
-            if m:
-                return prompt_for(self.tok, f"{m.group(1)}=", plain="{prompt}")
-        return prompt_for(self.tok, text)
-
-    def _filter_overlong(self, problems) -> list:
-        """Drop problems whose prompt is longer than ``max_prompt_tokens`` (verl's
-        ``filter_overlong_prompts``), with a counted warning. Cutting such a prompt would train
-        on a question the model never saw whole; the count goes into every metrics line."""
-        ids = {p.id: self.tok.encode(self._prompt_text(p)) for p in problems}
-        kept = [p for p in problems if len(ids[p.id]) <= self.cfg.max_prompt_tokens]
-        self.prompts_filtered_overlong = len(problems) - len(kept)
-        if self.prompts_filtered_overlong:
-            longest = max(len(x) for x in ids.values())
-            self.log(f"warning: {self.prompts_filtered_overlong} of {len(problems)} prompts are longer than "
-                     f"max_prompt_tokens={self.cfg.max_prompt_tokens} tokens (longest {longest}) and were filtered "
-                     f"out of the data set")
-        if not kept:
-            raise ConfigError(f"every one of the {len(problems)} prompts is longer than max_prompt_tokens="
-                              f"{self.cfg.max_prompt_tokens} tokens; raise max_prompt_tokens")
-        self._prompt_ids = {p.id: ids[p.id] for p in kept}
-        return kept
+        return prompt_text(self.tok, problem, self.cfg.prompt_style)
 
     def _decode(self, ids) -> str:
         # the model's vocabulary may be larger than the tokenizer's: ids it does not know read as UNK

@@ -27,6 +27,7 @@ def built(tmp_path_factory):
 def test_help_lists_commands():
     r = run("--help")
     assert r.returncode == 0 and "contract" in r.stdout and "gates" in r.stdout and "exit codes" in r.stdout
+    assert "warmup" in r.stdout
     assert run("contract", "build", "--help").returncode == 0
 
 
@@ -189,3 +190,51 @@ def test_run_bad_config_through_the_installed_command_has_no_traceback(tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr == "isoexec: error: rl config: $.temperature: 'hot' is not of type 'number'\n"
     assert not (tmp_path / "out").exists()
+
+
+# `isoexec warmup`: the shared warm-up of a run's random model (tests/rl/test_warmup.py has the rest)
+WARMUP_BASE = ("prompt_style: compact\nmax_prompt_tokens: 16\nwarmup_batch_size: 4\n"
+               "synthetic: {n: 20, max_operand: 9, min_terms: 2, max_terms: 2, ops: '+'}\n")
+
+
+@pytest.mark.parametrize("text,message", [
+    ("warmup_sft_steps: 0\n", "rl config: warmup_sft_steps is 0: there is nothing to warm up"),
+    ("warmup_sft_steps: 2\ncheckpoint: some/folder\n", "rl config: checkpoint 'some/folder' is set: a run from a "
+     "checkpoint has no warm-up"),
+    ("warmup_sft_steps: -1\n", "rl config: $.warmup_sft_steps: -1 is less than the minimum of 0"),
+    ("warmup_sft_steps: 2\nwarmup_batch: 4\n", "rl config: $: Additional properties are not allowed ('warmup_batch'"),
+], ids=["no-steps", "checkpoint", "negative", "unknown-key"])
+def test_warmup_refuses_bad_input_in_one_line_and_leaves_nothing(tmp_path, capsys, text, message):
+    from isoexec.cli import main
+
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(WARMUP_BASE + text)
+    out = tmp_path / "out"
+    assert main(["warmup", "--config", str(cfg), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("isoexec: error: ") and message in err, err
+    assert not out.exists()
+
+
+def test_warmup_then_run_from_it_and_a_run_of_other_settings_is_refused(tmp_path, capsys):
+    """`isoexec warmup` writes the folder and prints one JSON line; `isoexec run --checkpoint` starts
+    from it; a run whose settings differ (another seed) is refused in one line before any work."""
+    from isoexec.cli import main
+
+    cfg = tmp_path / "rl.yaml"
+    cfg.write_text(WARMUP_BASE + "warmup_sft_steps: 2\nsteps: 1\nprompts_per_step: 2\nsamples_per_prompt: 2\n"
+                   "mini_batch_size: 1\nmax_response_tokens: 8\noverlong_cache: 2\n")
+    w = tmp_path / "w"
+    assert main(["warmup", "--config", str(cfg), "--out", str(w)]) == 0
+    out, err = capsys.readouterr()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["composition"] == "native" and summary["sft_steps"] == 2 and len(summary["weights_sha256"]) == 64
+    assert "warm-up SFT: 2 steps" in err
+    assert main(["run", "--config", str(cfg), "--checkpoint", str(w), "--out", str(tmp_path / "r")]) == 0
+    assert "starting from the shared warm-up" in capsys.readouterr().err
+    r1 = tmp_path / "r1"
+    assert main(["run", "--config", str(cfg), "--checkpoint", str(w), "--seed", "1", "--out", str(r1)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "is the shared warm-up of another configuration (differs in seed, train.seed)" in err
+    assert not r1.exists()

@@ -89,7 +89,14 @@ def test_rl_runs_isoexec_exactly_zero_native_not(main_job):
         assert [x["step"] for x in lines] == list(range(steps)), run
         assert any(x.get("train_updates", 0) for x in lines), run
         log = (RES / "logs/runs" / f"{run.parts[-3]}_{run.parts[-2]}_seed0.log").read_text()
-        assert "warm-up SFT" in log, run   # the default warms up before RL
+        assert "starting from the shared warm-up" in log, run   # the default warms up before RL, once per family
+    for family in CONFIG["families"]:   # one warm-up (native composition), both arms start from its weights
+        record = json.loads((RES / "warmup" / family / "seed0" / "warmup.json").read_text())
+        assert record["composition"] == "native"
+        assert "warm-up SFT" in (RES / "logs/warmup" / f"{family}_seed0.log").read_text()
+        starts = [json.loads((RES / "runs" / family / c / "seed0" / "run.json").read_text())["started_from"]
+                  for c in CONFIG["compositions"]]
+        assert all(x["weights"] == "shared warm-up" and x["sha256"] == record["weights_sha256"] for x in starts), starts
     lp = (FIG / "logprob_diff.md").read_text()
     for family in CONFIG["families"]:
         row = next(ln for ln in lp.splitlines() if ln.startswith(f"| {family} |"))

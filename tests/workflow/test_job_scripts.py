@@ -171,6 +171,44 @@ def test_the_rl_fingerprint_names_what_changed(tmp_path):
         "config.json", 2]
 
 
+def test_a_shared_warmup_is_known_by_its_weights_and_named_in_run_json(tmp_path):
+    """A run from the shared warm-up's folder: inputs.json holds the SHA-256 of its weights (a warm-up
+    made again with the same bits is no change, other bits are), and run.json's `started_from` names
+    the folder, that SHA-256 and the warm-up's composition; without a checkpoint it names the in-run
+    warm-up and its composition."""
+    import hashlib
+
+    sys.modules.pop("rl_run", None)
+    import rl_run
+
+    contract, code, w = tmp_path / "c.json", tmp_path / "code_version.txt", tmp_path / "warmup"
+    contract.write_text("{}")
+    code.write_text("sha256 aa\n")
+    w.mkdir()
+    (w / "config.json").write_text("{}")
+    (w / "model.safetensors").write_bytes(b"weights")
+    (w / "warmup.json").write_text(json.dumps({"composition": "native", "settings": {"warmup_sft_steps": 4},
+                                               "nll": [6.0, 2.0, 1.0]}))
+    settings = {"steps": 2, "checkpoint": str(w), "composition": "isoexec", "warmup_sft_steps": 4}
+    before = rl_run.fingerprint(settings, contract, code)
+    digest = hashlib.sha256(b"weights").hexdigest()
+    assert before["checkpoint"] == {"warmup_weights_sha256": digest}
+    time.sleep(0.01)
+    (w / "model.safetensors").write_bytes(b"weights")       # made again: same bits, a new mtime
+    assert rl_run.changed(before, rl_run.fingerprint(settings, contract, code)) == []
+    (w / "model.safetensors").write_bytes(b"other weights")
+    assert rl_run.changed(before, rl_run.fingerprint(settings, contract, code)) == ["checkpoint"]
+    (w / "model.safetensors").write_bytes(b"weights")
+    assert rl_run.started_from(settings) == {"weights": "shared warm-up", "checkpoint": str(w), "sha256": digest,
+                                             "warmup_composition": "native", "warmup_sft_steps": 4,
+                                             "warmup_nll": [6.0, 1.0]}
+    assert rl_run.started_from({**settings, "checkpoint": None, "seed": 0}) == {
+        "weights": "random", "seed": 0, "warmup_sft_steps": 4, "warmup_composition": "isoexec"}
+    (w / "warmup.json").unlink()   # any other checkpoint folder: its path, and its file listing in inputs.json
+    assert rl_run.started_from(settings) == {"weights": "checkpoint", "checkpoint": str(w)}
+    assert rl_run.fingerprint(settings, contract, code)["checkpoint"][0][:2] == ["config.json", 2]
+
+
 FAKE_RUN = """\
 #!{python}
 # Stands in for `isoexec run`: records whether it found a checkpoint, runs STEPS_RUN steps.

@@ -8,9 +8,11 @@ continues from its checkpoint.
 
 Small settings, so that the four workflow runs take about a minute on 2 cores: the dense family, the
 isoexec composition only, no benchmarks, a stand-in for `gates run` (the gates have their own tests;
-here a stopped gate run is recorded and the draft contract is kept), 2 RL steps of 2 prompts x 2
-samples without warm-up and without dynamic sampling (every step trains, so a learning-rate change
-shows in step 1). The package and kernel sources run from a copy on PYTHONPATH: the test edits that
+here a stopped gate run is recorded and the draft contract is kept), a 4-step shared warm-up (rule
+rl_warmup), 2 RL steps of 2 prompts x 2 samples without dynamic sampling (every step trains, so a
+learning-rate change shows in step 1). The warm-up reruns with what it reads (the data, the
+learning rate, the code) and the runs with it; an RL-only setting leaves it alone. The package and
+kernel sources run from a copy on PYTHONPATH: the test edits that
 copy (a code change), and edits in the checkout meanwhile cannot change the code version under it.
 """
 
@@ -47,7 +49,8 @@ CONFIG = """\
         overlong_cache: 2
         prompt_style: compact
         dynamic_sampling: false
-        warmup_sft_steps: 0
+        warmup_sft_steps: 4
+        warmup_batch_size: 4
         train: {lr: 3.0e-3}
     """
 
@@ -64,7 +67,7 @@ sys.exit(main())
 """
 
 RUN = "res/cpu/runs/dense/isoexec/seed0"
-pytestmark = pytest.mark.slow   # about 2 min on 2 idle cores: five workflow runs (-m "not slow" skips them)
+pytestmark = pytest.mark.slow   # about 3 min on 2 cores: eight workflow runs and three dry runs (-m "not slow" skips them)
 
 
 def make_workspace(root: Path, pkgs: Path, bindir: Path) -> dict:
@@ -155,7 +158,7 @@ def test_an_upstream_change_with_the_same_params_reruns_the_runs_clean(reruns):
     """A new data set (same RL params) reruns the data, the runs and their tables, not the contracts,
     and each run starts again at step 0 instead of resuming its finished checkpoint."""
     r = reruns["data_run"]
-    assert ran(r) == {"synthetic_data", "rl_run", "rl_tables", "all"}, ran(r)
+    assert ran(r) == {"synthetic_data", "rl_warmup", "rl_run", "rl_tables", "all"}, ran(r)
     assert reruns["data"]["metrics"] != reruns["clean"]["metrics"]
     assert [x["step"] for x in reruns["data"]["metrics"]] == [0, 1]
     assert "resum" not in reruns["data"]["log"]
@@ -167,7 +170,7 @@ def test_a_params_change_and_a_code_edit_rerun_what_they_affect(reruns):
     # the code edit reruns every job that runs package code; the changed lr starts the run clean
     # (before, the old checkpoint stayed and the run stopped on a configuration mismatch)
     assert {"contract_draft", "contract_admit", "contract_show", "contract_verify", "gates", "synthetic_data",
-            "rl_run", "gates_table", "contracts_table", "rl_tables"} <= ran(r), ran(r)
+            "rl_warmup", "rl_run", "gates_table", "contracts_table", "rl_tables"} <= ran(r), ran(r)
     assert reruns["final"]["metrics"] != reruns["data"]["metrics"]
 
 
@@ -182,10 +185,35 @@ def test_nothing_is_rerun_when_nothing_changed(reruns):
     assert "Nothing to be done" in r.stdout + r.stderr
 
 
+def planned(r: subprocess.CompletedProcess) -> set[str]:
+    """The rules a dry run would run."""
+    return {ln.split("rule ", 1)[1].rstrip(":") for ln in r.stdout.splitlines()
+            if ln.startswith(("rule ", "localrule "))}
+
+
+def test_the_warmup_reruns_only_when_what_it_reads_changes(reruns):
+    """On B (finished): a setting the warm-up reads (its batch size) reruns it and the run after it; an
+    RL-only setting (the response length) reruns the run and leaves the warm-up as it is. Both arms'
+    runs started from the warm-up: run.json names its folder and the SHA-256 of its weights."""
+    b, env, config = reruns["b"], reruns["env"], reruns["config"]
+    r = ok(snakemake(b, env, config.replace("warmup_batch_size: 4", "warmup_batch_size: 3"), "-n"))
+    assert {"rl_warmup", "rl_run"} <= planned(r), planned(r)
+    r = ok(snakemake(b, env, config.replace("max_response_tokens: 8", "max_response_tokens: 10"), "-n"))
+    assert "rl_run" in planned(r) and "rl_warmup" not in planned(r), planned(r)
+    start = json.loads((b / RUN / "run.json").read_text())["started_from"]
+    record = json.loads((b / "res/cpu/warmup/dense/seed0/warmup.json").read_text())
+    assert start["weights"] == "shared warm-up" and start["warmup_composition"] == "native"
+    assert start["checkpoint"] == str((b / "res/cpu/warmup/dense/seed0").resolve())
+    assert start["sha256"] == record["weights_sha256"]
+    assert "warm-up SFT: 4 steps" in (b / "res/cpu/logs/warmup/dense_seed0.log").read_text()
+    assert "starting from the shared warm-up" in (b / "res/cpu/logs/runs/dense_isoexec_seed0.log").read_text()
+
+
 def test_resume_only_when_asked_and_never_over_changed_inputs(reruns):
     """On B (finished, 2 steps), with resume=true: fewer steps leave nothing to do under a changed
     input, which fails with one line and keeps the run as it was (no table is rendered from it); a
-    new data set or a changed learning rate is refused before any work; more steps continue from the
+    new data set or a changed clip range (an RL setting; a changed learning rate would also remake the
+    shared warm-up first) is refused before any work; more steps continue from the
     checkpoint. (Other changed inputs, the contract or the code, meet the same checks:
     tests/workflow/test_job_scripts.py.)"""
     b, env, config = reruns["b"], reruns["env"], reruns["config"]
@@ -198,7 +226,8 @@ def test_resume_only_when_asked_and_never_over_changed_inputs(reruns):
     assert (b / RUN / "metrics.jsonl").read_text() == before          # the run's folder is restored
     assert (b / "figs/cpu/logprob_diff.md").stat().st_mtime_ns == table_time   # and no table rendered from it
 
-    r = snakemake(b, env, config.replace("lr: 1.0e-2", "lr: 2.0e-2"), "resume=true")
+    r = snakemake(b, env, config.replace("lr: 1.0e-2", "lr: 1.0e-2, clip_low: 0.1"), "resume=true")
+    assert "rl_warmup" not in ran(r)
     assert r.returncode != 0
     assert "was started with other settings (train); rerun without resume=true" in r.stdout + r.stderr
 

@@ -21,16 +21,18 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-# the embedded default: two families (dense, hybrid) x two compositions, six benchmarks
+# the embedded default: two families (dense, hybrid) x two compositions, six benchmarks, one shared
+# warm-up per family (one seed)
 EXPECTED_JOBS = {"contract_draft": 4, "gates": 2, "contract_admit": 4, "contract_show": 4, "contract_verify": 4,
                  "gates_table": 1, "contracts_table": 1, "bench": 6, "kernels_table": 1, "cpr_table": 1,
-                 "synthetic_data": 1, "rl_run": 4, "rl_tables": 1, "all": 1}
+                 "synthetic_data": 1, "rl_warmup": 2, "rl_run": 4, "rl_tables": 1, "all": 1}
 
 
 def scaled_jobs(n_families: int) -> dict[str, int]:
     """EXPECTED_JOBS (two families) for ``n_families`` families: per-family jobs scale, the
     tables, the data and the benchmarks do not."""
-    per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_run")
+    per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_warmup",
+                  "rl_run")
     return {k: v * n_families // 2 if k in per_family else v for k, v in EXPECTED_JOBS.items()}
 
 
@@ -155,6 +157,7 @@ def test_paper_config_dry_runs_with_checkpoints_and_data(wf):
     out = r.stdout + r.stderr
     assert "paper_figures/paper/contracts.md" in out and "configs/models/dense_qwen3_8b.yaml" in out
     assert job_stats(out)["rl_run"] == 2 * len(families) and "results/paper/runs/dense/isoexec/seed0" in out
+    assert "rl_warmup" not in job_stats(out)   # real weights: no warm-up
     for model in ("mla_moe_glm47_flash", "hybrid_moe_qwen3p5_35b_a3b"):
         assert f"configs/models/{model}.yaml" in out, model
 
@@ -177,13 +180,13 @@ def test_cpu_jobs_ask_for_no_gpu_and_one_thread(wf):
     the gates and RL runs keep their host threads."""
     r = snakemake(wf, "-n", "--cores", "4")
     out = r.stdout + r.stderr
-    for rule in ("gates", "rl_run", "bench", "contract_draft", "contract_admit"):
+    for rule in ("gates", "rl_warmup", "rl_run", "bench", "contract_draft", "contract_admit"):
         job = job_block(out, rule)
         assert "gpu=0" in job or "gpu=" not in job, rule
         assert "threads:" not in job, rule   # Snakemake names a job's threads when they are more than 1
         assert ("priority: 1" in job) == (rule != "bench"), (rule, job)
     gpu = snakemake(wf, "-n", "--cores", "4", "--configfile", "configs/h200.yaml")
-    for rule, threads in (("gates", 4), ("rl_run", 2)):
+    for rule, threads in (("gates", 4), ("rl_warmup", 2), ("rl_run", 2)):
         job = job_block(gpu.stdout + gpu.stderr, rule)
         assert f"threads: {threads}" in job, (rule, job)
 
@@ -194,8 +197,8 @@ def test_profiles_parse(wf, profile):
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert "Using" in out and "profile" in out
-    if "slurm" in profile:   # every GPU job (gates, bench, rl_run) goes to the GPU partition
-        for rule in ("gates", "bench", "rl_run"):
+    if "slurm" in profile:   # every GPU job (gates, bench, rl_warmup, rl_run) goes to the GPU partition
+        for rule in ("gates", "bench", "rl_warmup", "rl_run"):
             job = job_block(out, rule)
             assert "gpu=1" in job and "slurm_partition=<your GPU partition>" in job, rule
             mem = int(re.search(r"mem_mb=(\d+)", job).group(1))
@@ -305,18 +308,80 @@ def test_rl_arms_run_side_by_side_each_on_its_compositions_contract(wf):
         """)
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(cfg), "--config", "results_dir=res")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert job_stats(r.stdout)["rl_run"] == 4
+    assert job_stats(r.stdout)["rl_run"] == 4 and job_stats(r.stdout)["rl_warmup"] == 1   # one warm-up for the four
     for arm, comp in (("native", "native"), ("native_tis", "native"), ("native_tis_k3", "native"),
                       ("isoexec", "isoexec")):
         block = r.stdout.split(f"output: res/cpu/runs/dense/{arm}/seed0\n", 1)
         assert len(block) == 2, arm
         job = r.stdout[r.stdout.rfind("rule rl_run:", 0, len(block[0])):len(block[0]) + 400]
         assert f"res/cpu/contracts/dense/{comp}.json" in job, (arm, job)
+        assert "res/cpu/warmup/dense/seed0" in job, (arm, job)
     bad = write_config(wf / "bad_arm.yaml", """\
         rl: {enabled: true, arms: {x: {composition: native, settings: {train: {tis_cap: 2}}}}}
         """)
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
     assert r.returncode != 0 and "tis_cap" in r.stdout + r.stderr
+
+
+def rl_jobs(out: str, rule: str) -> list[str]:
+    """Every job of ``rule`` in a dry run's output (its lines up to the next job)."""
+    return [b.split("\n[", 1)[0] for b in out.split(f"rule {rule}:\n")[1:]]
+
+
+def test_one_shared_warmup_per_family_and_seed_for_every_arm(wf):
+    """Two compositions, two seeds, two families: one rl_warmup job per (family, seed), run with no
+    composition of its own (the native one), and both arms of a seed take that warm-up's folder as
+    input; warmup_sft_steps 0 plans none, and a family with real weights gets none."""
+    cfg = write_config(wf / "seeds.yaml", "rl: {enabled: true, seeds: [0, 1], settings: {warmup_sft_steps: 3}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(cfg), "--config", "results_dir=res")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert job_stats(r.stdout)["rl_warmup"] == 4 and job_stats(r.stdout)["rl_run"] == 8
+    warmups = rl_jobs(r.stdout, "rl_warmup")
+    outputs = sorted(re.search(r"output: (\S+)", j).group(1) for j in warmups)
+    assert outputs == [f"res/cpu/warmup/{f}/seed{s}" for f in ("dense", "hybrid") for s in (0, 1)]
+    for j in warmups:
+        assert "configs/compositions/native.yaml" in j and "contracts/" not in j, j
+    for job in rl_jobs(r.stdout, "rl_run"):
+        fam, arm, seed = re.search(r"wildcards: family=(\w+), arm=(\w+), seed=(\d+)", job).groups()
+        assert f"res/cpu/warmup/{fam}/seed{seed}," in job, job
+    none = write_config(wf / "none.yaml", "rl: {enabled: true, settings: {warmup_sft_steps: 0}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(none))
+    assert r.returncode == 0 and "rl_warmup" not in job_stats(r.stdout) and job_stats(r.stdout)["rl_run"] == 4
+    (wf / "ckpt").mkdir()
+    (wf / "ckpt/config.json").write_text("{}")
+    real = write_config(wf / "real.yaml", f"checkpoints: {{dense: {wf / 'ckpt'}}}\n")
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(real))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [re.search(r"output: (\S+)", j).group(1) for j in rl_jobs(r.stdout, "rl_warmup")] == [
+        "results/cpu/warmup/hybrid/seed0"]
+
+
+def test_arms_that_would_warm_up_differently_are_refused(wf):
+    """The warm-up is shared by every arm, so the settings it reads must be the same in every arm: an
+    arm with its own learning rate is refused before any job, with one line; an arm with its own
+    RL-only settings (token TIS) is not, nor are arms of their own learning rates without a warm-up."""
+    bad = write_config(wf / "bad.yaml", """\
+        rl:
+          enabled: true
+          arms:
+            native: {composition: native, settings: {train: {lr: 1.0e-3}}}
+            isoexec: {composition: isoexec}
+        """)
+    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
+    assert r.returncode != 0
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
+    assert "rl.arms native vs isoexec differ in train.lr, which the supervised warm-up reads" in line, line
+    assert "set them in rl.settings" in line
+    ok = write_config(wf / "ok.yaml", """\
+        rl:
+          enabled: true
+          arms:
+            native_tis: {composition: native, settings: {train: {tis_threshold: 2}}}
+            isoexec: {composition: isoexec}
+        """)
+    assert snakemake(wf, "-n", "--cores", "1", "--configfile", str(ok)).returncode == 0
+    cold = write_config(wf / "cold.yaml", "rl: {settings: {warmup_sft_steps: 0}}\n")   # no warm-up: nothing shared
+    assert snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad), str(cold)).returncode == 0
 
 
 # ------------------------------------------------------------------------------- real runs

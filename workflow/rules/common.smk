@@ -185,27 +185,90 @@ def _merged(base, over):
     return out
 
 
+def arm_settings(arm):
+    """`rl.settings` with the arm's overrides."""
+    return _merged(RL_CONF.get("settings") or {}, RL_ARMS[arm]["settings"])
+
+
+def rl_dataset():
+    """The data set every run (and warm-up) reads: the workflow's synthetic parquet, or rl.dataset."""
+    if RL_CONF.get("dataset", "synthetic") == "synthetic":
+        return str(Path(f"{RES}/data/synthetic.parquet").resolve())
+    return RL_CONF["dataset"]
+
+
+# The shared warm-up (the rl_warmup job, `isoexec warmup`; docs/workflow.md) - a family without real
+# weights warms its random model up once per seed, with the native composition, and every arm of
+# that family and seed starts from the warmed model (a checkpoint folder). These are the settings it
+# reads (besides family, model, arch, seed and the data set), as isoexec/rl/warmup.py states them
+# (WARMUP_KEYS, WARMUP_TRAIN_KEYS; a test keeps the two equal): they are the warm-up job's params,
+# so a change to one of them reruns the warm-up and, through it, the runs, and nothing else does.
+WARMUP_COMPOSITION = "native"
+WARMUP_KEYS = ("dtype", "tokenizer", "prompt_style", "max_prompt_tokens", "warmup_sft_steps", "warmup_batch_size")
+WARMUP_TRAIN_KEYS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_batch_tokens", "seed")
+
+
+def _warmup_view(s):
+    """What the warm-up reads of one arm's settings."""
+    out = {k: s[k] for k in WARMUP_KEYS if k in s}
+    out["train"] = {k: v for k, v in (s.get("train") or {}).items() if k in WARMUP_TRAIN_KEYS}
+    return out
+
+
+_WARMUP_VIEWS = {}   # the warm-up's settings -> the arms that have them (one entry; more are refused, _rl_refusals)
+for _arm in RL_ARMS:
+    _WARMUP_VIEWS.setdefault(json.dumps(_warmup_view(arm_settings(_arm)), sort_keys=True), []).append(_arm)
+WARMUP_VIEW = json.loads(next(iter(_WARMUP_VIEWS))) if _WARMUP_VIEWS else {}
+
+
+def _random_weights(family):
+    """The runs of `family` start from random weights: no `checkpoints.<family>`, and no checkpoint in
+    the RL settings (both are loaded as they are, without a warm-up)."""
+    return (RL_ON and not (config.get("checkpoints") or {}).get(family)
+            and not any(arm_settings(a).get("checkpoint") for a in RL_ARMS))
+
+
+def warmup_applies(family):
+    """A shared warm-up for `family`: random weights and warmup_sft_steps > 0."""
+    return _random_weights(family) and int(WARMUP_VIEW.get("warmup_sft_steps", 0)) > 0
+
+
+def warmup_dir(family, seed):
+    return f"{RES}/warmup/{family}/seed{seed}"
+
+
+def warmup_settings(wildcards):
+    """The RL settings `isoexec warmup` gets: those the warm-up reads, and the run's identity (no
+    composition: the warm-up runs the native one)."""
+    return {**WARMUP_VIEW, "family": wildcards.family, "model": model_name(wildcards.family), "arch": ARCH,
+            "seed": int(wildcards.seed), "dataset": rl_dataset()}
+
+
+def rl_warmup_input(wildcards):
+    return [warmup_dir(wildcards.family, wildcards.seed)] if warmup_applies(wildcards.family) else []
+
+
 def rl_settings(wildcards):
     """The RLConfig of one run: `rl.settings` with the arm's overrides, the run's identity filled in."""
     comp = arm_composition(wildcards.arm)
-    s = _merged(RL_CONF.get("settings") or {}, RL_ARMS[wildcards.arm]["settings"])
+    s = arm_settings(wildcards.arm)
     s.update(family=wildcards.family, composition=comp, model=model_name(wildcards.family),
              arch=ARCH, seed=int(wildcards.seed),
              contract=str(Path(contract_path(wildcards.family, comp, "")).resolve()))
-    if RL_CONF.get("dataset", "synthetic") == "synthetic":
-        s["dataset"] = str(Path(f"{RES}/data/synthetic.parquet").resolve())
-    else:
-        s["dataset"] = RL_CONF["dataset"]
+    s["dataset"] = rl_dataset()
     ckpt = (config.get("checkpoints") or {}).get(wildcards.family)
     if ckpt:  # real weights: the checkpoint's own tokenizer, no warm-up
         s.update(checkpoint=ckpt, tokenizer=ckpt, warmup_sft_steps=0)
+    elif warmup_applies(wildcards.family):   # the shared warm-up's folder: the run loads it, no warm-up of its own
+        s["checkpoint"] = str(Path(warmup_dir(wildcards.family, wildcards.seed)).resolve())
     return s
 
 
 def _rl_refusals():
     """Why the RL runs cannot start as configured (empty: they can). Real weights: with
     rl.require_checkpoints every family needs `checkpoints.<family>`; a checkpoint named anywhere must
-    be a folder with a config.json. Data: rl.dataset must exist unless it is `synthetic`."""
+    be a folder with a config.json. Data: rl.dataset must exist unless it is `synthetic`. The shared
+    warm-up: every arm must have the settings it reads."""
     out = []
     ckpts = config.get("checkpoints") or {}
     for f in FAMILIES:
@@ -219,6 +282,17 @@ def _rl_refusals():
     ds = RL_CONF.get("dataset", "synthetic")
     if ds != "synthetic" and not Path(ds).exists():
         out.append(f"rl.dataset {ds!r} does not exist (download DAPO-Math-17k, verl parquet schema, to that path)")
+    views = [json.loads(v) for v in _WARMUP_VIEWS]
+    if (len(views) > 1 and any(map(_random_weights, FAMILIES))
+            and any(int(v.get("warmup_sft_steps", 0)) > 0 for v in views)):
+        def differs(get):
+            return len({json.dumps(get(w)) for w in views}) > 1
+
+        keys = sorted({k for v in views for k in v if k != "train" and differs(lambda w: w.get(k))}
+                      | {f"train.{k}" for v in views for k in v["train"] if differs(lambda w: w["train"].get(k))})
+        out.append(f"rl.arms {' vs '.join(', '.join(a) for a in _WARMUP_VIEWS.values())} differ in {', '.join(keys)}, "
+                   "which the supervised warm-up reads (one warm-up per family and seed, shared by every arm); "
+                   "set them in rl.settings")
     return out
 
 

@@ -1,6 +1,7 @@
-# RL runs (DAPO by default): the synthetic data set, one run per family x arm x seed (an arm is a
-# composition plus settings overrides; by default one arm per composition), and the reproduction
-# tables/figures. A run's folder is its directory output (metrics.jsonl, checkpoint.pt,
+# RL runs (DAPO by default): the synthetic data set, one supervised warm-up per family x seed of a
+# random model (with the native composition; every arm starts from it), one run per family x arm x
+# seed (an arm is a composition plus settings overrides; by default one arm per composition), and the
+# reproduction tables/figures. A run's folder is its directory output (metrics.jsonl, checkpoint.pt,
 # rl_config.json, inputs.json, run.json): it starts clean, unless `--config resume=true` asks the
 # runs to continue from their checkpoints (workflow/scripts/rl_run.py, docs/workflow.md).
 
@@ -23,10 +24,38 @@ rule synthetic_data:
         "isoexec data synthetic --params {params.synthetic:q} --seed {params.seed} --out {output:q} > {log:q} 2>&1"
 
 
+# The shared warm-up (`isoexec warmup`): the warm-up every arm of a family and seed starts from, run
+# once with the native composition (the stock path; the warmed weights are a starting point and carry
+# no bitwise claim), written as a checkpoint folder (config.json, model.safetensors, warmup.json) that
+# the runs load. Only for families without real weights and with warmup_sft_steps > 0.
+rule rl_warmup:
+    input:
+        data=rl_data_input,
+        model=model_file,
+        composition=f"configs/compositions/{WARMUP_COMPOSITION}.yaml",
+        code=CODE_VERSION,
+    output:
+        directory(warmup_dir("{family}", "{seed}")),
+    log:
+        f"{LOGS}/warmup/{{family}}_seed{{seed}}.log",
+    params:
+        rl=warmup_settings,
+    priority: RL_PATH_PRIORITY
+    threads: job_threads(2)
+    resources:
+        gpu=JOB_GPUS,
+        runtime=120,
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/rl_warmup.py"
+
+
 rule rl_run:
     input:
         contract=rl_contract,
         data=rl_data_input,
+        warmup=rl_warmup_input,
         code=CODE_VERSION,
     output:
         rl_run_output(),

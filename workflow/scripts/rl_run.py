@@ -6,15 +6,17 @@
   Snakemake keeps it (and a backup, restored if the job fails) and ``isoexec run`` continues from
   its checkpoint: a run killed mid-way, or a finished run given more ``steps``. The inputs the run
   started with are in ``inputs.json`` (settings, SHA-256 of the contract and the data, the code
-  version, the checkpoint folder's file list); a resume with other settings than ``steps`` or
-  another data set is refused before any work, and a resumed run that had nothing left to do while
+  version, the checkpoint folder's file list, or the SHA-256 of a shared warm-up's weights); a
+  resume with other settings than ``steps`` or another data set is refused before any work, and a
+  resumed run that had nothing left to do while
   its inputs changed (the contract, the code version, the checkpoint) fails with one line instead of
   keeping results made from the old inputs. A resumed run with steps left under such changes (say, a
   code fix after a walltime kill) goes on, and its log and ``run.json`` name what changed.
 
 Files in the folder: rl_config.json (the settings ``isoexec run`` got), inputs.json, metrics.jsonl,
 checkpoint.pt (every ``checkpoint_every`` steps), run.json (written last: settings, the run's
-summary, whether it resumed).
+summary, whether it resumed, what its weights started from: the shared warm-up's folder and the
+SHA-256 of its weights, a checkpoint, or a random init warmed up in the run).
 """
 
 
@@ -57,12 +59,26 @@ def listing(path) -> list | None:
             for q in sorted(x for x in p.rglob("*") if x.is_file())]
 
 
+def is_shared_warmup(folder) -> bool:
+    """A checkpoint folder made by `isoexec warmup` (rule rl_warmup): it holds the record
+    warmup.json (isoexec.rl.warmup.RECORD)."""
+    return (Path(folder) / "warmup.json").is_file()
+
+
+def checkpoint_print(folder):
+    """A checkpoint folder's identity: the SHA-256 of a shared warm-up's weights (small, and the same
+    bits when the warm-up is made again from the same inputs), else the file listing."""
+    if is_shared_warmup(folder):
+        return {"warmup_weights_sha256": file_digest(Path(folder) / "model.safetensors")}
+    return listing(folder)
+
+
 def fingerprint(settings: dict, contract, code) -> dict:
     """What a run's results are made of."""
     return {"settings": {k: v for k, v in settings.items() if k != "wandb"},
             "contract": file_digest(contract),
             "data": file_digest(settings["dataset"]) if settings.get("dataset") else None,
-            "checkpoint": listing(settings["checkpoint"]) if settings.get("checkpoint") else None,
+            "checkpoint": checkpoint_print(settings["checkpoint"]) if settings.get("checkpoint") else None,
             "code": Path(code).read_text()}
 
 
@@ -73,6 +89,25 @@ def changed(before: dict, now: dict) -> list[str]:
     out += [f"settings.{k}" for k in sorted(set(old_s) | set(new_s)) if old_s.get(k) != new_s.get(k)]
     out += [k for k in ("contract", "data", "checkpoint", "code") if before.get(k) != now.get(k)]
     return out
+
+
+def started_from(settings: dict) -> dict:
+    """What the run's weights started from: the shared warm-up's folder (its path, the SHA-256 of its
+    weights, the warm-up's composition, steps and NLL), a checkpoint (its path), or a random init
+    warmed up in the run itself (with the run's own composition)."""
+    ckpt = settings.get("checkpoint")
+    if not ckpt:
+        steps = int(settings.get("warmup_sft_steps", 0))
+        return {"weights": "random", "seed": settings.get("seed"), "warmup_sft_steps": steps,
+                "warmup_composition": settings.get("composition") if steps else None}
+    if is_shared_warmup(ckpt):
+        rec = json.loads((Path(ckpt) / "warmup.json").read_text())
+        nll = rec.get("nll") or []
+        return {"weights": "shared warm-up", "checkpoint": ckpt,
+                "sha256": file_digest(Path(ckpt) / "model.safetensors"), "warmup_composition": rec.get("composition"),
+                "warmup_sft_steps": (rec.get("settings") or {}).get("warmup_sft_steps"),
+                "warmup_nll": [nll[0], nll[-1]] if nll else None}
+    return {"weights": "checkpoint", "checkpoint": ckpt}
 
 
 def steps_done(folder: Path) -> int:
@@ -129,7 +164,8 @@ def main(smk) -> None:
         n = len((folder / "metrics.jsonl").read_text().splitlines())
         atomic_write(folder / "run.json", json.dumps(
             {"settings": settings, "summary": summary, "steps_done": n, "resumed": resumed,
-             "inputs_changed_since_start": diff}, indent=1, sort_keys=True) + "\n")
+             "inputs_changed_since_start": diff, "started_from": started_from(settings)}, indent=1,
+            sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
