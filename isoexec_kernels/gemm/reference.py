@@ -23,7 +23,7 @@ def block_k_for(N: int, K: int) -> int:
 # K leaves per weight shape (N, K). A shape with few output tiles (small N) can cut its K into
 # leaves, so that a small batch spreads one tile's K over several programs (split-K) and still
 # gets the bits a large batch gets from one program walking the leaves in turn. Measured on the
-# H200 (scripts/gemm_tile_sweep.py --leaves, commit 26feb16, docs/kernels.md): 2-8 leaves make
+# H200 (scripts/gemm_tile_sweep.py --leaves, commit 26feb16, README "Kernels"): 2-8 leaves make
 # Qwen3-0.6B o_proj/down_proj and Qwen3-8B o_proj 1.3-1.6x faster at M <= 64, but today's
 # one-program leaf walk costs 6-25% at M >= 2048 (each leaf restarts the K pipeline and two fp32
 # tiles must stay live, ruling out 128 x 256 tiles). Until the walk is cheaper no shape is
