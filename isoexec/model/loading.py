@@ -157,7 +157,7 @@ def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(model, hf_config: dict, folder: str | Path) -> str:
     """Write ``model`` as a transformers checkpoint folder that :func:`load_checkpoint` reads back bit
-    for bit (every family; tests/rl/test_warmup.py): ``config.json`` (``hf_config``) and
+    for bit (every family; tests/rl/test_shared_warmup.py): ``config.json`` (``hf_config``) and
     ``model.safetensors`` (:func:`to_hf_state_dict`, in the model's dtype; a tied ``lm_head`` is left
     out, safetensors stores no shared tensors). Each file is written to a temp file and renamed; the
     bytes depend only on the weights. Returns the SHA-256 of ``model.safetensors``."""

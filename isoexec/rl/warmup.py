@@ -12,7 +12,7 @@ RL from it with a fresh AdamW, as an RL pipeline starts from an SFT checkpoint.
 
 The folder: ``config.json`` (the model's ``hf_config``),
 ``model.safetensors`` (transformers names, the model's dtype: it loads back bit for bit for every
-family, ``tests/rl/test_warmup.py``) and ``warmup.json``, the record written last: the settings the
+family, ``tests/rl/test_shared_warmup.py``) and ``warmup.json``, the record written last: the settings the
 warm-up read, the data set's SHA-256, the weights' SHA-256, the NLL before and after. A run whose
 checkpoint folder holds a record checks it against its own settings before any work and refuses a
 warm-up of another configuration (:func:`check_shared_warmup`).

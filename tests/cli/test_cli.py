@@ -192,7 +192,7 @@ def test_run_bad_config_through_the_installed_command_has_no_traceback(tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-# `isoexec warmup`: the shared warm-up of a run's random model (tests/rl/test_warmup.py has the rest)
+# `isoexec warmup`: the shared warm-up of a run's random model (tests/rl/test_shared_warmup.py has the rest)
 WARMUP_BASE = ("prompt_style: compact\nmax_prompt_tokens: 16\nwarmup_batch_size: 4\n"
                "synthetic: {n: 20, max_operand: 9, min_terms: 2, max_terms: 2, ops: '+'}\n")
 
