@@ -22,12 +22,12 @@ The warm-up itself runs in :func:`isoexec.rl.loop.warm_up`, beside the run it st
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Optional
 
 from ..errors import ConfigError
+from ..paths import sha256_file
 from ..train.trainer import TrainConfig
 
 #: The composition every shared warm-up runs with.
@@ -72,14 +72,6 @@ def warmup_settings(cfg) -> dict:
     s["train"] = {k: getattr(t, k) for k in WARMUP_TRAIN_KEYS}
     s["synthetic"] = dict(cfg.synthetic) if cfg.dataset == "synthetic" else None
     return json.loads(json.dumps(s, sort_keys=True))   # tuples as lists, as a record reads back
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def data_digest(cfg) -> Optional[str]:

@@ -50,6 +50,8 @@ import inspect
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from .native import attention_native_paged_decode
+
 Q_BLOCK = 128
 """The BlockMask's query block (the one decode row sits in block 0); a multiple of every
 BLOCK_M flex's decode kernel uses."""
@@ -180,6 +182,4 @@ def attention_stock_paged_decode(q, k_cache, v_cache, block_table, context_lens,
     whole cache (a correctness reference, not a stock fast path)."""
     if q.is_cuda:
         return attention_flex_paged_decode(q, k_cache, v_cache, block_table, context_lens, scale)
-    from .native import attention_native_paged_decode
-
     return attention_native_paged_decode(q, k_cache, v_cache, block_table, context_lens, scale)

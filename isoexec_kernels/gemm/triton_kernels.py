@@ -104,8 +104,8 @@ def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int =
     run the same K loop and gave identical bits on the H200 (see :func:`tile_for_m`)."""
     es = dtype.itemsize
     path = tile_for_m(M, dtype, N, K)["path"]
-    if path == "split":
-        return "split" if k_leaves_for(N, K) > 1 else "pointer"
+    if path == "split":   # tile_for_m splits only shapes with more than one K leaf
+        return "split"
     if path != "tma":
         return "pointer"
     if tma_supported(device) and (K * es) % 16 == 0 and (N * es) % 16 == 0:

@@ -60,6 +60,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .reference import dispatch_in_order
 from .types import Dispatch, MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, RouterSpec, Routing
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
@@ -169,14 +170,7 @@ def moe_dispatch_native(ids: torch.Tensor, num_experts: int) -> Dispatch:
     ascending, inside an expert); counts by scatter_add, offsets their prefix sum. No host sync."""
     T, k = ids.shape
     flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
-    offsets[1:] = torch.cumsum(counts, 0)
-    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
-    return Dispatch(token=torch.div(order, k, rounding_mode="floor"), offsets=offsets, row_of_pair=row_of_pair,
-                    num_tokens=T, top_k=k)
+    return dispatch_in_order(flat, torch.argsort(flat, stable=True), T, k, num_experts)
 
 
 def grouped_mm_unsupported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> str | None:

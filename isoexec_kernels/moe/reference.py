@@ -91,16 +91,22 @@ def dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
     T, k = ids.shape
     flat = ids.reshape(-1).long()
     tok = torch.arange(T, device=ids.device).repeat_interleave(k)
-    order = torch.argsort(flat * T + tok)
+    return dispatch_in_order(flat, torch.argsort(flat * T + tok), T, k, num_experts)
+
+
+def dispatch_in_order(flat: torch.Tensor, order: torch.Tensor, T: int, k: int, num_experts: int) -> Dispatch:
+    """The Dispatch record of the pairs ``t*k + j`` (expert ids ``flat`` [T*k]) listed in ``order``
+    (an expert-major permutation of them): tokens, per-expert offsets and the inverse permutation.
+    No host sync."""
     # scatter_add, not bincount: bincount on CUDA reads its input's max on the host, which a
     # captured decode graph forbids; integer adds are exact in any order
-    counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
         0, flat, torch.ones_like(flat))
-    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=ids.device)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     offsets[1:] = torch.cumsum(counts, 0)
-    row_of_pair = torch.empty_like(order)
-    row_of_pair[order] = torch.arange(order.numel(), device=ids.device)
-    return Dispatch(token=tok[order], offsets=offsets, row_of_pair=row_of_pair, num_tokens=T, top_k=k)
+    row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=flat.device))
+    return Dispatch(token=torch.div(order, k, rounding_mode="floor"), offsets=offsets, row_of_pair=row_of_pair,
+                    num_tokens=T, top_k=k)
 
 
 def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear, act) -> torch.Tensor:

@@ -166,7 +166,7 @@ class _RouteFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _gids, gw, gg):
         z, ids, *rest = ctx.saved_tensors
-        gz = ggl = None
+        ggl = None
         with torch.enable_grad():
             zz = z.detach().requires_grad_()
             w = _weights_torch(zz, ids, ctx.spec)
@@ -177,10 +177,9 @@ class _RouteFn(torch.autograd.Function):
                 grads.append(gg)
                 ins.append(gl)
             got = torch.autograd.grad(outs, ins, grads, allow_unused=True)
-        gz = got[0]
         if len(got) > 1:
             ggl = got[1]
-        return gz, ggl, None, None
+        return got[0], ggl, None, None
 
 
 def route_triton(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None = None,
@@ -199,5 +198,4 @@ def route_triton(logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.
         raise ValueError("moe.route: the softmax_topk router takes no correction bias")
     bias = None if correction_bias is None else correction_bias.float().contiguous()
     gl = None if shared_gate_logit is None else shared_gate_logit.reshape(T).float()
-    ids, w, g = _RouteFn.apply(logits, gl, spec, bias)
-    return ids, w, g
+    return _RouteFn.apply(logits, gl, spec, bias)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from jobutil import JobFailed, job
 
-from isoexec.paths import atomic_write
+from isoexec.paths import atomic_write, sha256_file
 from isoexec.report import run_cli
 
 UNCHECKED = ("steps", "wandb")   # a finished run may be extended; logging changes no result
@@ -37,11 +37,7 @@ def file_digest(path) -> str | None:
     """SHA-256 of a file, or of a folder's files (names and bytes); None when missing."""
     p = Path(path)
     if p.is_file():
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
+        return sha256_file(p)
     if p.is_dir():
         h = hashlib.sha256()
         for q in sorted(x for x in p.rglob("*") if x.is_file()):
