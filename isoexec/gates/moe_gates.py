@@ -44,9 +44,9 @@ def _selection(x: torch.Tensor, w: torch.Tensor, bias, spec):
     """(selection scores inside the kept groups [M, E] (-inf outside), group scores [M, G]) as the
     reference computes them: the quantities whose ties the hazard counts."""
     from isoexec_kernels.gemm import linear
-    from isoexec_kernels.moe.reference import _sigmoid_fp32, _softmax_fp32
+    from isoexec_kernels.moe.reference import _sigmoid_fp32, _softmax_fp32, router_logits
 
-    z = linear(x.float(), w.float())
+    z = router_logits(x, w, linear)
     if spec.kind == "softmax_topk":
         return _softmax_fp32(z), None
     b = _sigmoid_fp32(z) + (0.0 if bias is None else bias.float())

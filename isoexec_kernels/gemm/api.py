@@ -1,7 +1,7 @@
 """Batch-invariant linear layer: ``out = x @ weight.T (+ bias)``.
 
 Public API
-  ``linear(x, weight, bias=None)``            dispatcher (CUDA -> Triton, else reference),
+  ``linear(x, weight, bias=None, out_dtype=None)``  dispatcher (CUDA -> Triton, else reference),
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
@@ -15,8 +15,9 @@ Rounding schedule (every output element, whatever M, the row's position or its n
   ``[j*nb//L, (j+1)*nb//L)`` of the nb blocks; L = 1 for most shapes). Inside a leaf the blocks
   are accumulated sequentially in K order into an fp32 accumulator that starts at +0; the
   leaves are summed left to right in fp32, the first taken as it is; bias (if any) is added in
-  fp32 after the last leaf; one round-to-nearest-even cast to the input dtype at the end. No
-  TF32. A small batch may compute the leaves in separate programs (split-K) and sum them in a
+  fp32 after the last leaf; one round-to-nearest-even cast to the input dtype at the end (or to
+  ``out_dtype``: fp32 output of 16-bit inputs keeps the fp32 accumulator unrounded; the MoE
+  router's logits are made this way). No TF32. A small batch may compute the leaves in separate programs (split-K) and sum them in a
   second pass; a large batch walks them in one program; both are the schedule above, so a
   row's bits never depend on M. (The leaves exist for speed: a weight with few output tiles,
   such as Qwen3-0.6B's o_proj and down_proj, otherwise leaves most SMs idle at decode sizes.)
@@ -53,28 +54,36 @@ from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
 from .triton_kernels import _triton_2d
 
 
-def _linear_2d(x2, w, bias):
+def _linear_2d(x2, w, bias, out_dtype=None):
     if want_triton(x2):
-        return _triton_2d(x2, w, bias)
-    return _reference_2d(x2, w, bias)
+        return _triton_2d(x2, w, bias, out_dtype=out_dtype)
+    return _reference_2d(x2, w, bias, out_dtype=out_dtype)
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, out_dtype):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
-        out = _linear_2d(x2, weight, bias)
+        ctx.wide = out_dtype is not None and out_dtype.itemsize > x.dtype.itemsize
+        out = _linear_2d(x2, weight, bias, out_dtype)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         x2, w = ctx.saved_tensors
         N = w.shape[0]
-        g2 = grad.reshape(-1, N).to(w.dtype)
+        x_dtype, w_dtype = x2.dtype, w.dtype
+        if ctx.wide:
+            # a wider output (fp32 logits of 16-bit inputs): the gradient keeps its precision, the
+            # products run on fp32 copies of the inputs, one rounding to each input's dtype (what
+            # autograd computes for linear(x.float(), w.float()))
+            g2, x2, w = grad.reshape(-1, N).float(), x2.float(), w.float()
+        else:
+            g2 = grad.reshape(-1, N).to(w.dtype)
         gx = gw = gb = None
         if x2.is_cuda:
             # Only forward bits must match trainer and engine; the backward needs to be
@@ -82,31 +91,38 @@ class _LinearFn(torch.autograd.Function):
             # picks the same algorithm and gives the same bits on every run (no split-K atomics
             # on one stream), at stock speed.
             if ctx.needs_input_grad[0]:
-                gx = torch.mm(g2, w).reshape(ctx.x_shape)
+                gx = torch.mm(g2, w)
             if ctx.needs_input_grad[1]:
                 gw = torch.mm(g2.t(), x2)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                gb = _ref.batch_sum0(g2.float(), _GRAD_BIAS_LEAF).to(w.dtype)
-            return gx, gw, gb
-        if ctx.needs_input_grad[0]:
-            # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
-            gx = _linear_2d(g2, w.t(), None).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            # grad_w[N, K] = g^T[N, M] @ x[M, K]: a linear with weight x^T [K, M].
-            gw = _linear_2d(g2.t(), x2.t(), None)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF).to(w.dtype)
-        return gx, gw, gb
+                gb = _ref.batch_sum0(g2.float(), _GRAD_BIAS_LEAF)
+        else:
+            if ctx.needs_input_grad[0]:
+                # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
+                gx = _linear_2d(g2, w.t(), None)
+            if ctx.needs_input_grad[1]:
+                # grad_w[N, K] = g^T[N, M] @ x[M, K]: a linear with weight x^T [K, M].
+                gw = _linear_2d(g2.t(), x2.t(), None)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF)
+        return (None if gx is None else gx.to(x_dtype).reshape(ctx.x_shape),
+                None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(w_dtype), None)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None):
     """Batch-invariant ``x[..., K] @ weight[N, K].T (+ bias)``: Triton on CUDA, the reference
-    twin elsewhere; differentiable. Rounding schedule: module docstring."""
-    _check(x, weight, bias)
+    twin elsewhere; differentiable. Rounding schedule: module docstring; ``out_dtype`` (default
+    x's dtype) is the dtype of the one final rounding: fp32 for 16-bit inputs gives the fp32
+    accumulator itself, which for bf16/fp16 values equals ``linear(x.float(), weight.float())``
+    on the reference (exact products) at the cost of a 16-bit GEMM on the GPU."""
+    _check(x, weight, bias, out_dtype)
+    if out_dtype == x.dtype:
+        out_dtype = None
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if needs_grad:
-        return _LinearFn.apply(x, weight, bias)
+        return _LinearFn.apply(x, weight, bias, out_dtype)
     K = x.shape[-1]
-    return _linear_2d(x.reshape(-1, K), weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+    return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])

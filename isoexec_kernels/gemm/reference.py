@@ -49,7 +49,13 @@ def leaf_bounds(K: int, leaves: int) -> list[tuple[int, int]]:
     return [(j * nb // leaves, (j + 1) * nb // leaves) for j in range(leaves)]
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           out_dtype: torch.dtype | None = None) -> None:
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"linear: out_dtype must be one of {_OUT_DTYPES} or None, got {out_dtype}")
     if weight.dim() != 2:
         raise ValueError(f"linear: weight must be [N, K], got shape {tuple(weight.shape)}")
     if x.shape[-1] != weight.shape[1]:
@@ -63,11 +69,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                  leaves: int | None = None) -> torch.Tensor:
+                  leaves: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     M, K = x2.shape
     N = w.shape[0]
     leaves = k_leaves_for(N, K) if leaves is None else leaves
-    out_dtype = x2.dtype
+    out_dtype = out_dtype or x2.dtype
     acc_out = torch.empty((M, N), dtype=torch.float32, device=x2.device)
     if M == 0 or N == 0:
         return acc_out.to(out_dtype)
@@ -105,13 +111,13 @@ def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     leaves: int | None = None):
-    """``x[..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]`` in x.dtype, by the reference
-    schedule (api.py's docstring): fp32 products, halves tree per 64-wide K block, blocks
-    accumulated in K order from +0 within each K leaf, the leaves summed left to right, bias in
-    fp32, one rounding. ``leaves`` overrides :func:`k_leaves_for` (tests). Not differentiable by
-    itself (use :func:`linear`)."""
-    _check(x, weight, bias)
+                     leaves: int | None = None, out_dtype: torch.dtype | None = None):
+    """``x[..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]`` in ``out_dtype`` (default
+    x.dtype), by the reference schedule (api.py's docstring): fp32 products, halves tree per
+    64-wide K block, blocks accumulated in K order from +0 within each K leaf, the leaves summed
+    left to right, bias in fp32, one rounding to ``out_dtype`` (none for fp32). ``leaves``
+    overrides :func:`k_leaves_for` (tests). Not differentiable by itself (use :func:`linear`)."""
+    _check(x, weight, bias, out_dtype)
     K = x.shape[-1]
-    out = _reference_2d(x.reshape(-1, K), weight, bias, leaves)
+    out = _reference_2d(x.reshape(-1, K), weight, bias, leaves, out_dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -281,10 +281,12 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 _SUM_BLOCK = 1024
 
 
-def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None):
+def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, out_dtype=None):
     M, K = x2.shape
     N = w.shape[0]
-    out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
+    # the accumulator is fp32 whatever the output: out_dtype=fp32 for 16-bit inputs skips the
+    # final rounding (same kernels, same K loop: only the last cast differs)
+    out = torch.empty((M, N), dtype=out_dtype or x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out
     if K == 0:
@@ -305,6 +307,10 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None):
     bias_arg = bias if has_bias else out
     if path == "split" and leaves == 1:
         path = "pointer"  # one leaf: nothing to split
+    if path == "tma" and out.element_size() > x2.element_size():
+        # a wider output (fp32 logits from 16-bit inputs) would double the TMA epilogue's
+        # shared-memory tile; the pointer kernel stores from registers (same K loop, same bits)
+        path = "pointer"
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
@@ -350,15 +356,16 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None):
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   impl: str | None = None, tile: dict | None = None, leaves: int | None = None,
-                  precision: str | None = None) -> torch.Tensor:
+                  precision: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
     num_warps, num_stages, warp_specialize, flatten; BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
-    the interpreter's bf16 dot is broken)."""
-    _check(x, weight, bias)
+    the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one
+    final rounding; fp32 keeps the fp32 accumulator as it is."""
+    _check(x, weight, bias, out_dtype)
     K = x.shape[-1]
-    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves, precision)
+    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves, precision, out_dtype)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -63,9 +63,10 @@ __all__ = [name for name in dir() if not name.startswith("_")]
 _GRAD = frozenset({"grad"})
 _GRAD_GRAPH = frozenset({"grad", "cuda_graph"})
 IMPLS = (
-    Impl("moe_router_fp32", "2", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
-         doc="fp32 router GEMM (invariant), float64-evaluated softmax/sigmoid, stable sort: ties to the lower "
-             "expert and group index"),
+    Impl("moe_router_fp32", "3", "router", moe_route, capabilities=_GRAD, hazards=("topk_tie",),
+         doc="router GEMM with fp32 accumulation and fp32 logits (invariant; the model dtype's exact products, "
+             "tensor cores on sm90), float64-evaluated softmax/sigmoid on CPU and one Triton launch with the "
+             "device's fp32 exp on sm90, stable selection: ties to the lower expert and group index"),
     Impl("moe_dispatch_stable", "1", "dispatch", moe_dispatch, capabilities=_GRAD,
          doc="(token, slot) pairs sorted by the unique key expert * T + token: expert-major, token-ascending"),
     Impl("moe_experts_loop", "1", "experts", moe_experts, capabilities=_GRAD,

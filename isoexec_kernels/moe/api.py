@@ -40,8 +40,12 @@ gate's I rows, then the up projection's I rows), ``down [E, H, I]``, router ``[E
 Rounding schedule (per token t; x in bf16/fp16/fp32; "lin" is the invariant GEMM of
 ``gemm.py``: fp32 products, fixed 64-wide K blocks summed by a fixed tree and accumulated in K
 order, one rounding to its input dtype)
-  1. logits z = lin(fp32(x_t), fp32(router)): fp32 [E] (fp32 inputs, so no rounding of the
-     logits to the model dtype; transformers' Qwen router rounds them to it).
+  1. logits z = lin(x_t, router) with fp32 output: fp32 [E], the exact products of the model
+     dtype's values accumulated in fp32 and never rounded to the model dtype (transformers' Qwen
+     router rounds them to it). On the reference this is lin(fp32(x_t), fp32(router)) bit for bit;
+     on the GPU it is the 16-bit GEMM (tensor cores, the same fixed K loop) with its fp32
+     accumulator stored as it is (``reference.fp32_linear``; an fp32 router weight in a 16-bit
+     model: both cast to fp32).
   2. router
      * softmax_topk: m = max_j z_j (exact, -0 -> +0); e_j = fp32(exp(z_j - m)) with z_j - m
        rounded in fp32 and exp evaluated in float64 from basic operations (``_ref.exp64``);
@@ -88,7 +92,7 @@ order, one rounding to its input dtype)
        (different kernels, as for ``lin``).
   5. shared expert (if any): ys = lin(silu_and_mul(lin(x, shared_gate_up)), shared_down) in x's
      dtype, the same schedule as a routed expert; with a Qwen-style gate,
-     g = fp32(sigmoid(lin(fp32(x), fp32(shared_gate)))) (float64 exp, one fp32 rounding).
+     g = fp32(sigmoid(fp32_linear(x, shared_gate))) (float64 exp, one fp32 rounding).
   6. combine, in fp32 from +0, in this fixed order:
          acc = +0
          for the k chosen experts in ascending expert index:  acc = acc + fp32(w_j * fp32(y_j))

@@ -16,9 +16,21 @@ _NORM_EPS_SIGMOID = 1e-20  # transformers' DeepSeek-V3 / GLM-4 denominator guard
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor, linear=linear_reference) -> torch.Tensor:
-    """fp32 [T, E] logits = lin(fp32(x), fp32(router_weight)); x [T, H]. A row's logits are a
-    function of that row only (the GEMM's schedule)."""
-    return linear(x.float(), router_weight.float())
+    """fp32 [T, E] logits = lin(x, router_weight) with fp32 output: the exact products of the
+    inputs' values accumulated in fp32, never rounded to the model dtype (api.py step 1); x [T, H].
+    A row's logits are a function of that row only (the GEMM's schedule)."""
+    return fp32_linear(x, router_weight, linear)
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, linear=linear_reference) -> torch.Tensor:
+    """``lin(x, w)`` with fp32 output. Same dtypes: the GEMM of the inputs as they are, its fp32
+    accumulator returned unrounded (for bf16/fp16 values the reference gives exactly
+    ``lin(fp32(x), fp32(w))``: the products are exact in fp32; on the GPU it runs at the 16-bit
+    GEMM's speed on tensor cores instead of an fp32 FMA chain). Different dtypes (an fp32 router
+    in a bf16 model): both cast to fp32."""
+    if x.dtype == w.dtype:
+        return linear(x, w, out_dtype=torch.float32)
+    return linear(x.float(), w.float())
 
 
 def _sigmoid_fp32(z: torch.Tensor) -> torch.Tensor:
@@ -131,7 +143,7 @@ def shared_expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Te
                           act=silu_and_mul_reference):
     """(shared expert rows [T, H] in x's dtype, fp32 sigmoid gate [T, 1] or None)."""
     ys = _swiglu(x, gate_up, down, linear, act)
-    g = None if gate is None else _sigmoid_fp32(linear(x.float(), gate.float()))
+    g = None if gate is None else _sigmoid_fp32(fp32_linear(x, gate, linear))
     return ys, g
 
 

@@ -29,7 +29,7 @@ from .._triton_util import want_triton
 from ..activation import silu_and_mul
 from ..gemm import linear
 from .combine_triton import combine_triton
-from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, route, router_logits
+from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, fp32_linear, route, router_logits
 from .router_triton import route_triton, route_triton_supported
 from .triton_kernels import experts_forward_triton
 from .types import Dispatch, RouterSpec, Routing
@@ -37,12 +37,13 @@ from .types import Dispatch, RouterSpec, Routing
 
 def moe_route(x: torch.Tensor, weight: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None = None,
               shared_gate: torch.Tensor | None = None) -> Routing:
-    """Region ``router``: fp32 logits through the invariant GEMM, then :func:`reference.route`
+    """Region ``router``: fp32 logits through the invariant GEMM (the model dtype's products,
+    fp32 accumulator unrounded: :func:`reference.fp32_linear`), then :func:`reference.route`
     (ties to the lower expert / group index); with ``shared_gate`` [1, H] (Qwen), also the
-    shared expert's fp32 gate sigmoid(lin(fp32(x), fp32(shared_gate))) [T, 1]."""
+    shared expert's fp32 gate sigmoid(fp32_linear(x, shared_gate)) [T, 1]."""
     spec.check(weight.shape[0])
     logits = router_logits(x, weight, linear)
-    gate_logit = None if shared_gate is None else linear(x.float(), shared_gate.float())
+    gate_logit = None if shared_gate is None else fp32_linear(x, shared_gate, linear)
     if want_triton(x) and route_triton_supported(spec, weight.shape[0]):
         # CUDA: one launch after the GEMMs (router_triton.py: fp32 device exp, no float64)
         ids, w, g = route_triton(logits, spec, correction_bias, gate_logit)

@@ -222,6 +222,36 @@ def test_linear_forward_with_and_without_autograd_is_bitwise_equal(kb):
     kb.assert_bitwise(graded, plain, "trainer_fwd vs trainer_score")
 
 
+def test_linear_fp32_output_of_bf16_inputs_equals_fp32_inputs_bitwise(kb):
+    # the MoE router's logits: bf16 values with the fp32 accumulator left unrounded are
+    # lin(fp32(x), fp32(w)) (the products are exact in fp32), and rounding that accumulator once
+    # gives the plain bf16 linear
+    w, b, g = _weights(48, 200, torch.bfloat16, seed=42)
+    x = torch.randn(9, 200, generator=g).bfloat16()
+    wide = gemm.linear(x, w, b, out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    kb.assert_bitwise(wide, gemm.linear(x.float(), w.float(), b.float()), "fp32 output vs fp32 inputs")
+    kb.assert_bitwise(wide.to(torch.bfloat16), gemm.linear(x, w, b), "one rounding of the same accumulator")
+    kb.assert_bitwise(gemm.linear(x, w, b, out_dtype=torch.bfloat16), gemm.linear(x, w, b), "out_dtype = x's")
+
+
+def test_linear_fp32_output_gradients_equal_autograd_through_fp32_casts_bitwise(kb):
+    w, b, g = _weights(30, 70, torch.bfloat16, seed=43)
+    x = torch.randn(2, 6, 70, generator=g).bfloat16()
+    dy = torch.randn(2, 6, 30, generator=g)
+
+    def grads(f):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        torch.autograd.backward(f(xs, ws, bs), dy)
+        return xs.grad, ws.grad, bs.grad
+
+    got = grads(lambda xs, ws, bs: gemm.linear(xs, ws, bs, out_dtype=torch.float32))
+    want = grads(lambda xs, ws, bs: gemm.linear(xs.float(), ws.float(), bs.float()))
+    for a, e, name in zip(got, want, ("x", "w", "b")):
+        assert a.dtype == torch.bfloat16, name
+        kb.assert_bitwise(a, e, f"grad {name}")
+
+
 # --------------------------------------------------------------------------- tiles and errors
 
 
@@ -259,6 +289,8 @@ def test_linear_errors_name_the_problem():
         gemm.linear(torch.randn(2, 7), w)
     with pytest.raises(TypeError, match="bfloat16"):
         gemm.linear(torch.randn(2, 8).bfloat16(), w)
+    with pytest.raises(TypeError, match="out_dtype"):
+        gemm.linear(torch.randn(2, 8), w, out_dtype=torch.int32)
 
 
 # --------------------------------------------------------------------------- Triton (interpreter)
@@ -339,6 +371,18 @@ def interp_case_linear_split_k_equals_one_program_leaf_walk_fp32(kb):
         assert kb.rel_l2(split, x.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
 
 
+def interp_case_linear_fp32_output_is_the_unrounded_accumulator_fp16(kb):
+    # same M and tiles on both sides: the wide output rounded once is the plain fp16 linear
+    g = torch.Generator().manual_seed(55)
+    w = (torch.randn(40, 136, generator=g) / 10).half()
+    x = torch.randn(70, 136, generator=g).half()
+    for impl in ("pointer", "tma"):
+        wide = gemm.linear_triton(x, w, impl=impl, out_dtype=torch.float32)
+        assert wide.dtype == torch.float32
+        kb.assert_bitwise(wide.half(), gemm.linear_triton(x, w, impl=impl), f"{impl}: fp32 output rounded once")
+        assert kb.rel_l2(wide, x.double() @ w.double().T) < 1e-6
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_linear_triton_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_gemm", case)
@@ -375,6 +419,33 @@ def test_linear_cuda_fp32_and_backward(kb):
     assert kb.rel_l2(out, want) < 1e-5
     out.sum().backward()
     assert kb.rel_l2(x.grad, torch.ones(70, 48, dtype=torch.float64, device="cuda") @ w.detach().double()) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", (256, 64, 1))
+def test_linear_cuda_fp32_output_row_alone_equals_row_in_batch_and_backward(kb, N):
+    # the MoE router's GEMM (E = 256 / 64 experts, and the shared expert's 1-wide gate) at
+    # K = 2048: bf16 inputs, fp32 logits, every M bucket
+    g = torch.Generator().manual_seed(64)
+    K = 2048
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    row = torch.randn(K, generator=g).bfloat16()
+    alone = gemm.linear(row[None].cuda(), w, out_dtype=torch.float32)[0]
+    for m in CUDA_BATCH_SIZES:
+        batch, idx = kb.needle_batch(row, m, g)
+        out = gemm.linear(batch.cuda(), w, out_dtype=torch.float32)
+        assert out.dtype == torch.float32
+        kb.assert_bitwise(out[idx], alone, f"fp32 out N={N} M={m} row {idx}")
+        kb.assert_bitwise(out.bfloat16(), gemm.linear(batch.cuda(), w), f"fp32 out rounded once, M={m}")
+    want = batch.double() @ w.double().cpu().T
+    assert kb.rel_l2(out, want) < 1e-5
+    x = batch[:300].cuda().requires_grad_()
+    wg = w.clone().requires_grad_()
+    dy = torch.randn(x.shape[0], N, generator=g).cuda()
+    gemm.linear(x, wg, out_dtype=torch.float32).backward(dy)
+    assert x.grad.dtype == torch.bfloat16 and wg.grad.dtype == torch.bfloat16
+    assert kb.rel_l2(x.grad, dy.double() @ w.double()) < kb.TOL[torch.bfloat16]
+    assert kb.rel_l2(wg.grad, dy.double().T @ x.detach().double()) < kb.TOL[torch.bfloat16]
 
 
 @pytest.mark.gpu
