@@ -2,13 +2,14 @@
 
 The README's test command runs the main job before pytest, so here the run is already complete and
 this test costs a no-op rerun and a report (seconds); run on its own, the test runs the main job
-first (about 5 minutes on 2 cores). Either way the assertions are about the very outputs a user
-gets (`results/cpu/`, `paper_figures/cpu/`), made under the settings of `configs/config.yaml`, and
-no second end-to-end run of a shortened config repeats that work.
+first (about 6.5 minutes on 2 cores, for the four model families). Either way the assertions are
+about the very outputs a user gets (`results/cpu/`, `paper_figures/cpu/`), made under the settings
+of `configs/config.yaml`, and no second end-to-end run of a shortened config repeats that work.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import subprocess
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.slow
 CONFIG = yaml.safe_load((REPO / "configs/config.yaml").read_text())
 RES = REPO / CONFIG["results_dir"] / CONFIG["run_name"]
 FIG = REPO / CONFIG["figures_dir"] / CONFIG["run_name"]
+# the embedded default runs the four model families
+FAMILIES = ["dense", "hybrid", "mla_moe", "hybrid_moe"]
 
 
 def snakemake(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
@@ -46,6 +49,42 @@ def test_after_the_main_job_nothing_is_left_to_do(main_job):
     assert again.returncode == 0 and "Nothing to be done" in again.stdout + again.stderr, again.stdout[-2000:]
 
 
+def md_families(text: str, header: str) -> list[str]:
+    """The first column of the markdown table whose header line is ``header``, one entry per row."""
+    lines = text.splitlines()
+    start = lines.index(header) + 2   # past the header and the |---| line
+    rows = []
+    for ln in lines[start:]:
+        if not ln.startswith("| "):
+            break
+        rows.append(ln.strip("|").split("|")[0].strip())
+    return rows
+
+
+def test_the_default_runs_the_four_families_and_every_table_shows_them(main_job):
+    assert CONFIG["families"] == FAMILIES
+    assert sorted(CONFIG["models"]) == sorted(FAMILIES)
+    with open(FIG / "gates.csv", newline="") as f:
+        assert {row["family"] for row in csv.DictReader(f)} == set(FAMILIES)
+    gates_md = (FIG / "gates.md").read_text()
+    assert md_families(gates_md, "| family | model | gates | pass | fail | not run | gate run |") == FAMILIES
+    assert set(md_families(gates_md, "| family | gate | region | impl | dtype | expect | differing / compared | "
+                                     "max ULP | verdict | artifact |")) == set(FAMILIES)
+    contracts_md = (FIG / "contracts.md").read_text()
+    assert sorted(md_families(contracts_md, "| family | composition | entries | tolerance 0 | admission | reason |")) \
+        == sorted(f for f in FAMILIES for _ in CONFIG["compositions"])
+    lp = (FIG / "logprob_diff.md").read_text()
+    header = next(ln for ln in lp.splitlines() if ln.startswith("| family | native mean |"))
+    assert sorted(md_families(lp, header)) == sorted(FAMILIES)
+    st = (FIG / "step_time.md").read_text()
+    assert set(md_families(st, "| family | stage | native s | IsoExec s | overhead |")) == set(FAMILIES)
+    for family in FAMILIES:
+        assert f"| {family} | full step |" in st, family
+    with open(FIG / "runs.csv", newline="") as f:
+        assert sorted((r["family"], r["composition"]) for r in csv.DictReader(f)) == sorted(
+            (fam, c) for fam in FAMILIES for c in CONFIG["compositions"])
+
+
 def test_every_family_has_gate_rows_and_an_admitted_isoexec_contract(main_job):
     gates_md = (FIG / "gates.md").read_text()
     contracts_md = (FIG / "contracts.md").read_text()
@@ -63,7 +102,8 @@ def test_every_family_has_gate_rows_and_an_admitted_isoexec_contract(main_job):
         assert re.search(rf"\| {family} \| isoexec \| \d+ \| claimed \| admitted \|", contracts_md), family
         assert re.search(rf"\| {family} \| native \| \d+ \| not claimed \| n\.a\. \|", contracts_md), family
     assert len(csv_lines) == n_total + 1
-    for region in ("lm_head", "attn_norm", "embed", "gdn_core"):
+    # gdn_core: the hybrid families; router, dispatch, experts, combine: the MoE families
+    for region in ("lm_head", "attn_norm", "embed", "gdn_core", "router", "dispatch", "experts", "combine"):
         assert f"| {region} |" in gates_md, region
     # 3 digests per contract (model config, composition, canonical bytes)
     n_contracts = len(CONFIG["families"]) * len(CONFIG["compositions"])

@@ -21,19 +21,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-# the embedded default: two families (dense, hybrid) x two compositions, six benchmarks, one shared
-# warm-up per family (one seed)
-EXPECTED_JOBS = {"contract_draft": 4, "gates": 2, "contract_admit": 4, "contract_show": 4, "contract_verify": 4,
+# the embedded default: four families (dense, hybrid, mla_moe, hybrid_moe) x two compositions, six
+# benchmarks, one shared warm-up per family (one seed): 61 jobs
+DEFAULT_FAMILIES = ["dense", "hybrid", "mla_moe", "hybrid_moe"]
+EXPECTED_JOBS = {"contract_draft": 8, "gates": 4, "contract_admit": 8, "contract_show": 8, "contract_verify": 8,
                  "gates_table": 1, "contracts_table": 1, "bench": 6, "kernels_table": 1, "cpr_table": 1,
-                 "synthetic_data": 1, "rl_warmup": 2, "rl_run": 4, "rl_tables": 1, "all": 1}
+                 "synthetic_data": 1, "rl_warmup": 4, "rl_run": 8, "rl_tables": 1, "all": 1}
 
 
 def scaled_jobs(n_families: int) -> dict[str, int]:
-    """EXPECTED_JOBS (two families) for ``n_families`` families: per-family jobs scale, the
+    """EXPECTED_JOBS (four families) for ``n_families`` families: per-family jobs scale, the
     tables, the data and the benchmarks do not."""
     per_family = ("contract_draft", "gates", "contract_admit", "contract_show", "contract_verify", "rl_warmup",
                   "rl_run")
-    return {k: v * n_families // 2 if k in per_family else v for k, v in EXPECTED_JOBS.items()}
+    return {k: v * n_families // len(DEFAULT_FAMILIES) if k in per_family else v for k, v in EXPECTED_JOBS.items()}
 
 
 def copy_workflow(dst: Path) -> Path:
@@ -102,10 +103,13 @@ def test_lint_is_clean(wf):
 
 
 def test_dry_run_of_the_default_config_lists_the_expected_jobs(wf):
+    import yaml
+
+    assert yaml.safe_load((wf / "configs/config.yaml").read_text())["families"] == DEFAULT_FAMILIES
     r = snakemake(wf, "-n", "--cores", "1")
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
-    assert job_stats(out) == EXPECTED_JOBS
+    assert job_stats(out) == EXPECTED_JOBS and sum(EXPECTED_JOBS.values()) == 61
     for path in ("results/cpu/contracts/dense/isoexec.draft.json", "results/cpu/contracts/dense/native.json",
                  "results/cpu/gates/dense", "results/cpu/gate_runs/dense.json",
                  "results/cpu/contracts/dense/isoexec.verify.json", "paper_figures/cpu/gates.md",
@@ -260,6 +264,12 @@ def test_schema_refuses_a_bad_arch(wf):
 
 
 def test_a_family_without_a_model_config_is_refused(wf):
+    # the default config has an entry for every family, and --configfile merges `models` over it, so
+    # the copy's default loses its mla_moe entry first
+    default = wf / "configs/config.yaml"
+    text = default.read_text()
+    assert text.count("\n  mla_moe: mla_moe_tiny\n") == 1
+    default.write_text(text.replace("\n  mla_moe: mla_moe_tiny\n", "\n"))
     bad = write_config(wf / "bad.yaml", "families: [dense, mla_moe]\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
     assert r.returncode != 0 and "`models` has no entry for family mla_moe" in r.stdout + r.stderr
@@ -329,16 +339,16 @@ def rl_jobs(out: str, rule: str) -> list[str]:
 
 
 def test_one_shared_warmup_per_family_and_seed_for_every_arm(wf):
-    """Two compositions, two seeds, two families: one rl_warmup job per (family, seed), run with no
+    """Two compositions, two seeds, four families: one rl_warmup job per (family, seed), run with no
     composition of its own (the native one), and both arms of a seed take that warm-up's folder as
     input; warmup_sft_steps 0 plans none, and a family with real weights gets none."""
     cfg = write_config(wf / "seeds.yaml", "rl: {enabled: true, seeds: [0, 1], settings: {warmup_sft_steps: 3}}\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(cfg), "--config", "results_dir=res")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert job_stats(r.stdout)["rl_warmup"] == 4 and job_stats(r.stdout)["rl_run"] == 8
+    assert job_stats(r.stdout)["rl_warmup"] == 8 and job_stats(r.stdout)["rl_run"] == 16
     warmups = rl_jobs(r.stdout, "rl_warmup")
     outputs = sorted(re.search(r"output: (\S+)", j).group(1) for j in warmups)
-    assert outputs == [f"res/cpu/warmup/{f}/seed{s}" for f in ("dense", "hybrid") for s in (0, 1)]
+    assert outputs == sorted(f"res/cpu/warmup/{f}/seed{s}" for f in DEFAULT_FAMILIES for s in (0, 1))
     for j in warmups:
         assert "configs/compositions/native.yaml" in j and "contracts/" not in j, j
     for job in rl_jobs(r.stdout, "rl_run"):
@@ -346,14 +356,14 @@ def test_one_shared_warmup_per_family_and_seed_for_every_arm(wf):
         assert f"res/cpu/warmup/{fam}/seed{seed}," in job, job
     none = write_config(wf / "none.yaml", "rl: {enabled: true, settings: {warmup_sft_steps: 0}}\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(none))
-    assert r.returncode == 0 and "rl_warmup" not in job_stats(r.stdout) and job_stats(r.stdout)["rl_run"] == 4
+    assert r.returncode == 0 and "rl_warmup" not in job_stats(r.stdout) and job_stats(r.stdout)["rl_run"] == 8
     (wf / "ckpt").mkdir()
     (wf / "ckpt/config.json").write_text("{}")
     real = write_config(wf / "real.yaml", f"checkpoints: {{dense: {wf / 'ckpt'}}}\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(real))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert [re.search(r"output: (\S+)", j).group(1) for j in rl_jobs(r.stdout, "rl_warmup")] == [
-        "results/cpu/warmup/hybrid/seed0"]
+    assert sorted(re.search(r"output: (\S+)", j).group(1) for j in rl_jobs(r.stdout, "rl_warmup")) == sorted(
+        f"results/cpu/warmup/{f}/seed0" for f in DEFAULT_FAMILIES if f != "dense")
 
 
 def test_arms_that_would_warm_up_differently_are_refused(wf):
