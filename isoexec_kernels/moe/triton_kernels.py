@@ -168,15 +168,16 @@ def _check(x, w, offsets, idx):
 
 
 def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor | None,
-             rows: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Launch :func:`_grouped_gemm_kernel`: out [rows, N] (``out_dtype``, default x's)."""
+             rows: int, out_dtype: torch.dtype | None = None, tile: dict | None = None) -> torch.Tensor:
+    """Launch :func:`_grouped_gemm_kernel`: out [rows, N] (``out_dtype``, default x's); ``tile``
+    overrides :data:`TILES` (tuning probes only)."""
     E, N, K = w.shape
     out = torch.empty((rows, N), dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0 or N == 0:
         return out
     if K == 0:
         return out.zero_()
-    cfg = TILES[x.dtype]
+    cfg = dict(TILES[x.dtype], **(tile or {}))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (rows // bm + min(E, rows), triton.cdiv(N, bn))
     _grouped_gemm_kernel[grid](
@@ -189,15 +190,16 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, idx: torch
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, idx: torch.Tensor | None,
-           E: int, out_dtype: torch.dtype) -> torch.Tensor:
-    """dW [E, N, K] = per expert, g[rows]^T @ x[idx[rows]] (fp32 accumulation in row order)."""
+           E: int, out_dtype: torch.dtype, tile: dict | None = None) -> torch.Tensor:
+    """dW [E, N, K] = per expert, g[rows]^T @ x[idx[rows]] (fp32 accumulation in row order);
+    ``tile`` overrides :data:`WGRAD_TILES` (tuning probes only)."""
     N, K = g.shape[1], x.shape[1]
     out = torch.empty((E, N, K), dtype=out_dtype, device=g.device)
     if E == 0 or N == 0 or K == 0:
         return out
     if g.shape[0] == 0:
         return out.zero_()
-    cfg = WGRAD_TILES[g.dtype]
+    cfg = dict(WGRAD_TILES[g.dtype], **(tile or {}))
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_KW"]
     grid = (triton.cdiv(N, bn), triton.cdiv(K, bk), E)
     _grouped_wgrad_kernel[grid](
