@@ -25,7 +25,7 @@ import torch
 from isoexec.bench.common import time_ms
 from isoexec_kernels.activation import silu_and_mul
 from isoexec_kernels.moe.reference import dispatch
-from isoexec_kernels.moe.triton_kernels import TILES, WGRAD_TILES, _grouped, _wgrad
+from isoexec_kernels.moe.triton_kernels import WGRAD_TILES, _grouped, _wgrad, grouped_tile
 
 SHAPES = [("glm47_flash", 64, 1536, 2048, 4), ("qwen35_35b_a3b", 256, 512, 2048, 8)]
 FWD_TILES = [
@@ -35,6 +35,8 @@ FWD_TILES = [
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=4),
+    dict(BLOCK_M=256, BLOCK_N=128, num_warps=8, num_stages=3),
 ]
 WGRAD = [
     dict(BLOCK_N=64, BLOCK_KW=64, BLOCK_R=64, num_warps=4, num_stages=3),
@@ -74,7 +76,7 @@ def main() -> None:
         down = (torch.randn(E, H, inter, generator=g) * 0.02).to(bf).cuda()
         g_out = torch.randn(R, H, generator=g).to(bf).cuda()
         g_h = torch.randn(R, 2 * inter, generator=g).to(bf).cuda()
-        pinned = TILES[bf]
+        pinned = grouped_tile(R, bf)
         h_pin = _grouped(x, gate_up, d.offsets, d.token, R)
         act = silu_and_mul(h_pin)
         y_pin = _grouped(act, down, d.offsets, None, R)

@@ -11,7 +11,8 @@ compiles; ``kernels_compiled`` in the metrics now says which steps compiled.)
 ``warm_up_kernel_shapes`` runs the trainer's scoring forward (``trainer_score``) and its training
 forward + backward (``trainer_fwd``) on random tokens packed as one sequence and as two, at each
 packed length around every bucket bound (``b - 1, b, b + 1``: both sides of each bound and both
-divisibility classes, for the body's rows and for the lm_head's rows, one fewer). The engine's
+divisibility classes, for the body's rows and for the lm_head's rows, one fewer; for an MoE
+model also the token count at which the grouped expert GEMM switches tiles). The engine's
 eager prefill runs the same GEMMs at the same M buckets; its own variants (paged attention) are
 warmed by ``isoexec.engine.warmup``, and its decode steps are captured in CUDA graphs at start-up. Gradients are dropped afterwards and no optimizer state is touched:
 the run's results do not change, only where the compile time is paid.
@@ -24,6 +25,7 @@ from typing import Callable
 
 import torch
 from isoexec_kernels.gemm import M_BUCKET_BOUNDS
+from isoexec_kernels.moe.triton_kernels import LARGE_ROWS as MOE_LARGE_ROWS
 
 from .. import kernel_compiles
 from .scoring import PackedSequences, score_logprobs
@@ -58,7 +60,12 @@ def warm_up_kernel_shapes(model, vocab_size: int, log: Callable[[str], None] = p
     before = kernel_compiles.count()
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    lengths = warm_up_lengths(M_BUCKET_BOUNDS, largest)
+    bounds = tuple(M_BUCKET_BOUNDS)
+    top_k = getattr(model.cfg, "num_experts_per_tok", 0)
+    if top_k:
+        # the MoE grouped GEMM switches tiles at MOE_LARGE_ROWS dispatch rows (tokens x top_k)
+        bounds += (-(-MOE_LARGE_ROWS // top_k),)
+    lengths = warm_up_lengths(bounds, largest)
     cap = max(3, int(getattr(model.cfg, "max_position_embeddings", 1 << 30)))
     for n in lengths:
         # one sequence, and two (an integer argument equal to 1, such as a sequence count, is

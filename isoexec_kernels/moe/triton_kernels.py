@@ -24,10 +24,12 @@ bound on the number of m-tiles of all experts, ``R // BLOCK_M + min(E, R)`` for 
 (known on the host: no ``.tolist()``, no host sync, one grid per R so CUDA-graph capturable);
 each program finds its (expert, m-tile) on the device from the offsets (the prefix sum of the
 experts' tile counts) and programs past the last tile return at once. Axis 1 is the n-tile.
-Tile constants are pinned per dtype (:data:`TILES`; no autotune, nothing keyed on the shape or the
-load). BLOCK_K and the K order never change, so -- as for the linear, whose tiles all gave the same
-bits on the H200 -- a row's bits are those of the invariant linear for that row alone whatever its
-expert's load; the GPU tests check exactly this (``tests/kernels/test_moe_grouped_gemm.py``).
+Tile constants are pinned per dtype and dispatch-row bucket (:func:`grouped_tile`: below or from
+:data:`LARGE_ROWS` rows, a count the host knows; no autotune, nothing keyed on the experts' loads).
+BLOCK_K and the K order never change, so -- as for the linear, whose tiles all gave the same bits
+on the H200 -- a row's bits are those of the invariant linear for that row alone whatever its
+expert's load and whichever tile serves it; the GPU tests check exactly this
+(``tests/kernels/test_moe_grouped_gemm.py``).
 
 Backward (:class:`_GroupedLinearFn`; deterministic, not batch invariant: only forward bits must
 match between trainer and engine): the input gradient is the same grouped kernel with the weights
@@ -50,22 +52,47 @@ from .types import Dispatch
 
 
 TILES = {
-    # dtype -> launch of the forward / input-gradient grouped GEMM (scheduling only: BLOCK_K is
-    # the linear's 64 everywhere). 16-bit: 64-row tiles (one wgmma M block, the least padding for
-    # the few rows an expert gets in decode), 128 columns, 3 stages (72 KiB of shared memory).
+    # dtype -> launch of the forward / input-gradient grouped GEMM below LARGE_ROWS dispatch rows
+    # (scheduling only: BLOCK_K is the linear's 64 everywhere). 16-bit: 64-row tiles (one wgmma M
+    # block, the least padding for the few rows an expert gets in decode), 128 columns, 3 stages
+    # (72 KiB of shared memory).
     torch.bfloat16: dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     torch.float16: dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
     # fp32 (``ieee`` dot: an FMA chain): the linear's fp32 tile.
     torch.float32: dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 }
-"""Pinned tiles of :func:`grouped_linear` per input dtype."""
+"""Pinned tiles of :func:`grouped_linear` per input dtype, below :data:`LARGE_ROWS` rows."""
+
+LARGE_ROWS = 8192
+TILES_LARGE = {
+    # from LARGE_ROWS dispatch rows on (training and long prefill chunks: ~64+ rows per expert):
+    # 128 x 256 tiles, 8 warps. On the H200 at 4096 tokens (scripts/moe_grouped_probe.py, 4f3e26e)
+    # they gave the 64 x 128 tile's bits and took 0.49 / 0.28 ms instead of 0.57 / 0.35 ms for
+    # GLM-4.7-Flash's gate_up / down (Qwen3.5-35B-A3B: 0.41 / 0.28 instead of 0.47 / 0.32), the
+    # input gradients 0.51 / 0.26 instead of 0.68 / 0.34
+    torch.bfloat16: dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+    torch.float16: dict(BLOCK_M=128, BLOCK_N=256, num_warps=8, num_stages=3),
+}
+"""Pinned tiles of :func:`grouped_linear` per input dtype from :data:`LARGE_ROWS` rows on."""
 
 WGRAD_TILES = {
-    torch.bfloat16: dict(BLOCK_N=64, BLOCK_KW=64, BLOCK_R=64, num_warps=4, num_stages=3),
-    torch.float16: dict(BLOCK_N=64, BLOCK_KW=64, BLOCK_R=64, num_warps=4, num_stages=3),
+    # 128 x 128 output tiles, 64-row steps: 0.32 / 0.81 ms instead of 0.44 / 0.98 ms (64 x 64) for
+    # GLM-4.7-Flash's down / gate_up weight gradients at 4096 tokens on the H200 (the probe above)
+    torch.bfloat16: dict(BLOCK_N=128, BLOCK_KW=128, BLOCK_R=64, num_warps=4, num_stages=3),
+    torch.float16: dict(BLOCK_N=128, BLOCK_KW=128, BLOCK_R=64, num_warps=4, num_stages=3),
     torch.float32: dict(BLOCK_N=32, BLOCK_KW=32, BLOCK_R=32, num_warps=4, num_stages=2),
 }
 """Pinned tiles of the weight-gradient kernel (backward only)."""
+
+
+def grouped_tile(rows: int, dtype: torch.dtype) -> dict:
+    """The pinned launch of :func:`grouped_linear` for ``rows`` dispatch rows (a host-known
+    count: no sync). Scheduling only: every tile runs the same K loop, so a row's bits do not
+    depend on which one serves it (the GPU tests compare a token alone, on the small tile, with
+    the token in 4096-token batches, on the large one)."""
+    if rows >= LARGE_ROWS and dtype in TILES_LARGE:
+        return TILES_LARGE[dtype]
+    return TILES[dtype]
 
 
 def _e_pow2(E: int) -> int:
@@ -177,7 +204,7 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, idx: torch
         return out
     if K == 0:
         return out.zero_()
-    cfg = dict(TILES[x.dtype], **(tile or {}))
+    cfg = dict(grouped_tile(rows, x.dtype), **(tile or {}))
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     grid = (rows // bm + min(E, rows), triton.cdiv(N, bn))
     _grouped_gemm_kernel[grid](
@@ -264,4 +291,4 @@ def experts_forward_triton(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tenso
     return grouped_linear(silu_and_mul(h), down, disp.offsets)
 
 
-__all__ = ["TILES", "WGRAD_TILES", "BLOCK_K", "grouped_linear", "experts_forward_triton"]
+__all__ = ["TILES", "TILES_LARGE", "LARGE_ROWS", "grouped_tile", "WGRAD_TILES", "BLOCK_K", "grouped_linear", "experts_forward_triton"]

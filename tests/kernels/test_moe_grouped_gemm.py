@@ -330,7 +330,9 @@ def test_grouped_gemm_under_interpreter(interp_results, kb, case):
 # --------------------------------------------------------------------------- CUDA
 # bf16 at Qwen3.5-MoE-like dims: H 2048, I 512, k 8, E 64/128/256.
 
-CUDA_TOKENS = (1, 2, 3, 8, 16, 63, 64, 65, 256, 1000, 4096)
+# with k = 8, 1023 and 1024 tokens sit on both sides of the grouped GEMM's tile switch
+# (triton_kernels.LARGE_ROWS = 8192 dispatch rows)
+CUDA_TOKENS = (1, 2, 3, 8, 16, 63, 64, 65, 256, 1000, 1023, 1024, 4096)
 
 
 def _cuda_layer(E, seed, H=_QWEN["H"], I=_QWEN["I"], dtype=torch.bfloat16):
@@ -349,6 +351,15 @@ def _token_rows(y, disp, t):
     """The k expert rows of token t in slot order (ascending expert)."""
     k = disp.top_k
     return y[disp.row_of_pair[t * k:(t + 1) * k]]
+
+
+def test_the_gpu_token_counts_cross_the_grouped_tile_switch():
+    # the GPU gates below must see both launches of the grouped GEMM (k = 8)
+    rows = [T * 8 for T in CUDA_TOKENS]
+    assert min(rows) < mtk.LARGE_ROWS <= max(rows)
+    assert mtk.grouped_tile(mtk.LARGE_ROWS - 1, torch.bfloat16) != mtk.grouped_tile(mtk.LARGE_ROWS, torch.bfloat16)
+    for tiles in (mtk.TILES, mtk.TILES_LARGE):
+        assert all("BLOCK_K" not in t and "BLOCK_K_" not in t for t in tiles.values())
 
 
 @pytest.mark.gpu
