@@ -1,4 +1,5 @@
-"""Benchmark plumbing: timing (device events / do_bench, median of many), result JSON.
+"""Benchmark plumbing: timing (device events / do_bench, median of many), result JSON, the plan a
+composition binds for a family and case, random inputs (rotated sets, a paged KV cache).
 
 Result format (docs/benchmarks.md, stable): ``{"name", "env": {device, torch, triton, transformers,
 commit, date}, "rows": [{<shape fields>, "baseline", "baseline_ms", "ours_ms", "speed_ratio"}]}``
@@ -16,8 +17,13 @@ from typing import Callable
 
 import torch
 
+from ..compose import build_contract
+from ..enforce import ExecutionPlan
 from ..envinfo import env_info
 from ..paths import atomic_write
+
+# the two sides of every composition benchmark: the stock baseline first, then ours
+COMPOSITIONS = ("native", "isoexec")
 
 
 def time_ms(fn: Callable[[], object], device: str, warmup_ms: float = 25, rep_ms: float = 120,
@@ -49,6 +55,46 @@ def graph_time_ms(fn: Callable[[], object], rep_ms: float = 120) -> float:
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
+def time_compositions(make_run: Callable[[str], Callable[[], object]], device: str, graphs: bool = False,
+                      **reps) -> tuple[dict, dict]:
+    """``({composition: median ms}, timing fields)`` of ``make_run(c)()`` for both compositions.
+    With ``graphs`` (CUDA only) the times are CUDA-graph replays and the eager times are kept as
+    ``eager_baseline_ms`` / ``eager_ours_ms``; a composition that cannot be captured (it syncs with
+    the host) leaves the times eager and says why in ``graph_error``. ``reps`` go to ``time_ms``."""
+    t = {c: time_ms(make_run(c), device, **reps) for c in COMPOSITIONS}
+    extra = {"timing": "eager"}
+    if graphs:
+        try:
+            g = {c: time_ms(make_run(c), "cuda-graph") for c in COMPOSITIONS}
+        except RuntimeError as exc:   # a composition that syncs with the host cannot be captured
+            extra["graph_error"] = str(exc).splitlines()[0][:200]
+        else:
+            extra = {"timing": "cuda_graph", "eager_baseline_ms": round(t["native"], 6),
+                     "eager_ours_ms": round(t["isoexec"], 6)}
+            t = g
+    return t, extra
+
+
+def composition_plan(family: str, composition: str, arch: str, case: str) -> ExecutionPlan:
+    """The regions ``composition`` binds for ``family`` on ``arch`` in ``case``: the plan the
+    family's model runs there, built from the shipped composition."""
+    return ExecutionPlan.build(build_contract(family, composition, arch), case)
+
+
+def random_paged_kv(batch: int, context: int, page_size: int, heads: int, width: int, device: str,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A random paged KV cache holding ``batch`` sequences of ``context`` keys: ``(k_cache,
+    v_cache)`` [pages, page_size, heads, width] ~ N(0, 1), a block table [batch, context /
+    page_size] of shuffled page ids (a sequence's pages are not contiguous, as after an engine's
+    allocations), and the context lengths [batch] (int32)."""
+    pages = batch * context // page_size
+    kc = torch.randn(pages, page_size, heads, width, device=device, dtype=dtype)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(pages, device=device).to(torch.int32).view(batch, context // page_size)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return kc, vc, bt, lens
 
 
 def rotating(make: Callable[[], tuple], count: int) -> Callable[[], tuple]:

@@ -23,7 +23,7 @@ from isoexec_kernels.gemm import linear
 from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
 from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
 
-from .common import print_rows, rotating, row, time_ms
+from .common import print_rows, random_paged_kv, rotating, row, time_ms
 from .cpr import bench_cpr_rows
 from .engine import bench_engine
 from .moe import bench_moe
@@ -104,11 +104,7 @@ def bench_attention(device: str, quick: bool = False, log=print) -> list[dict] |
     timer = "cuda-graph" if device == "cuda" else device
     skipped = []
     for b, ctx in decode:
-        pages = b * ctx // page
-        kc = torch.randn(pages, page, hkv, d, device=device, dtype=dtype)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(pages, device=device).to(torch.int32).view(b, ctx // page)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+        kc, vc, bt, lens = random_paged_kv(b, ctx, page, hkv, d, device, dtype)
         kd = kc[bt.long()].reshape(b, ctx, hkv, d).transpose(1, 2).contiguous()
         vd = vc[bt.long()].reshape(b, ctx, hkv, d).transpose(1, 2).contiguous()
         nxt = rotating(lambda: (torch.randn(b, hq, d, device=device, dtype=dtype),), 3)

@@ -1,4 +1,5 @@
-"""``isoexec bench moe``: one mixture-of-experts layer, IsoExec vs stock, forward and forward + backward.
+"""``isoexec bench moe``: one mixture-of-experts layer, IsoExec vs stock, forward and forward + backward,
+then the attention of the MoE model with MLA (``mla.py``).
 
 The layer is the models' own ``moe_layer`` (``isoexec/model/mla_moe.py``: router, dispatch, experts,
 the shared expert's linear and activation regions, combine), run once with the regions the
@@ -30,8 +31,13 @@ w.r.t. the input and every trained weight, a fixed upstream gradient) for the tr
 Timing (``timing`` in every row): on CUDA the decode sizes (M <= 256) are timed as CUDA-graph
 replays of both compositions (``common.graph_time_ms``), since the engine decodes in graphs, with
 the eager times beside them (``eager_baseline_ms``, ``eager_ours_ms``); a composition that cannot be
-captured leaves the row eager and says why (``graph_error``). Prefill and training rows, and every
-CPU row, are eager.
+captured leaves the row eager and says why (``graph_error``; ``common.time_compositions``).
+Prefill and training rows, and every CPU row, are eager.
+
+After the MoE rows come the ``mla.glm47_flash.*`` rows of ``mla.py``: the mla_moe family's
+attention region (``attn_core``: MLA in the expanded form) under both compositions, trainer
+varlen forward and forward + backward, engine paged prefill, and paged decode under CUDA graphs,
+at the GLM-4.7-Flash attention dimensions (tiny on a CPU or with ``--quick``).
 """
 
 from __future__ import annotations
@@ -43,13 +49,11 @@ import torch
 
 from isoexec_kernels.moe import RouterSpec
 
-from ..compose import build_contract
 from ..enforce import ExecutionPlan
 from ..envinfo import runtime_arch
 from ..model.mla_moe import moe_layer
-from .common import fwd_bwd, leaf, print_rows, rotating, row, time_ms
-
-COMPOSITIONS = ("native", "isoexec")
+from .common import COMPOSITIONS, composition_plan, fwd_bwd, leaf, print_rows, rotating, row, time_compositions
+from .mla import bench_mla
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ QUICK_DECODE_M, QUICK_TRAIN_M = (1, 16), (64,)
 
 def moe_plan(family: str, composition: str, arch: str, case: str) -> ExecutionPlan:
     """The regions ``composition`` binds for ``family`` on ``arch`` in ``case`` (the model's plan)."""
-    return ExecutionPlan.build(build_contract(family, composition, arch), case)
+    return composition_plan(family, composition, arch, case)
 
 
 def moe_weights(shape: MoeShape, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -145,17 +149,7 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
                   "router": shape.spec.kind, "dtype": str(dtype).replace("torch.", "")}
 
         def timed(stage_pass: str, m: int, make_run, graphs: bool = False) -> None:
-            t = {c: time_ms(make_run(c), device, **reps) for c in COMPOSITIONS}
-            extra = {"timing": "eager"}
-            if graphs:
-                try:
-                    g = {c: time_ms(make_run(c), "cuda-graph") for c in COMPOSITIONS}
-                except RuntimeError as exc:   # a composition that syncs with the host cannot be captured
-                    extra["graph_error"] = str(exc).splitlines()[0][:200]
-                else:
-                    extra = {"timing": "cuda_graph", "eager_baseline_ms": round(t["native"], 6),
-                             "eager_ours_ms": round(t["isoexec"], 6)}
-                    t = g
+            t, extra = time_compositions(make_run, device, graphs, **reps)
             r = row({"stage": f"moe.{shape.name}.{stage_pass}", "M": m, "pass": stage_pass, **fields, **extra},
                     "torch", t["native"], t["isoexec"])
             rows.append(r)
@@ -191,4 +185,4 @@ def bench_moe(device: str, quick: bool = False, log=print) -> list[dict]:
         del weights
         if device == "cuda":
             torch.cuda.empty_cache()
-    return rows
+    return rows + bench_mla(device, quick, log)

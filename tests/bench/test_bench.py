@@ -39,11 +39,26 @@ def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
         assert {(r["workload"], r["baseline"]) for r in obj["rows"]} == {
             ("batch", "native_engine"), ("batch", "transformers_generate"), ("staggered", "native_engine")}
         assert all(r["requests"] == 4 for r in obj["rows"])
-    if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size
-        assert {(r["stage"], r["M"]) for r in obj["rows"]} == {
+    if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size; then MLA
+        moe = [r for r in obj["rows"] if r["stage"].startswith("moe.")]
+        mla = [r for r in obj["rows"] if r["stage"].startswith("mla.")]
+        assert len(moe) + len(mla) == len(obj["rows"])
+        assert {(r["stage"], r["M"]) for r in moe} == {
             (f"moe.{s}.{p}", m) for s in ("glm47_flash", "qwen35_35b_a3b")
             for p, ms in (("fwd", (1, 16, 64)), ("fwd+bwd", (64,))) for m in ms}
         assert all(r["pass"] == r["stage"].rsplit(".", 1)[1] and r["speed_ratio"] > 0 for r in obj["rows"])
+        # the mla_moe attention region in each case the model calls it, at mla_moe_tiny's dims
+        # (4 heads, q/k 8 + 8, v 8, padded to 16), each side the implementation its composition binds
+        assert {(r["stage"], r["case"], r["M"], r["batch"], r.get("seqlen"), r.get("context")) for r in mla} == {
+            ("mla.glm47_flash.trainer.fwd", "trainer_score", 64, 2, 32, None),
+            ("mla.glm47_flash.trainer.fwd+bwd", "trainer_fwd", 64, 2, 32, None),
+            ("mla.glm47_flash.prefill.fwd", "engine_prefill", 64, 2, 32, 32),
+            ("mla.glm47_flash.decode.fwd", "engine_decode", 4, 4, None, 64)}
+        for r in mla:
+            assert (r["heads"], r["qk_head_dim"], r["v_head_dim"], r["attn_width"]) == (4, 16, 8, 16), r
+            assert (r["impl"], r["baseline_impl"], r["baseline"]) == ("mla_expanded_walk", "torch_mla_sdpa", "torch")
+            assert r["dtype"] == "float32" and r["timing"] == "eager"
+            assert r.get("page_size") == (None if r["case"].startswith("trainer") else 16), r
 
 
 def test_report_renders_every_row(tmp_path):
