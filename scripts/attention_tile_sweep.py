@@ -18,7 +18,9 @@ A candidate whose BLOCK_N differs from the pinned 64 changes the rounding schedu
 boundaries), so it is timed and checked for self-invariance but reported as a schedule change.
 Usage on the GPU machine:
 
-    python3 scripts/attention_tile_sweep.py --out $OUT/attention_sweep.json
+    python3 scripts/attention_tile_sweep.py --out $OUT/attention_sweep.json [--head-dim 256]
+
+``--head-dim 256`` sweeps the mla_moe family's expanded MLA width (GLM-4.7-Flash heads) instead.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def _c(bm, bn, w, s, fuse=False, tma=False):
 # tma: the trainer's varlen prefill reads packed K/V through tensor descriptors (paged prefill
 # and decode always use pointer loads)
 CANDIDATES = [_c(64, 64, 4, 2), _c(64, 64, 4, 3, tma=True), _c(128, 64, 8, 3, tma=True)]
+# head width 256: the mla_moe family's expanded MLA (GLM-4.7-Flash: 20 heads, q/k 192 + 64, v 256,
+# both zero-padded to 256; no GQA) -- ``--head-dim 256``
+HEADS_256 = [("glm.mla", 20, 20, 256)]
+CANDIDATES_256 = [_c(64, 64, 8, 2), _c(64, 64, 4, 2), _c(64, 64, 8, 2, tma=True), _c(64, 64, 8, 3, tma=True),
+                  _c(128, 64, 8, 2, tma=True), _c(128, 32, 8, 2, tma=True)]
 
 
 def _launch(q, kc, vc, bt, cu, lens, scale, maxq, page, cfg, kv_tma=False):
@@ -207,8 +214,12 @@ def backward_timings(hq, hkv, d):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
     args = ap.parse_args()
-    current = {**at.tile_config(128), "fp_fusion": False, "tma": True}   # the product's varlen path
+    global HEADS, CANDIDATES
+    if args.head_dim == 256:
+        HEADS, CANDIDATES = HEADS_256, CANDIDATES_256
+    current = {**at.tile_config(args.head_dim), "fp_fusion": False, "tma": True}   # the product's varlen path
     results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "current": current,
                "heads": {}}
     with torch.no_grad():

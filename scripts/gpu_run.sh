@@ -63,7 +63,7 @@ if [ "$MODE" = speed ]; then
   fi
   if [ "${ATTN_SWEEP:-0}" = 1 ]; then
     SECONDS=0
-    timeout ${ATTN_SWEEP_TIMEOUT:-420} python3 scripts/attention_tile_sweep.py --out "$OUT/attention_sweep.json" \
+    timeout ${ATTN_SWEEP_TIMEOUT:-420} python3 scripts/attention_tile_sweep.py ${ATTN_SWEEP_ARGS:-} --out "$OUT/attention_sweep.json" \
       > "$WORK/attention_sweep.log" 2>&1
     echo "attention sweep rc=$? (${SECONDS}s)"; cp "$WORK/attention_sweep.log" "$OUT/"; tail -40 "$WORK/attention_sweep.log"
   fi
