@@ -4,7 +4,8 @@ engine prefill (split anywhere) and engine decode.
 Besides the usual files (``isoexec_kernels/__init__.py``): ``state.py`` (the engine's per-slot state
 and the chunk size), ``plan.py`` (argument checks and host-side planning shared by the twins),
 ``chunk_form.py`` (the gated delta rule in stock torch ops: the stock twin's CPU path and the
-backward of every trainer path).
+backward of every trainer path), ``chunk_backward.py`` (that backward as fused Triton kernels, used
+on CUDA, and its torch reference twin).
 """
 
 from ..impl import Constant, Impl, per_case
@@ -18,6 +19,7 @@ from .reference import (
 )
 from .triton_kernels import BLOCK_DK, BLOCK_DV, gdn_cpr_decode_triton, gdn_cpr_engine_triton, gdn_cpr_varlen_triton
 from .chunk_form import torch_chunk_form, torch_recurrence
+from .chunk_backward import chunk_backward_reference, chunk_backward_triton
 from .native import gdn_chunk_engine, gdn_chunk_varlen, gdn_recurrent_decode, gdn_recurrent_engine, gdn_recurrent_varlen
 
 IMPLS = (

@@ -84,8 +84,10 @@ Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chu
 fp32). Decode allocates the prep scratch for all B lanes every step (3 x [B, H, C, D] fp32,
 about 0.8 GB at B=256, H=32, D=128; freed after the step, reused inside a CUDA graph pool).
 
-Backward (trainer): the gradient of a differentiable torch chunk-form evaluation of the same
-function (``chunk_form.torch_chunk_form``), recomputed in the backward; correct at
+Backward (trainer): the gradient of the chunk form of the same function
+(``chunk_form.torch_chunk_form``), recomputed in the backward by ``chunk_form_backward``: on CUDA
+the fused Triton kernels of ``chunk_backward.py`` (tf32x3 dots, fixed reduction orders, no
+atomics: deterministic run to run), elsewhere autograd through the torch chunk form; correct at
 tolerance, not on the invariant path (the rollout never differentiates).
 """
 

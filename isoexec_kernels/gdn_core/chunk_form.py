@@ -1,7 +1,8 @@
 """The gated delta rule in stock torch ops, differentiable: the chunkwise-parallel form and the per-
 token recurrence. The stock twin runs them on the CPU; every trainer path (CPR's and the stock
-twin's) takes its backward from the chunk form (``chunk_form_backward``): correct at tolerance, not
-on the invariant path (the rollout never differentiates)."""
+twin's) takes its backward from the chunk form (``chunk_form_backward``: the fused Triton backward
+of ``chunk_backward.py`` on CUDA, autograd through ``torch_chunk_form`` elsewhere): correct at
+tolerance, not on the invariant path (the rollout never differentiates)."""
 
 from __future__ import annotations
 
@@ -124,9 +125,27 @@ def torch_recurrence(q, k, v, g, beta, cu_seqlens, *, initial_state=None, output
     return (o, S) if output_final_state else o
 
 
+def _use_triton_backward(q) -> bool:
+    """CUDA tensors (``want_triton``), or CPU tensors under ``TRITON_INTERPRET=1``; never float64
+    (gradcheck's inputs take the autograd path in their own precision)."""
+    from .._triton_util import triton_usable, want_triton
+
+    return q.dtype != torch.float64 and (want_triton(q) or triton_usable(q))
+
+
 def chunk_form_backward(inputs, cu_seqlens, chunk, grad_out):
     """Gradients of the torch chunk form (``chunk_form.torch_chunk_form``) at ``inputs``
-    = (q, k, v, g, beta): the backward of every trainer path of this package."""
+    = (q, k, v, g, beta): the backward of every trainer path of this package. CUDA tensors (or
+    CPU tensors under the Triton interpreter) take the fused Triton backward of
+    ``chunk_backward.py``; others (and float64) differentiate ``torch_chunk_form`` by autograd.
+    Each returned gradient has its input's dtype (None where the input needs none)."""
+    q = inputs[0]
+    if _use_triton_backward(q):
+        from .chunk_backward import chunk_backward_triton
+
+        grads = chunk_backward_triton(*(x.detach() for x in inputs), cu_seqlens, grad_out.detach(),
+                                      chunk=chunk)
+        return [gr.to(orig.dtype) if orig.requires_grad else None for gr, orig in zip(grads, inputs)]
     with torch.enable_grad():
         xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
         o = torch_chunk_form(*xs, cu_seqlens, chunk=chunk)

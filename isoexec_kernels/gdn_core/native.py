@@ -19,8 +19,9 @@ CUDA: Triton kernels: the chunk path runs the prep and state kernels of CPR (``t
 ``NATIVE_DOT_PRECISION`` (TF32, Triton's default for fp32 ``tl.dot``, what a stock chunk kernel
 gets for fp32 inputs) plus the output kernel below; the recurrent path runs CPR's
 per-token kernel over whole sequences. Backward on CUDA (trainer): the gradient of
-``torch_chunk_form``, recomputed (the same backward as CPR's, so fwd+bwd timings differ only in
-the forward). NOT run on a GPU by the author; CPU interpreter only.
+``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py`` (the same backward as
+CPR's, so fwd+bwd timings differ only in the forward). NOT run on a GPU by the author; CPU
+interpreter only.
 """
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""Backward of the GDN chunk form (isoexec_kernels/gdn_core/chunk_backward.py): the torch reference
+twin and the fused Triton kernels against autograd through ``torch_chunk_form`` in float64, run-to-
+run determinism (two calls give the same bits), and the wiring (``chunk_form_backward``, hence
+``gdn_cpr_varlen`` and the native chunk trainer) on CUDA and under the Triton interpreter.
+
+Lengths cross the chunk grid (1, C - 1, C, C + 1, several chunks, an empty sequence); GQA with
+H = 2 Hk (and H = 3 Hk with Dk, Dv that are not powers of two in the masked case)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoexec_kernels import gdn_core as G
+from isoexec_kernels.gdn_core import chunk_backward as CB
+from isoexec_kernels.gdn_core import native as N
+from isoexec_kernels.gdn_core.chunk_form import chunk_form_backward, torch_chunk_form
+
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def make_inputs(lens, Hk, H, Dk, Dv, seed, v_dtype=torch.float32, dtype=torch.float32, g_scale=0.5):
+    """Random GDN inputs (as the gdn_core tests): q, k L2-normalised (q scaled by Dk^-0.5), g <= 0,
+    beta in (0, 1); plus a random output gradient dO [T, H, Dv] fp32 (float64 for float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1)
+    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1) * Dk ** -0.5
+    v = torch.randn(T, H, Dv, generator=gen, dtype=dtype).to(v_dtype)
+    g = -torch.rand(T, H, generator=gen, dtype=dtype) * g_scale
+    beta = torch.rand(T, H, generator=gen, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    do = torch.randn(T, H, Dv, generator=gen, dtype=dtype)
+    return (q, k, v, g, beta), cu, do
+
+
+def autograd64(xs, cu, do, chunk):
+    """Gradients of sum(torch_chunk_form(xs) * do) by autograd in float64 (on the inputs' device)."""
+    ref = [x.detach().double().requires_grad_() for x in xs]
+    o = torch_chunk_form(*ref, cu, chunk=chunk)
+    return torch.autograd.grad(o, ref, do.double())
+
+
+def check_close(kb, got, want, tol, what):
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape, (what, name, a.shape, b.shape)
+        assert float(b.abs().sum()) > 0, (what, name)
+        err = kb.rel_l2(a, b)
+        assert err < tol, f"{what} d{name}: rel l2 {err:.3g} >= {tol}"
+
+
+LENS = [1, 63, 0, 64, 65, 130]
+SMALL = dict(Hk=2, H=4, Dk=16, Dv=32)
+
+
+# --------------------------------------------------------------------------- reference twin (CPU)
+
+
+def test_reference_twin_matches_autograd_float64(kb):
+    xs, cu, do = make_inputs(LENS, **SMALL, seed=1, dtype=torch.float64, v_dtype=torch.float64)
+    got = CB.chunk_backward_reference(*xs, cu, do, chunk=16)
+    assert all(x.dtype == torch.float64 for x in got)
+    check_close(kb, got, autograd64(xs, cu, do, 16), 1e-12, "reference float64")
+
+
+def test_reference_twin_float32_within_fp32_tolerance(kb):
+    xs, cu, do = make_inputs(LENS, **SMALL, seed=2)
+    got = CB.chunk_backward_reference(*xs, cu, do, chunk=16)
+    assert all(x.dtype == torch.float32 for x in got)
+    check_close(kb, got, autograd64(xs, cu, do, 16), kb.TOL[torch.float32], "reference float32")
+
+
+def test_reference_twin_rep3_and_single_chunk_sizes(kb):
+    # H = 3 Hk; a chunk as long as the whole batch; lengths below one chunk only
+    xs, cu, do = make_inputs([3, 7, 1], Hk=1, H=3, Dk=8, Dv=4, seed=3, dtype=torch.float64,
+                             v_dtype=torch.float64)
+    for chunk in (8, 16):
+        got = CB.chunk_backward_reference(*xs, cu, do, chunk=chunk)
+        check_close(kb, got, autograd64(xs, cu, do, chunk), 1e-12, f"rep 3 chunk {chunk}")
+
+
+def test_cpu_backward_keeps_the_autograd_path(monkeypatch):
+    """On CPU (no interpreter) chunk_form_backward differentiates torch_chunk_form: the Triton
+    launcher is never reached."""
+    monkeypatch.setattr(CB, "chunk_backward_triton", lambda *a, **k: pytest.fail("Triton path taken"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    xs, cu, do = make_inputs([20, 5], Hk=1, H=2, Dk=8, Dv=8, seed=4)
+    inputs = [x.clone().requires_grad_(r) for x, r in zip(xs, (True, False, True, True, False))]
+    grads = chunk_form_backward(inputs, cu, 8, do)
+    assert grads[1] is None and grads[4] is None
+    assert all(gr.dtype == torch.float32 and gr.abs().sum() > 0 for gr in (grads[0], grads[2], grads[3]))
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+# Each interp_case_* runs in the TRITON_INTERPRET=1 subprocess (tests/kernels/conftest.py).
+
+
+def interp_case_chunk_backward_triton_matches_float64_repeats_and_is_wired(kb):
+    lens = [1, 15, 0, 16, 17, 40]
+    C = 16
+    xs, cu, do = make_inputs(lens, **SMALL, seed=10)
+    want = autograd64(xs, cu, do, C)
+    first = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
+    assert all(x.dtype == torch.float32 for x in first)
+    check_close(kb, first, want, kb.TOL[torch.float32], "triton (interpreter)")
+    check_close(kb, first, CB.chunk_backward_reference(*xs, cu, do, chunk=C), kb.TOL[torch.float32],
+                "triton vs its twin")
+    second = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
+    for name, a, b in zip(NAMES, first, second):
+        kb.assert_bitwise(a, b, f"second call d{name}")
+    # wiring: gdn_cpr_varlen's autograd -> chunk_form_backward -> the Triton backward (under the
+    # interpreter CPU tensors take it); sum(o * do) gives the backward exactly dO = do
+    leaves = [x.clone().requires_grad_() for x in xs]
+    (G.gdn_cpr_varlen(*leaves, cu, chunk=C) * do).sum().backward()
+    for name, leaf, b in zip(NAMES, leaves, first):
+        kb.assert_bitwise(leaf.grad, b, f"gdn_cpr_varlen grad d{name}")
+
+
+def interp_case_chunk_backward_triton_masked_dims_rep3_bf16_values_strided(kb):
+    # Dk = 24, Dv = 20 (masked tiles), H = 3 Hk, bf16 v, inputs as views of wider tensors
+    lens = [5, 20, 16]
+    C = 16
+    xs, cu, do = make_inputs(lens, Hk=1, H=3, Dk=24, Dv=20, seed=11, v_dtype=torch.bfloat16)
+    q, k, v, g, beta = xs
+    qk = torch.cat([q, k], dim=-1)
+    vv = torch.cat([v, v], dim=-1)
+    gb = torch.stack([g, beta], dim=-1)
+    dd = torch.cat([do, do], dim=-1)
+    views = (qk[..., :24], qk[..., 24:], vv[..., :20], gb[..., 0], gb[..., 1])
+    assert not any(x.is_contiguous() for x in views)
+    got = CB.chunk_backward_triton(*views, cu, dd[..., :20], chunk=C)
+    check_close(kb, got, autograd64(xs, cu, do, C), kb.TOL[torch.float32], "masked / strided")
+    dense = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
+    for name, a, b in zip(NAMES, got, dense):
+        kb.assert_bitwise(a, b, f"strided vs contiguous d{name}")
+    # the public wiring casts each gradient to its input's dtype, None where not required
+    inputs = [x.detach().requires_grad_(r) for x, r in zip(xs, (False, True, True, False, True))]
+    grads = chunk_form_backward(inputs, cu, C, do)
+    assert grads[0] is None and grads[3] is None
+    assert grads[2].dtype == torch.bfloat16
+    kb.assert_bitwise(grads[1], dense[1], "chunk_form_backward dk")
+    kb.assert_bitwise(grads[4], dense[4], "chunk_form_backward dbeta")
+
+
+@pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
+def test_gdn_chunk_backward_triton_under_interpreter(interp_results, kb, case):
+    kb.check_interp(interp_results, "test_gdn_chunk_backward", case)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+QWEN35 = dict(Hk=16, H=32, Dk=128, Dv=128)
+# fp32 evaluation of this backward (the reference twin) is 4e-7 .. 7e-7 from float64 at these
+# dims on the CPU; tf32x3 dots leave a few times more
+GPU_TOL = 2e-5
+
+
+def _cuda(xs, cu, do):
+    return [x.cuda() for x in xs], cu.cuda(), do.cuda()
+
+
+@pytest.mark.gpu
+def test_chunk_backward_cuda_matches_float64(kb):
+    xs, cu, do = _cuda(*make_inputs([300, 64, 1, 129, 0, 77], **QWEN35, seed=20, v_dtype=torch.bfloat16))
+    got = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
+    assert all(x.is_cuda and x.dtype == torch.float32 for x in got)
+    check_close(kb, got, autograd64(xs, cu, do, G.CHUNK), GPU_TOL, "cuda vs float64")
+
+
+@pytest.mark.gpu
+def test_chunk_backward_cuda_deterministic_at_trainer_size(kb):
+    xs, cu, do = _cuda(*make_inputs([2048, 2048], **QWEN35, seed=21, v_dtype=torch.bfloat16))
+    a = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
+    b = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
+    for name, x, y in zip(NAMES, a, b):
+        kb.assert_bitwise(x, y, f"second call d{name}")
+        assert torch.isfinite(x).all(), name
+    # float64 check on a slice: the first 256 tokens of each sequence (a prefix of a sequence is
+    # a sequence of its own: its gradient needs only its own output gradient)
+    rows = torch.cat([torch.arange(0, 256), torch.arange(2048, 2048 + 256)]).cuda()
+    xs2 = [x[rows] for x in xs]
+    cu2 = torch.tensor([0, 256, 512], dtype=torch.int32, device="cuda")
+    got = CB.chunk_backward_triton(*xs2, cu2, do[rows], chunk=G.CHUNK)
+    check_close(kb, got, autograd64(xs2, cu2, do[rows], G.CHUNK), GPU_TOL, "slice vs float64")
+
+
+@pytest.mark.gpu
+def test_chunk_backward_cuda_through_trainer_autograd(kb):
+    xs, cu, do = _cuda(*make_inputs([700, 64, 129, 1], **QWEN35, seed=22))
+    direct = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
+    want = autograd64(xs, cu, do, G.CHUNK)
+    for fn in (G.gdn_cpr_varlen, N.gdn_chunk_varlen):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        (fn(*leaves, cu) * do).sum().backward()
+        for name, leaf, d in zip(NAMES, leaves, direct):
+            kb.assert_bitwise(leaf.grad, d, f"{fn.__name__} grad d{name}")
+        check_close(kb, [x.grad for x in leaves], want, GPU_TOL, fn.__name__)
