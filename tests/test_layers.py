@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = (
     ("isoexec_kernels",),
     ("isoexec.errors",),
-    ("isoexec.bits", "isoexec.envinfo", "isoexec.kernel_compiles", "isoexec.model_config", "isoexec.paths",
-     "isoexec.yamlio"),
+    ("isoexec.bits", "isoexec.dist", "isoexec.envinfo", "isoexec.kernel_compiles", "isoexec.model_config",
+     "isoexec.paths", "isoexec.yamlio"),
     ("isoexec.report",),
     ("isoexec.contract",),
     ("isoexec.registry",),

@@ -1,7 +1,7 @@
 """Batch-invariant linear layer: ``out = x @ weight.T (+ bias)``.
 
 Public API
-  ``linear(x, weight, bias=None, out_dtype=None)``  dispatcher (CUDA -> Triton, else reference),
+  ``linear(x, weight, bias=None, out_dtype=None, leaves=None)``  dispatcher (CUDA -> Triton, else reference),
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
@@ -54,22 +54,22 @@ from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
 from .triton_kernels import _triton_2d
 
 
-def _linear_2d(x2, w, bias, out_dtype=None):
+def _linear_2d(x2, w, bias, out_dtype=None, leaves=None):
     if want_triton(x2):
-        return _triton_2d(x2, w, bias, out_dtype=out_dtype)
-    return _reference_2d(x2, w, bias, out_dtype=out_dtype)
+        return _triton_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype)
+    return _reference_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype)
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype):
+    def forward(ctx, x, weight, bias, out_dtype, leaves):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
         ctx.wide = out_dtype is not None and out_dtype.itemsize > x.dtype.itemsize
-        out = _linear_2d(x2, weight, bias, out_dtype)
+        out = _linear_2d(x2, weight, bias, out_dtype, leaves)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -106,16 +106,20 @@ class _LinearFn(torch.autograd.Function):
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF)
         return (None if gx is None else gx.to(x_dtype).reshape(ctx.x_shape),
-                None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(w_dtype), None)
+                None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(w_dtype), None, None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None):
+           out_dtype: torch.dtype | None = None, leaves: int | None = None):
     """Batch-invariant ``x[..., K] @ weight[N, K].T (+ bias)``: Triton on CUDA, the reference
     twin elsewhere; differentiable. Rounding schedule: module docstring; ``out_dtype`` (default
     x's dtype) is the dtype of the one final rounding: fp32 for 16-bit inputs gives the fp32
     accumulator itself, which for bf16/fp16 values equals ``linear(x.float(), weight.float())``
-    on the reference (exact products) at the cost of a 16-bit GEMM on the GPU."""
+    on the reference (exact products) at the cost of a 16-bit GEMM on the GPU. ``leaves``
+    (default :func:`k_leaves_for` of the weight shape) sets the number of K leaves: a caller that
+    holds a slice of a larger weight passes the whole weight's count (a column shard, whose N is
+    smaller) or computes one leaf alone with ``leaves=1`` (a row-parallel linear under tensor parallelism).
+    The backward does not depend on it."""
     _check(x, weight, bias, out_dtype)
     if out_dtype == x.dtype:
         out_dtype = None
@@ -123,6 +127,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     if needs_grad:
-        return _LinearFn.apply(x, weight, bias, out_dtype)
+        return _LinearFn.apply(x, weight, bias, out_dtype, leaves)
     K = x.shape[-1]
-    return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype, leaves).reshape(*x.shape[:-1], weight.shape[0])

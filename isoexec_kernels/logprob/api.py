@@ -4,6 +4,7 @@ Public API
   ``token_logprobs(logits[T, V], targets[T]) -> fp32[T]``   dispatcher (CUDA -> Triton)
   ``log_softmax(logits[T, V]) -> fp32[T, V]``               dispatcher (for top-k logprobs)
   ``*_reference`` / ``*_triton`` twins, ``BLOCK_V``, ``REF_LEAF_V``
+  ``shards``: the reference schedule's pieces for a slice of the vocabulary (vocabulary-parallel)
 Both accept ``logits[..., V]`` (leading dims flattened into rows) in any float dtype; a row's
 result never depends on T, on the row's position or on the other rows. Differentiable
 (``token_logprobs`` / ``log_softmax`` backward: softmax-weighted, see below).

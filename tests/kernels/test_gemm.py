@@ -115,6 +115,28 @@ def test_linear_reference_k_leaves_are_summed_left_to_right():
     assert gemm.leaf_bounds(330, 5) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 6)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_leaves_argument_runs_that_schedule_and_leaves_the_backward_alone(kb, dtype):
+    """``linear(..., leaves=L)`` is the reference with L leaves, with and without autograd; the
+    backward does not depend on L (isoexec/dist's row- and column-parallel layers pass L)."""
+    w, b, g = _weights(24, 330, dtype, seed=80)
+    x = torch.randn(3, 330, generator=g).to(dtype)
+    probe = torch.randn(3, 24, generator=g)
+    grads = []
+    for leaves in (1, 5):
+        want = gemm.linear_reference(x, w, b, leaves=leaves)
+        kb.assert_bitwise(gemm.linear(x, w, b, leaves=leaves), want, f"no grad, {leaves} leaves")
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = gemm.linear(xs, ws, b, leaves=leaves)
+        kb.assert_bitwise(out, want, f"autograd, {leaves} leaves")
+        (out.float() * probe).sum().backward()
+        grads.append((xs.grad, ws.grad))
+    kb.assert_bitwise(grads[0][0], grads[1][0], "grad x, 1 vs 5 leaves")
+    kb.assert_bitwise(grads[0][1], grads[1][1], "grad w, 1 vs 5 leaves")
+    with pytest.raises(ValueError, match="7 K leaves for K=330"):
+        gemm.linear(x, w, b, leaves=7)
+
+
 def test_k_leaves_depend_on_the_weight_shape_only_and_bad_counts_are_refused(monkeypatch):
     for (n, k), leaves in gemm.K_LEAVES.items():
         assert gemm.k_leaves_for(n, k) == leaves and 1 <= leaves <= k // gemm.BLOCK_K

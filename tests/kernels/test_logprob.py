@@ -115,6 +115,29 @@ def test_logprob_gradients_match_float64(kb):
     assert kb.rel_l2(z.grad, z64.grad) < 1e-6
 
 
+@pytest.mark.parametrize("V", [1024, 3001, 5000])
+def test_logprob_shards_rebuild_the_reference_from_any_leaf_aligned_cut(kb, V):
+    """``logprob.shards``: slices cut on REF_LEAF_V boundaries, each reduced alone, joined in
+    vocabulary order, give the reference's logprob and gradient bit for bit."""
+    g = torch.Generator().manual_seed(V + 1)
+    z = torch.randn(5, V, generator=g) * 4
+    t = torch.randint(0, V, (5,), generator=g)
+    dy = torch.randn(5, generator=g)
+    n_leaves = -(-V // logprob.REF_LEAF_V)
+    for cuts in ([0, V], [0, logprob.REF_LEAF_V, V], [0] + [j * logprob.REF_LEAF_V for j in range(1, n_leaves)] + [V]):
+        cuts = sorted(set(cuts))
+        parts = list(zip(cuts, cuts[1:]))
+        m = torch.stack([logprob.shards.row_max(z[:, a:b]) for a, b in parts]).max(0).values + 0.0
+        lse = logprob.shards.lse_from_leaf_sums(torch.cat([logprob.shards.leaf_sums(z[:, a:b], m) for a, b in parts]))
+        got = z.gather(1, t[:, None])[:, 0] - m - lse
+        kb.assert_bitwise(got, logprob.token_logprobs_reference(z, t), f"V={V} cuts {cuts}")
+        grad = torch.cat([logprob.shards.token_grad(z[:, a:b], m, lse, torch.where((t >= a) & (t < b), t - a, -1),
+                                                    dy, z.dtype) for a, b in parts], dim=1)
+        zg = z.clone().requires_grad_()
+        logprob.token_logprobs(zg, t).backward(dy)
+        kb.assert_bitwise(grad, zg.grad, f"gradient V={V} cuts {cuts}")
+
+
 def test_logprob_forward_with_and_without_autograd_is_bitwise_equal(kb):
     g = torch.Generator().manual_seed(7)
     z = torch.randn(4, 900, generator=g).bfloat16()

@@ -1,0 +1,29 @@
+"""Tensor parallelism whose bits do not depend on the parallel size (issue #15, first piece).
+
+Tensor parallelism adds two reductions that a single process does not have: a row-parallel linear
+(o_proj, down_proj) sums partial products over K held by different ranks, and a vocabulary-parallel
+logprob sums exp(logits) over vocabulary slices held by different ranks. A collective that adds
+(``all_reduce``) picks its order from the group size and the algorithm, so TP = 2 and TP = 4 would
+give different bits, and neither the bits of one process. Here both reductions keep the
+single-process schedule instead: the work is cut along the schedule's own fixed pieces (K leaves,
+vocabulary leaves), each rank computes its pieces exactly as one process would, the pieces are
+gathered (``all_gather``: a copy, no arithmetic) and every rank adds them in the one fixed order
+of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
+(``tests/dist/``, gloo on CPU; docs/scale_out.md).
+
+  ``row_parallel_linear``     K sharded by whole K leaves, leaf partials gathered and summed in leaf order
+  ``column_parallel_linear``  N sharded, no reduction; optionally gathered along N
+  ``vocab_parallel_token_logprobs``  V sharded by whole vocabulary leaves of the reference schedule
+  ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
+
+Not built yet: the FSDP2 trainer, tensor parallelism inside the engine and the model classes,
+expert parallelism, the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
+"""
+
+from .column_parallel import column_parallel_linear
+from .partition import column_shard_range, row_shard_range, vocab_shard_range
+from .row_parallel import row_parallel_linear
+from .vocab_parallel_logprob import vocab_parallel_token_logprobs
+
+__all__ = ["column_parallel_linear", "column_shard_range", "row_parallel_linear", "row_shard_range",
+           "vocab_parallel_token_logprobs", "vocab_shard_range"]

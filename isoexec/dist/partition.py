@@ -1,0 +1,89 @@
+"""Which contiguous slice of a dimension each rank of a tensor-parallel group holds.
+
+Every split here cuts a dimension into the fixed units of a kernel's own schedule (64-wide K blocks
+grouped into K leaves, ``REF_LEAF_V``-wide vocabulary leaves), never into arbitrary column counts:
+a rank then computes whole units, each exactly as one process computes it, and only the order in
+which units are added remains to be fixed (row_parallel.py, vocab_parallel_logprob.py). Units are
+dealt out as ``leaf_bounds`` deals K blocks to leaves: part j of n units into p parts starts at unit
+``j * n // p`` (as even as possible, the larger parts last). That shared rule is what lets a
+column-parallel layer cut in 64-column units feed a row-parallel layer cut in K leaves: with tp
+dividing L, rank r's leaves are K blocks ``[r * nb // tp, (r + 1) * nb // tp)``, the same blocks
+as rank r's 64-column units of the layer before.
+
+A bad size raises one ValueError naming the sizes; the checks are local to each rank and identical
+on every rank (they see the same sizes), so all ranks refuse together, before any collective.
+"""
+
+from __future__ import annotations
+
+from isoexec_kernels.gemm import BLOCK_K, leaf_bounds
+from isoexec_kernels.gemm.reference import num_k_blocks
+from isoexec_kernels.logprob import REF_LEAF_V
+
+
+def _check_rank(what: str, tp: int, rank: int) -> None:
+    if tp < 1 or not 0 <= rank < tp:
+        raise ValueError(f"{what}: rank {rank} of a group of size {tp}; need tp >= 1 and 0 <= rank < tp")
+
+
+def _part(n_units: int, parts: int, j: int) -> tuple[int, int]:
+    return j * n_units // parts, (j + 1) * n_units // parts
+
+
+def row_shard_leaves(in_features: int, leaves: int, tp: int, rank: int) -> list[tuple[int, int]]:
+    """K column ranges ``[k0, k1)`` of the K leaves rank ``rank`` holds in a row-parallel linear
+    with ``leaves`` (L) K leaves: leaves ``rank * L / tp`` to ``(rank + 1) * L / tp - 1``. Refuses an
+    L the weight cannot have and a tp that does not divide L."""
+    what = "row-parallel linear"
+    if in_features < 1:
+        raise ValueError(f"{what}: in_features={in_features}; need at least one input column")
+    nb = num_k_blocks(in_features)
+    if not 1 <= leaves <= nb:
+        raise ValueError(f"{what}: L={leaves} K leaves for in_features={in_features} ({nb} blocks of "
+                         f"{BLOCK_K}); need 1 <= L <= {nb}")
+    if tp < 1 or leaves % tp:
+        raise ValueError(f"{what}: tp={tp} does not divide the L={leaves} K leaves; each rank must hold "
+                         f"L/tp whole leaves (pick L, a contract constant, divisible by every TP size served)")
+    _check_rank(what, tp, rank)
+    per = leaves // tp
+    bounds = leaf_bounds(in_features, leaves)[rank * per:(rank + 1) * per]
+    return [(b0 * BLOCK_K, min(in_features, b1 * BLOCK_K)) for b0, b1 in bounds]
+
+
+def row_shard_range(in_features: int, leaves: int, tp: int, rank: int) -> tuple[int, int]:
+    """Input columns ``[k0, k1)`` rank ``rank`` holds in a row-parallel linear (its K leaves side
+    by side): the slice of the input and of the weight's columns it is given."""
+    mine = row_shard_leaves(in_features, leaves, tp, rank)
+    return mine[0][0], mine[-1][1]
+
+
+def column_shard_range(out_features: int, tp: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Output columns ``[n0, n1)`` rank ``rank`` computes in a column-parallel linear, N cut into
+    ``unit``-wide units (the last may be short). ``unit = BLOCK_K`` (64) lines the shards up with
+    the K leaves of a row-parallel layer that reads this output (module docstring); a head's width
+    keeps heads whole."""
+    what = "column-parallel linear"
+    if unit < 1:
+        raise ValueError(f"{what}: unit={unit}; need a positive number of columns per unit")
+    n_units = -(-out_features // unit)
+    if tp < 1 or n_units < tp:
+        raise ValueError(f"{what}: out_features={out_features} is {n_units} unit(s) of {unit} columns, "
+                         f"fewer than tp={tp}; every rank needs at least one unit")
+    _check_rank(what, tp, rank)
+    u0, u1 = _part(n_units, tp, rank)
+    return u0 * unit, min(out_features, u1 * unit)
+
+
+def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
+    """Vocabulary columns ``[v0, v1)`` rank ``rank`` holds in a vocabulary-parallel logprob: V cut
+    into the reference schedule's leaves of ``REF_LEAF_V`` logits (the last may be short), whole
+    leaves per rank. Vocabulary sizes rarely divide evenly (Qwen3's 151,936 is 149 leaves), so the
+    leaf counts may differ by one between ranks."""
+    what = "vocab-parallel logprob"
+    n_leaves = -(-vocab_size // REF_LEAF_V)
+    if tp < 1 or n_leaves < tp:
+        raise ValueError(f"{what}: vocab_size={vocab_size} is {n_leaves} leaf/leaves of {REF_LEAF_V} "
+                         f"logits, fewer than tp={tp}; every rank needs at least one whole leaf")
+    _check_rank(what, tp, rank)
+    l0, l1 = _part(n_leaves, tp, rank)
+    return l0 * REF_LEAF_V, min(vocab_size, l1 * REF_LEAF_V)

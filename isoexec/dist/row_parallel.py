@@ -1,0 +1,109 @@
+"""Row-parallel linear (o_proj, down_proj under tensor parallelism) with the bits of one process.
+
+A row-parallel linear gives each rank a slice of the input columns (K) and the matching columns of
+the weight; the output is the sum over ranks of their partial products. Summing those partials
+with ``all_reduce`` makes the result depend on tp twice over: each rank's partial is a different
+slice of the K loop (one K loop of the whole shard), and the collective adds the partials in an
+order of its own. Here neither happens, because the cut follows the invariant GEMM's own schedule
+(``isoexec_kernels/gemm/api.py``): K in 64-wide blocks, the blocks in L contiguous K leaves, each
+leaf accumulated from +0 in K order, the leaves added left to right in fp32 (the first as it is),
+then the bias in fp32, then one rounding. L is fixed by the caller (a contract constant, the same
+at every tp) and tp must divide it:
+
+  1. rank r holds leaves ``r*L/tp .. (r+1)*L/tp - 1`` whole (``partition.row_shard_leaves``);
+  2. it computes each leaf's fp32 partial alone: the invariant linear on the leaf's K columns with
+     one leaf and an fp32 output, which is the leaf's accumulator unrounded. Leaf bounds fall on
+     block boundaries, so the slice holds the same blocks, zero-padded the same way, as the leaf
+     inside the whole K loop: the same bits;
+  3. the L/tp partials of every rank are gathered (``all_gather``, a copy) into all L partials in
+     leaf order, and every rank adds them left to right, adds the bias and rounds once, exactly
+     the single-process epilogue.
+
+So every tp dividing L gives ``linear(x, w, b, leaves=L)`` of one process, bit for bit, on every
+rank (the output is replicated, as after Megatron's all-reduce). The price is traffic: each rank
+receives L partials of [M, N] fp32 instead of one all-reduced [M, N]; a chain (rank r adds its
+leaves to rank r-1's running sum and passes it on) would keep the order with one [M, N] per hop,
+at tp serial hops. Not built.
+
+Device: on CPU the leaf partials are the reference twin's. On CUDA they are the Triton kernel's
+one-leaf K loop, the same arithmetic its split-K path uses for each leaf; no GPU gate has run yet.
+
+Autograd: the backward is correct and deterministic, not tp-invariant (only forward bits must match
+between trainer and engine). The output is replicated, so each rank's gradient of it is the same
+and the gradient of each leaf partial is that gradient (in fp32): no communication. The input
+gradient stays sharded like the input; the weight gradient is each rank's own columns; the bias
+gradient is a fixed-leaf sum over tokens, as in the single-process linear. On CPU the reference's
+output columns are independent of one another, so these gradients also equal the single-process
+ones (tests/dist/ checks it); that is a fact of the CPU twin, not a promise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from isoexec_kernels import _ref
+from isoexec_kernels.gemm import linear
+from isoexec_kernels.gemm.reference import _GRAD_BIAS_LEAF
+
+from .collectives import gather_in_rank_order, group_size_rank
+from .partition import row_shard_leaves
+
+
+class _LeafSumFn(torch.autograd.Function):
+    """This rank's leaf partials [L/tp, M, N] -> the rounded output [M, N], the same on every rank."""
+
+    @staticmethod
+    def forward(ctx, partials, bias, group, tp, out_dtype):
+        per, M, N = partials.shape
+        every = gather_in_rank_order(partials, group, tp).reshape(tp * per, M, N)  # leaf order
+        total = every[0].clone()  # the first leaf as it is: no +0 start
+        for j in range(1, every.shape[0]):
+            total.add_(every[j])
+        if bias is not None:
+            total = total + bias.float()
+        ctx.per = per
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return total.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # the rounding passes the gradient through; every leaf enters the sum with weight 1
+        g = grad.float()
+        g_partials = g.unsqueeze(0).expand(ctx.per, *g.shape)
+        g_bias = None
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[1]:
+            g_bias = _ref.batch_sum0(g, _GRAD_BIAS_LEAF).to(ctx.bias_dtype)
+        return g_partials, g_bias, None, None, None
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        in_features: int, leaves: int, group=None) -> torch.Tensor:
+    """``x_full @ w_full.T (+ bias)`` from this rank's K shard, the bits of
+    ``isoexec_kernels.gemm.linear(x_full, w_full, bias, leaves=leaves)`` on every rank whatever the
+    group size (module docstring).
+
+    x: ``[..., k1 - k0]`` this rank's input columns, ``(k0, k1) = row_shard_range(in_features,
+    leaves, tp, rank)`` (the output of a column-parallel layer cut in 64-column units fits);
+    weight: ``[N, k1 - k0]`` the same columns of the weight; bias: ``[N]``, the same on every rank,
+    or None; in_features: the whole K; leaves: L, the K leaves of the schedule, divisible by tp;
+    group: the tensor-parallel process group (None: the default group, or one process if none is
+    initialised). Returns ``[..., N]`` in x's dtype, replicated. Differentiable (deterministic,
+    not tp-invariant backward)."""
+    tp, rank = group_size_rank(group)
+    mine = row_shard_leaves(in_features, leaves, tp, rank)
+    k0, k1 = mine[0][0], mine[-1][1]
+    if x.dim() < 1 or x.shape[-1] != k1 - k0:
+        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} holds input columns [{k0}, {k1}) "
+                         f"of {in_features} ({k1 - k0} wide), but x has shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != k1 - k0:
+        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} needs the weight's columns "
+                         f"[{k0}, {k1}) as [N, {k1 - k0}], got shape {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"row-parallel linear: bias must be [N]=[{N}], got shape {tuple(bias.shape)}")
+    x2 = x.reshape(-1, k1 - k0)
+    # one leaf at a time, fp32 out: the leaf's accumulator as the whole K loop holds it
+    partials = torch.stack([linear(x2[:, a - k0:b - k0], weight[:, a - k0:b - k0], None,
+                                   out_dtype=torch.float32, leaves=1) for a, b in mine])
+    out = _LeafSumFn.apply(partials, bias, group, tp, x.dtype)
+    return out.reshape(*x.shape[:-1], N)

@@ -1,0 +1,71 @@
+"""Which slice each rank holds: whole K leaves, whole 64-column units, whole vocabulary leaves, in
+rank order and covering the dimension; the refusals name the sizes. No process group needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from isoexec.dist import column_shard_range, row_shard_range, vocab_shard_range
+from isoexec.dist.partition import row_shard_leaves
+from isoexec_kernels.gemm import BLOCK_K, leaf_bounds
+from isoexec_kernels.logprob import REF_LEAF_V
+
+
+def _covers(ranges, n):
+    return ranges[0][0] == 0 and ranges[-1][1] == n and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) \
+        and all(a < b for a, b in ranges)
+
+
+@pytest.mark.parametrize("K", [64, 65, 337, 600, 1024, 4096 + 17])
+def test_row_shards_are_whole_leaves_in_rank_order(K):
+    nb = -(-K // BLOCK_K)
+    for L in range(1, min(nb, 8) + 1):
+        leaves = [(b0 * BLOCK_K, min(K, b1 * BLOCK_K)) for b0, b1 in leaf_bounds(K, L)]
+        for tp in (t for t in (1, 2, 4, 8) if L % t == 0):
+            mine = [row_shard_leaves(K, L, tp, r) for r in range(tp)]
+            assert sum(mine, []) == leaves   # rank r holds leaves r*L/tp .. (r+1)*L/tp - 1
+            assert _covers([row_shard_range(K, L, tp, r) for r in range(tp)], K)
+
+
+@pytest.mark.parametrize("I", [64, 200, 256, 600, 3072, 4096 + 100])
+def test_column_shards_in_64_column_units_are_the_next_row_parallel_layer_s_leaves(I):
+    nb = -(-I // BLOCK_K)
+    for L in (1, 2, 4, 8):
+        if L > nb:
+            continue
+        for tp in (t for t in (1, 2, 4, 8) if L % t == 0):
+            assert [column_shard_range(I, tp, r, BLOCK_K) for r in range(tp)] == \
+                   [row_shard_range(I, L, tp, r) for r in range(tp)], (I, L, tp)
+
+
+def test_column_and_vocab_shards_cover_the_dimension_in_whole_units():
+    for N, unit in ((203, 1), (200, BLOCK_K), (4096, 128)):
+        for tp in (1, 2, 3, 4):
+            ranges = [column_shard_range(N, tp, r, unit) for r in range(tp)]
+            assert _covers(ranges, N) and all(a % unit == 0 for a, _ in ranges)
+    for V in (1024, 4396, 9000, 151936):
+        for tp in (1, 2, 4):
+            if -(-V // REF_LEAF_V) < tp:
+                continue
+            ranges = [vocab_shard_range(V, tp, r) for r in range(tp)]
+            assert _covers(ranges, V) and all(a % REF_LEAF_V == 0 for a, _ in ranges)
+    assert [vocab_shard_range(151936, 2, r) for r in range(2)] == [(0, 74 * 1024), (74 * 1024, 151936)]
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: row_shard_range(337, 4, 3, 0), ["tp=3", "L=4"]),
+    (lambda: row_shard_range(337, 3, 2, 1), ["tp=2", "L=3"]),
+    (lambda: row_shard_range(337, 7, 1, 0), ["L=7", "in_features=337", "6 blocks"]),
+    (lambda: row_shard_range(337, 0, 1, 0), ["L=0"]),
+    (lambda: row_shard_range(0, 1, 1, 0), ["in_features=0"]),
+    (lambda: row_shard_range(337, 4, 2, 2), ["rank 2", "size 2"]),
+    (lambda: column_shard_range(3, 4, 0), ["out_features=3", "tp=4"]),
+    (lambda: column_shard_range(200, 8, 0, BLOCK_K), ["out_features=200", "4 unit(s) of 64", "tp=8"]),
+    (lambda: column_shard_range(200, 2, 0, 0), ["unit=0"]),
+    (lambda: vocab_shard_range(3000, 4, 0), ["vocab_size=3000", "3 leaf", "tp=4"]),
+    (lambda: vocab_shard_range(4396, 2, -1), ["rank -1"]),
+])
+def test_a_bad_size_raises_one_value_error_naming_it(call, words):
+    with pytest.raises(ValueError) as e:
+        call()
+    assert all(w in str(e.value) for w in words), str(e.value)
