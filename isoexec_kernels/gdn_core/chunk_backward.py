@@ -116,7 +116,7 @@ from __future__ import annotations
 import torch
 
 from .._triton_util import jit, next_pow2, tl
-from .chunk_form import _pad_seqs, _prepare, _unpad_seqs
+from .padding import _pad_seqs, _prepare, _unpad_seqs
 from .plan import _host_lens
 from .state import CHUNK
 from .triton_kernels import _i32, _rows3, launch_state, triton_cdiv
