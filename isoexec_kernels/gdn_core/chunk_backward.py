@@ -117,7 +117,7 @@ import torch
 
 from .._triton_util import jit, next_pow2, tl
 from .padding import _pad_seqs, _prepare, _unpad_seqs
-from .plan import _host_lens
+from .plan import _host_lens, chunk_plan
 from .state import CHUNK
 from .triton_kernels import _i32, _rows3, launch_state, triton_cdiv
 
@@ -404,24 +404,6 @@ def _bwd_local_kernel(
 # --------------------------------------------------------------------------- launcher
 
 
-def _plan(starts, lens, chunk):
-    """Chunks from each sequence start: per chunk (row0, nrow, entering-state index); per
-    sequence (first chunk, chunk count, first state index). Returns lists."""
-    row0, nrow, sidx, chunk0, nchunk, starts0 = [], [], [], [], [], []
-    n_states = 0
-    for s, L in zip(starts, lens):
-        nch = -(-L // chunk)
-        chunk0.append(len(row0))
-        nchunk.append(nch)
-        starts0.append(n_states)
-        for c in range(nch):
-            row0.append(s + c * chunk)
-            nrow.append(min(chunk, L - c * chunk))
-            sidx.append(n_states + c)
-        n_states += nch + 1
-    return row0, nrow, sidx, chunk0, nchunk, starts0, n_states
-
-
 def chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = CHUNK,
                           prec: str = BWD_DOT_PRECISION):
     """Gradients (dq [T, Hk, Dk], dk, dv [T, H, Dv], dg [T, H], dbeta [T, H], all fp32) of
@@ -436,7 +418,7 @@ def chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = CHUN
     q, k, v, do = _rows3(q), _rows3(k), _rows3(v), _rows3(do)
     g, beta = g.contiguous(), beta.contiguous()
     starts, lens = _host_lens(cu_seqlens)
-    row0, nrow, sidx, chunk0, nchunk, starts0, n_states = _plan(starts, lens, C)
+    row0, nrow, sidx, chunk0, nchunk, starts0, n_states = chunk_plan(starts, lens, C)
     P, B = len(row0), len(lens)
     dq_h = torch.zeros(T, H, Dk, **f32)
     dk_h = torch.zeros(T, H, Dk, **f32)

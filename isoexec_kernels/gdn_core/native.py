@@ -30,7 +30,7 @@ import torch
 
 from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
-from .plan import _check, _host_lens
+from .plan import _check, _host_lens, chunk_plan
 from .state import CHUNK, GDNState
 from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_state, tile_constants, triton_cdiv
 
@@ -88,18 +88,7 @@ def _chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, pre
     C = chunk
     q, k, v = _rows3(q), _rows3(k), _rows3(v)
     g, beta = g.contiguous(), beta.contiguous()
-    row0, nrow, chunk0, nchunk, starts0, sidx = [], [], [], [], [], []
-    n_states = 0
-    for s, L in zip(starts, lens):
-        nch = -(-L // C)
-        chunk0.append(len(row0))
-        nchunk.append(nch)
-        starts0.append(n_states)
-        for c in range(nch):
-            row0.append(s + c * C)
-            nrow.append(min(C, L - c * C))
-            sidx.append(n_states + c)
-        n_states += nch + 1
+    row0, nrow, sidx, chunk0, nchunk, starts0, n_states = chunk_plan(starts, lens, C)
     B = len(lens)
     i32 = _i32
     prep = launch_prep(k, v, g, beta, i32(row0, dev), i32(nrow, dev), H, rep, C, prec=prec)

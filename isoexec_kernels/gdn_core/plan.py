@@ -62,3 +62,23 @@ def _virtual_rows(state, slots_l, fills, starts, lens, chunk):
         new_src += range(s, s + n)
         pos += f + n
     return vstarts, vlens, new_dst, new_src, pre_dst, pre_slot, pre_pos
+
+
+def chunk_plan(starts: list[int], lens: list[int], chunk: int):
+    """Chunks cut from each sequence's first token: per chunk its first row, row count and the
+    index of the state entering it; per sequence its first chunk, chunk count and first state
+    index (a sequence of n chunks owns n + 1 state slots: the entering states and the final one).
+    Returns (row0, nrow, sidx, chunk0, nchunk, starts0, n_states), host lists and the total."""
+    row0, nrow, sidx, chunk0, nchunk, starts0 = [], [], [], [], [], []
+    n_states = 0
+    for s, L in zip(starts, lens):
+        nch = -(-L // chunk)
+        chunk0.append(len(row0))
+        nchunk.append(nch)
+        starts0.append(n_states)
+        for c in range(nch):
+            row0.append(s + c * chunk)
+            nrow.append(min(chunk, L - c * chunk))
+            sidx.append(n_states + c)
+        n_states += nch + 1
+    return row0, nrow, sidx, chunk0, nchunk, starts0, n_states
