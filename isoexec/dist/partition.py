@@ -30,6 +30,19 @@ def _part(n_units: int, parts: int, j: int) -> tuple[int, int]:
     return j * n_units // parts, (j + 1) * n_units // parts
 
 
+def _unit_range(what: str, size_text: str, total: int, unit: int, units_text: str, need: str,
+                tp: int, rank: int) -> tuple[int, int]:
+    """``[i0, i1)`` of rank ``rank``: ``total`` cut into ``unit``-wide units (the last may be short),
+    whole units per rank, counts differing by at most one; refuses fewer units than ranks."""
+    n_units = -(-total // unit)
+    if tp < 1 or n_units < tp:
+        raise ValueError(f"{what}: {size_text} is {n_units} {units_text}, fewer than tp={tp}; "
+                         f"every rank needs {need}")
+    _check_rank(what, tp, rank)
+    u0, u1 = _part(n_units, tp, rank)
+    return u0 * unit, min(total, u1 * unit)
+
+
 def row_shard_leaves(in_features: int, leaves: int, tp: int, rank: int) -> list[tuple[int, int]]:
     """K column ranges ``[k0, k1)`` of the K leaves rank ``rank`` holds in a row-parallel linear
     with ``leaves`` (L) K leaves: leaves ``rank * L / tp`` to ``(rank + 1) * L / tp - 1``. Refuses an
@@ -62,16 +75,10 @@ def column_shard_range(out_features: int, tp: int, rank: int, unit: int = 1) -> 
     ``unit``-wide units (the last may be short). ``unit = BLOCK_K`` (64) lines the shards up with
     the K leaves of a row-parallel layer that reads this output (module docstring); a head's width
     keeps heads whole."""
-    what = "column-parallel linear"
     if unit < 1:
-        raise ValueError(f"{what}: unit={unit}; need a positive number of columns per unit")
-    n_units = -(-out_features // unit)
-    if tp < 1 or n_units < tp:
-        raise ValueError(f"{what}: out_features={out_features} is {n_units} unit(s) of {unit} columns, "
-                         f"fewer than tp={tp}; every rank needs at least one unit")
-    _check_rank(what, tp, rank)
-    u0, u1 = _part(n_units, tp, rank)
-    return u0 * unit, min(out_features, u1 * unit)
+        raise ValueError(f"column-parallel linear: unit={unit}; need a positive number of columns per unit")
+    return _unit_range("column-parallel linear", f"out_features={out_features}", out_features, unit,
+                       f"unit(s) of {unit} columns", "at least one unit", tp, rank)
 
 
 def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
@@ -79,11 +86,5 @@ def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     into the reference schedule's leaves of ``REF_LEAF_V`` logits (the last may be short), whole
     leaves per rank. Vocabulary sizes rarely divide evenly (Qwen3's 151,936 is 149 leaves), so the
     leaf counts may differ by one between ranks."""
-    what = "vocab-parallel logprob"
-    n_leaves = -(-vocab_size // REF_LEAF_V)
-    if tp < 1 or n_leaves < tp:
-        raise ValueError(f"{what}: vocab_size={vocab_size} is {n_leaves} leaf/leaves of {REF_LEAF_V} "
-                         f"logits, fewer than tp={tp}; every rank needs at least one whole leaf")
-    _check_rank(what, tp, rank)
-    l0, l1 = _part(n_leaves, tp, rank)
-    return l0 * REF_LEAF_V, min(vocab_size, l1 * REF_LEAF_V)
+    return _unit_range("vocab-parallel logprob", f"vocab_size={vocab_size}", vocab_size, REF_LEAF_V,
+                       f"leaf/leaves of {REF_LEAF_V} logits", "at least one whole leaf", tp, rank)

@@ -68,8 +68,8 @@ The gradient (given dO = dL/do; the final state is not an output, so dS' = 0 aft
 
 Triton decomposition (``chunk_backward_triton``), one launch each, chunks at each sequence start
 -----------------------------------------------------------------------------------------------
-(a) ``_bwd_prep_kernel``   one program per (chunk, value head): G, KK, A, T by forward
-    substitution (row i of T = e_i - sum_j A_ij T_j, rows in order), W, U, Kd, el; stores T too.
+(a) ``launch_prep`` of ``triton_kernels.py`` (the forward's prep kernel, reused with T stored):
+    one program per (chunk, value head): G, KK, A, T by forward substitution, W, U, Kd, el.
 (b) ``launch_state`` of ``triton_kernels.py`` (the forward's state kernel, reused): the entering
     state S of every chunk and Vn, sequential over the chunks of a sequence.
 (c) ``_bwd_dout_kernel``   one program per (chunk, value head, Dv tile): dVloc = M^T dO and
@@ -119,7 +119,7 @@ from .._triton_util import jit, next_pow2, tl
 from .padding import _pad_seqs, _prepare, _unpad_seqs
 from .plan import _host_lens, chunk_plan
 from .state import CHUNK
-from .triton_kernels import _i32, _rows3, launch_state, triton_cdiv
+from .triton_kernels import _i32, _rows3, launch_prep, launch_state, triton_cdiv
 
 
 BWD_DOT_PRECISION = "tf32x3"
@@ -134,69 +134,10 @@ def bwd_tile_constants(Dk: int, Dv: int) -> dict:
     """Tiles and warps of the backward kernels: a function of (Dk, Dv) only."""
     return dict(DKP=max(16, next_pow2(Dk)), DVP=max(16, next_pow2(Dv)),
                 BK=min(BLOCK_DK, max(16, next_pow2(Dk))), BV=min(BLOCK_DV, max(16, next_pow2(Dv))),
-                prep_warps=8, dout_warps=4, state_warps=8, local_warps=8)
+                dout_warps=4, state_warps=8, local_warps=8)
 
 
 # --------------------------------------------------------------------------- Triton kernels
-
-
-@jit
-def _bwd_prep_kernel(
-    k_ptr, v_ptr, g_ptr, b_ptr, row0_ptr, nrow_ptr,
-    t_ptr, w_ptr, u_ptr, kd_ptr, el_ptr,
-    H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
-    C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # One program per (chunk p, value head h); rows t >= nrow[p] are zero padding.
-    p = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    n = tl.load(nrow_ptr + p)
-    r0 = tl.load(row0_ptr + p).to(tl.int64)
-    kh = h // REP
-    t = tl.arange(0, C)
-    ok = t < n
-    rows = r0 + t
-    g = tl.load(g_ptr + rows * s_gt + h, mask=ok, other=0.0).to(tl.float32)
-    beta = tl.load(b_ptr + rows * s_bt + h, mask=ok, other=0.0).to(tl.float32)
-    G = tl.cumsum(g, axis=0)
-    i2 = t[:, None]
-    j2 = t[None, :]
-    strict = j2 < i2
-    kk = tl.zeros((C, C), dtype=tl.float32)
-    for d0 in tl.static_range(0, DKP, BK):
-        dc = d0 + tl.arange(0, BK)
-        kb = tl.load(k_ptr + rows[:, None] * s_kt + kh * s_kh + dc[None, :],
-                     mask=ok[:, None] & (dc[None, :] < DK), other=0.0).to(tl.float32)
-        kk = tl.dot(kb, tl.trans(kb), kk, input_precision=PREC)
-    A = tl.where(strict, kk * beta[:, None] * tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
-    # T = (I + A)^-1, row i = e_i - sum_j A[i, j] T[j, :], rows 1 .. C-1 in order
-    Tm = tl.where(i2 == j2, 1.0, 0.0)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(i2 == i, A, 0.0), axis=0)
-        x = tl.sum(a_i[:, None] * Tm, axis=0)
-        Tm = tl.where(i2 == i, (tl.where(t == i, 1.0, 0.0) - x)[None, :], Tm)
-    base = (p * H + h) * C
-    tl.store(t_ptr + (base + i2) * C + j2, Tm)
-    g_last = tl.sum(tl.where(t == C - 1, G, 0.0), axis=0)
-    coef = beta * tl.exp(G)
-    tail = tl.exp(g_last - G)
-    for d0 in tl.static_range(0, DKP, BK):
-        dc = d0 + tl.arange(0, BK)
-        dm = dc[None, :] < DK
-        kb = tl.load(k_ptr + rows[:, None] * s_kt + kh * s_kh + dc[None, :],
-                     mask=ok[:, None] & dm, other=0.0).to(tl.float32)
-        off = (base + i2) * DK + dc[None, :]
-        tl.store(w_ptr + off, tl.dot(Tm, kb * coef[:, None], input_precision=PREC), mask=dm)
-        tl.store(kd_ptr + off, kb * tail[:, None], mask=dm)
-    for v0 in tl.static_range(0, DVP, BV):
-        vc = v0 + tl.arange(0, BV)
-        vm = vc[None, :] < DV
-        vb = tl.load(v_ptr + rows[:, None] * s_vt + h * s_vh + vc[None, :],
-                     mask=ok[:, None] & vm, other=0.0).to(tl.float32)
-        tl.store(u_ptr + (base + i2) * DV + vc[None, :],
-                 tl.dot(Tm, vb * beta[:, None], input_precision=PREC), mask=vm)
-    tl.store(el_ptr + p * H + h, tl.exp(g_last))
 
 
 @jit
@@ -428,17 +369,9 @@ def chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = CHUN
     if P:
         tc = bwd_tile_constants(Dk, Dv)
         row0_t, nrow_t = _i32(row0, dev), _i32(nrow, dev)
-        # (a) per-chunk T, W, U, Kd, el
+        # (a) per-chunk T, W, U, Kd, el: the forward's prep kernel, storing T too
         Tm = torch.empty(P, H, C, C, **f32)
-        W = torch.empty(P, H, C, Dk, **f32)
-        U = torch.empty(P, H, C, Dv, **f32)
-        Kd = torch.empty_like(W)
-        el = torch.empty(P, H, **f32)
-        _bwd_prep_kernel[(P, H)](
-            k, v, g, beta, row0_t, nrow_t, Tm, W, U, Kd, el, H, rep, Dk, Dv,
-            k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-            C=C, DKP=tc["DKP"], DVP=tc["DVP"], BK=tc["BK"], BV=tc["BV"], PREC=prec,
-            num_warps=tc["prep_warps"])
+        W, U, Kd, el = launch_prep(k, v, g, beta, row0_t, nrow_t, H, rep, C, prec=prec, t_out=Tm)
         # (b) entering states and Vn (the forward's state kernel)
         states = torch.empty(n_states, H, Dk, Dv, **f32)
         vn = torch.empty(P, H, C, Dv, **f32)

@@ -20,13 +20,14 @@ BLOCK_DK = 32
 @jit
 def _gdn_prep_kernel(
     k_ptr, v_ptr, g_ptr, b_ptr, row0_ptr, nrow_ptr,
-    w_ptr, u_ptr, kd_ptr, el_ptr,
+    w_ptr, u_ptr, kd_ptr, el_ptr, t_ptr,
     H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
     C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STORE_T: tl.constexpr = False,
 ):
     # One program per (chunk p, value head h). nrow[p] valid rows (the rest are zero: g = 0,
     # beta = 0, k = 0, which leaves the state untouched); nrow == 0 -> the program stores nothing.
+    # STORE_T (the chunk backward only): T = (I + A)^-1 is stored too [P, H, C, C].
     p = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     n = tl.load(nrow_ptr + p)
@@ -59,6 +60,8 @@ def _gdn_prep_kernel(
         coef = beta * tl.exp(G)
         tail = tl.exp(g_last - G)
         base = (p * H + h) * C
+        if STORE_T:
+            tl.store(t_ptr + (base + i2) * C + j2, Tm)
         for d0 in tl.static_range(0, DKP, BK):
             dc = d0 + tl.arange(0, BK)
             dm = dc[None, :] < DK
@@ -197,9 +200,10 @@ def _i32(xs, dev) -> torch.Tensor:
     return torch.tensor(list(xs), dtype=torch.int32, device=dev)
 
 
-def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee"):
+def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee", t_out=None):
     """Prep for P chunks (row0/nrow int32 device tensors [P]); k [*, Hk, Dk] (rows by token),
-    v [*, H, Dv], g, beta [*, H], last dims contiguous. Returns (W, U, Kd, e_last)."""
+    v [*, H, Dv], g, beta [*, H], last dims contiguous. Returns (W, U, Kd, e_last); with ``t_out``
+    [P, H, C, C] fp32 also stores each chunk's T = (I + A)^-1 there (the chunk backward needs it)."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     tc = tile_constants(Dk, Dv)
@@ -210,10 +214,10 @@ def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee"):
     el = torch.empty(P, H, dtype=torch.float32, device=dev)
     if P:
         _gdn_prep_kernel[(P, H)](
-            k, v, g, beta, row0, nrow, W, U, Kd, el, H, rep, Dk, Dv,
+            k, v, g, beta, row0, nrow, W, U, Kd, el, t_out if t_out is not None else el, H, rep, Dk, Dv,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             C=chunk, DKP=tc["DKP"], DVP=tc["DVP"], BK=tc["BK"], BV=tc["BV"], PREC=prec,
-            num_warps=tc["prep_warps"])
+            STORE_T=t_out is not None, num_warps=tc["prep_warps"])
     return W, U, Kd, el
 
 
