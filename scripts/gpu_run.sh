@@ -9,6 +9,8 @@
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
 #            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1, the
 #            attention tile sweep if ATTN_SWEEP=1, the engine decode profile if ENGINE_PROFILE=1
+#   gates    the gate runs named in GATE_RUNS ("family:model ...", e.g. "hybrid_moe:hybrid_moe_qwen3p5_35b_a3b_dims"),
+#            each under its own time limit and packed into gates_<family>.tgz as soon as it ends
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -68,6 +70,15 @@ if [ "$MODE" = speed ]; then
     echo "attention sweep rc=$? (${SECONDS}s)"; cp "$WORK/attention_sweep.log" "$OUT/"; tail -40 "$WORK/attention_sweep.log"
   fi
 fi
+if [ "$MODE" = gates ]; then
+  for run in ${GATE_RUNS:-}; do
+    fam=${run%%:*}; model=${run#*:}; SECONDS=0; mkdir -p "$WORK/gates_$fam"
+    timeout ${GATES_TIMEOUT:-480} python3 -m isoexec.cli gates run --family "$fam" --composition isoexec --arch sm90 \
+      --model "$model" --out "$WORK/gates_$fam" --json > "$WORK/gates_${fam}_summary.json" 2> "$WORK/gates_$fam.log"
+    echo "gates $fam ($model) rc=$? (${SECONDS}s)"; grep -E "FAIL|gates passed" "$WORK/gates_$fam.log" | tail -20
+    tar -C "$WORK" -czf "$OUT/gates_$fam.tgz" "gates_$fam" "gates_${fam}_summary.json" "gates_$fam.log"
+  done
+fi
 if [ "$MODE" = kernels ] || [ "$MODE" = all ]; then
 SECONDS=0
 python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/kernels tests/engine} -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1; echo "gpu tests rc=$? (${SECONDS}s)"
@@ -110,9 +121,9 @@ if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   # hybrid family: GDN GPU tests (CPR parity, conv/prep/norm kernels, hybrid engine graphs), the
   # CPR per-layer benchmark, then the hybrid gates at Qwen3.5-9B layer dimensions
   SECONDS=0
-  timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu tests/kernels/test_gdn_core.py tests/kernels/test_gdn_conv.py \
-    tests/kernels/test_gdn_prep.py tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py \
-    -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
+  timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu ${GDN_TESTS:-tests/kernels/test_gdn_core.py \
+    tests/kernels/test_gdn_chunk_backward.py tests/kernels/test_gdn_conv.py tests/kernels/test_gdn_prep.py \
+    tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py} -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
   cp "$WORK/gdn_tests.log" "$OUT/"; SECONDS=0
   timeout ${CPR_TIMEOUT:-600} python3 -m isoexec.cli bench cpr --out "$WORK/bench/cpr.json" > "$WORK/bench/cpr.log" 2>&1
   echo "bench cpr rc=$? (${SECONDS}s)"; tail -8 "$WORK/bench/cpr.log"
@@ -120,7 +131,7 @@ if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   if [ -n "${HYBRID_GATES:-1}" ] && [ "${HYBRID_GATES:-1}" != 0 ]; then
     SECONDS=0; mkdir -p "$WORK/gates_hybrid"
     timeout ${HYBRID_GATES_TIMEOUT:-900} python3 -m isoexec.cli gates run --family hybrid --composition isoexec --arch sm90 \
-      --model hybrid_qwen3p5_9b_dims --out "$WORK/gates_hybrid" --json > "$WORK/gates_hybrid_summary.json" \
+      --model ${HYBRID_GATES_MODEL:-hybrid_qwen3p5_9b_dims} --out "$WORK/gates_hybrid" --json > "$WORK/gates_hybrid_summary.json" \
       2> "$WORK/gates_hybrid.log"; echo "hybrid gates rc=$? (${SECONDS}s)"
     grep -E "FAIL|gates passed" "$WORK/gates_hybrid.log" | tail -20
     tar -C "$WORK" -czf "$OUT/gates_hybrid.tgz" gates_hybrid gates_hybrid_summary.json gates_hybrid.log
