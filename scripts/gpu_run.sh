@@ -11,6 +11,7 @@
 #            attention tile sweep if ATTN_SWEEP=1, the engine decode profile if ENGINE_PROFILE=1
 #   gates    the gate runs named in GATE_RUNS ("family:model ...", e.g. "hybrid_moe:hybrid_moe_qwen3p5_35b_a3b_dims"),
 #            each under its own time limit and packed into gates_<family>.tgz as soon as it ends
+#            (GATES_ONLY: a comma list passed to `gates run --only`, e.g. the gates a cut-short run left)
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -74,7 +75,7 @@ if [ "$MODE" = gates ]; then
   for run in ${GATE_RUNS:-}; do
     fam=${run%%:*}; model=${run#*:}; SECONDS=0; mkdir -p "$WORK/gates_$fam"
     timeout ${GATES_TIMEOUT:-480} python3 -m isoexec.cli gates run --family "$fam" --composition isoexec --arch sm90 \
-      --model "$model" --out "$WORK/gates_$fam" --json > "$WORK/gates_${fam}_summary.json" 2> "$WORK/gates_$fam.log"
+      --model "$model" ${GATES_ONLY:+--only "$GATES_ONLY"} --out "$WORK/gates_$fam" --json > "$WORK/gates_${fam}_summary.json" 2> "$WORK/gates_$fam.log"
     echo "gates $fam ($model) rc=$? (${SECONDS}s)"; grep -E "FAIL|gates passed" "$WORK/gates_$fam.log" | tail -20
     tar -C "$WORK" -czf "$OUT/gates_$fam.tgz" "gates_$fam" "gates_${fam}_summary.json" "gates_$fam.log"
   done
