@@ -4,7 +4,8 @@
 #            whole-model and engine gates, native negative controls), the benchmarks in BENCHES
 #   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES and composition in RL_COMPS
 #            (configs/h200.yaml settings)
-#   gdn      hybrid GPU tests, `bench cpr`, hybrid gates at Qwen3.5-9B layer dimensions
+#   gdn      hybrid GPU tests (GDN_TESTS), the CPR kernel variant sweep if CPR_SWEEP=1, `bench cpr`
+#            (unless CPR_BENCH=0), hybrid gates at Qwen3.5-9B layer dimensions (unless HYBRID_GATES=0)
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
 #            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1, the
@@ -125,8 +126,14 @@ if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu ${GDN_TESTS:-tests/kernels/test_gdn_core.py \
     tests/kernels/test_gdn_chunk_backward.py tests/kernels/test_gdn_conv.py tests/kernels/test_gdn_prep.py \
     tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py} -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
-  cp "$WORK/gdn_tests.log" "$OUT/"; SECONDS=0
-  timeout ${CPR_TIMEOUT:-600} python3 -m isoexec.cli bench cpr --out "$WORK/bench/cpr.json" > "$WORK/bench/cpr.log" 2>&1
+  cp "$WORK/gdn_tests.log" "$OUT/"
+  if [ "${CPR_SWEEP:-0}" = 1 ]; then
+    SECONDS=0
+    timeout ${CPR_SWEEP_TIMEOUT:-360} python3 scripts/cpr_variant_sweep.py --out "$OUT/cpr_sweep.json" > "$WORK/cpr_sweep.log" 2>&1
+    echo "cpr sweep rc=$? (${SECONDS}s)"; cp "$WORK/cpr_sweep.log" "$OUT/"; grep -v "^ \|profiler" "$WORK/cpr_sweep.log" | tail -20
+  fi
+  SECONDS=0
+  [ "${CPR_BENCH:-1}" = 0 ] || timeout ${CPR_TIMEOUT:-600} python3 -m isoexec.cli bench cpr --out "$WORK/bench/cpr.json" > "$WORK/bench/cpr.log" 2>&1
   echo "bench cpr rc=$? (${SECONDS}s)"; tail -8 "$WORK/bench/cpr.log"
   tar -C "$WORK" -czf "$OUT/cpr.tgz" bench/cpr.json bench/cpr.log 2>/dev/null
   if [ -n "${HYBRID_GATES:-1}" ] && [ "${HYBRID_GATES:-1}" != 0 ]; then

@@ -70,14 +70,13 @@ Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
   Python control flow (CUDA-graph capturable). Only the loop trip counts and base addresses
   differ between the cases, never the arithmetic.
 
-NOT verified on a GPU by the author (no GPU access when written): the Triton kernels ran only
-in the Triton CPU interpreter (fp32). In particular: bitwise equality of varlen / engine split /
-decode on the H200 (the GPU tests in tests/kernels/test_gdn_core.py assert it), speed, register
-pressure of the prep/state kernels (num_warps 8), and CUDA-graph capture of the decode path.
-Known speed gap: the prep kernel inverts (I + A) by 63 row steps of masked reductions over the
-64 x 64 tile; a blocked inverse (16 x 16 diagonal blocks merged by ``tl.dot``, as stock chunk
-kernels do) should be faster. The native chunk baseline shares this prep kernel (with TF32), so
-a faster inverse must go into both or the benchmark flatters CPR.
+On the H200 (GPU tests at ``4a2c7cb``): varlen / engine split / decode bitwise equal, graph replay
+== eager, accuracy against the float64 recurrence. The arithmetic choices that move bits (dot
+precision, the prep's inverse of I + A, the per-token Dv tile and warps) are one value,
+``triton_kernels.CPRKernelChoice``; ``PINNED`` (fp32 FMA dots, row-by-row inverse, 32-wide Dv
+tile, 4 warps) is this impl's. The row-by-row inverse takes 63 steps of masked reductions over
+the 64 x 64 tile; ``inv_bs=16`` inverts the 16 x 16 diagonal blocks (15 steps) and merges them by
+dots, not pinned until measured (docs/cpr.md, "Speed").
 
 Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
 [chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]

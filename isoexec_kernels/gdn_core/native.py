@@ -37,6 +37,9 @@ from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_
 
 NATIVE_DOT_PRECISION = "tf32"
 """``tl.dot`` precision of the native chunk kernels on CUDA (Triton's default for fp32)."""
+NATIVE_INV_BS = 0
+"""How the native chunk prep inverts I + A (``launch_prep``'s ``inv_bs``): 0 row by row, 16 by
+diagonal blocks merged by dots; ``scripts/cpr_variant_sweep.py`` times both."""
 
 
 @jit
@@ -91,7 +94,7 @@ def _chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, pre
     row0, nrow, sidx, chunk0, nchunk, starts0, n_states = chunk_plan(starts, lens, C)
     B = len(lens)
     i32 = _i32
-    prep = launch_prep(k, v, g, beta, i32(row0, dev), i32(nrow, dev), H, rep, C, prec=prec)
+    prep = launch_prep(k, v, g, beta, i32(row0, dev), i32(nrow, dev), H, rep, C, prec=prec, inv_bs=NATIVE_INV_BS)
     vnew = torch.empty_like(prep[1])
     init_t = init if init is not None else torch.zeros(1, H, Dk, Dv, dtype=torch.float32, device=dev)
     starts_t = torch.empty(max(n_states, 1), H, Dk, Dv, dtype=torch.float32, device=dev)

@@ -4,6 +4,8 @@ passes its own dot precision) and the three cases. The schedule is the docstring
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .._triton_util import jit, next_pow2, tl
@@ -23,7 +25,7 @@ def _gdn_prep_kernel(
     w_ptr, u_ptr, kd_ptr, el_ptr, t_ptr,
     H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt,
     C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, STORE_T: tl.constexpr = False,
+    PREC: tl.constexpr, STORE_T: tl.constexpr = False, INV_BS: tl.constexpr = 0,
 ):
     # One program per (chunk p, value head h). nrow[p] valid rows (the rest are zero: g = 0,
     # beta = 0, k = 0, which leaves the state untouched); nrow == 0 -> the program stores nothing.
@@ -50,12 +52,36 @@ def _gdn_prep_kernel(
         j2 = t[None, :]
         lower = j2 < i2
         A = tl.where(lower, (kk * beta[:, None]) * tl.exp(tl.where(lower, G[:, None] - G[None, :], 0.0)), 0.0)
-        # T = (I + A)^-1 by forward substitution: row i = e_i - sum_j A[i, j] T[j, :]
-        Tm = tl.where(i2 == j2, 1.0, 0.0)
-        for i in range(1, C):
-            a_i = tl.sum(tl.where(i2 == i, A, 0.0), axis=0)
-            x = tl.sum(a_i[:, None] * Tm, axis=0)
-            Tm = tl.where(i2 == i, (tl.where(t == i, 1.0, 0.0) - x)[None, :], Tm)
+        if INV_BS == 0:
+            # T = (I + A)^-1 by forward substitution: row i = e_i - sum_j A[i, j] T[j, :]
+            Tm = tl.where(i2 == j2, 1.0, 0.0)
+            for i in range(1, C):
+                a_i = tl.sum(tl.where(i2 == i, A, 0.0), axis=0)
+                x = tl.sum(a_i[:, None] * Tm, axis=0)
+                Tm = tl.where(i2 == i, (tl.where(t == i, 1.0, 0.0) - x)[None, :], Tm)
+        else:
+            # blocked: D = (I + A_d)^-1 of the INV_BS x INV_BS diagonal blocks, by forward
+            # substitution on all blocks at once (INV_BS - 1 steps instead of C - 1); then, with
+            # I + A = (I + A_d)(I + N), N = D A_o strictly block-lower (N^NB = 0):
+            # T = (I + N)^-1 D = D - N (D - N (... D)), NB - 1 dots
+            NB: tl.constexpr = C // INV_BS
+            blk = (i2 // INV_BS) == (j2 // INV_BS)
+            A3 = tl.reshape(tl.where(blk, A, 0.0), (NB, INV_BS, C))
+            D3 = tl.reshape(tl.where(i2 == j2, 1.0, 0.0), (NB, INV_BS, C))
+            ri = tl.arange(0, INV_BS)[None, :, None]
+            bb = tl.arange(0, NB)
+            own = bb[:, None, None] == bb[None, :, None]
+            for r in range(1, INV_BS):
+                a = tl.sum(tl.where(ri == r, A3, 0.0), axis=1)                       # [NB, C]: row r of each block
+                a16 = tl.sum(tl.where(own, tl.reshape(a, (NB, NB, INV_BS)), 0.0), axis=1)  # its own block's columns
+                x = tl.sum(a16[:, :, None] * D3, axis=1)                             # [NB, C]
+                e = tl.where(t[None, :] == bb[:, None] * INV_BS + r, 1.0, 0.0)
+                D3 = tl.where(ri == r, (e - x)[:, None, :], D3)
+            D = tl.reshape(D3, (C, C))
+            N = tl.dot(D, tl.where(blk, 0.0, A), input_precision=PREC)
+            Tm = D
+            for _ in tl.static_range(NB - 1):
+                Tm = D - tl.dot(N, Tm, input_precision=PREC)
         g_last = tl.sum(tl.where(t == C - 1, G, 0.0), axis=0)
         coef = beta * tl.exp(G)
         tail = tl.exp(g_last - G)
@@ -96,33 +122,36 @@ def _gdn_state_kernel(
     h = tl.program_id(1)
     vt = tl.program_id(2)
     n = tl.load(nchunk_ptr + p)
-    c0 = tl.load(chunk0_ptr + p).to(tl.int64)
-    ii = tl.load(init_idx_ptr + p).to(tl.int64)
     s0 = tl.load(starts0_ptr + p).to(tl.int64)
-    dk = tl.arange(0, DKP)
-    dv = vt * BV + tl.arange(0, BV)
-    sm = (dk[:, None] < DK) & (dv[None, :] < DV)
-    soff = dk[:, None] * DV + dv[None, :]
-    hs = DK * DV
-    S = tl.load(init_ptr + (tl.maximum(ii, 0) * H + h) * hs + soff, mask=sm & (ii >= 0), other=0.0)
-    t = tl.arange(0, C)
-    for c in range(0, n):
-        tl.store(starts_ptr + ((tl.maximum(s0, 0) + c) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
-        q = (c0 + c) * H + h
-        km = dk[None, :] < DK
-        W = tl.load(w_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
-        Kd = tl.load(kd_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
-        U = tl.load(u_ptr + (q * C + t[:, None]) * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0)
-        el = tl.load(el_ptr + q)
-        Vn = U - tl.dot(W, S, input_precision=PREC)
-        if STORE_VNEW:
-            tl.store(vnew_ptr + (q * C + t[:, None]) * DV + dv[None, :], Vn, mask=dv[None, :] < DV)
-        S = S * el + tl.dot(tl.trans(Kd), Vn, input_precision=PREC)
-    tl.store(starts_ptr + ((tl.maximum(s0, 0) + n) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
-    fi = tl.load(fin_idx_ptr + p).to(tl.int64)
-    tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0) & (n > 0))
-    f2 = tl.load(fin2_idx_ptr + p).to(tl.int64)
-    tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0) & (n > 0))
+    # a program with no chunk and no start state to store has nothing to do (decode: every lane
+    # whose chunk did not complete); it returns before loading its state tile
+    if (n > 0) | (s0 >= 0):
+        c0 = tl.load(chunk0_ptr + p).to(tl.int64)
+        ii = tl.load(init_idx_ptr + p).to(tl.int64)
+        dk = tl.arange(0, DKP)
+        dv = vt * BV + tl.arange(0, BV)
+        sm = (dk[:, None] < DK) & (dv[None, :] < DV)
+        soff = dk[:, None] * DV + dv[None, :]
+        hs = DK * DV
+        S = tl.load(init_ptr + (tl.maximum(ii, 0) * H + h) * hs + soff, mask=sm & (ii >= 0), other=0.0)
+        t = tl.arange(0, C)
+        for c in range(0, n):
+            tl.store(starts_ptr + ((tl.maximum(s0, 0) + c) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
+            q = (c0 + c) * H + h
+            km = dk[None, :] < DK
+            W = tl.load(w_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
+            Kd = tl.load(kd_ptr + (q * C + t[:, None]) * DK + dk[None, :], mask=km, other=0.0)
+            U = tl.load(u_ptr + (q * C + t[:, None]) * DV + dv[None, :], mask=dv[None, :] < DV, other=0.0)
+            el = tl.load(el_ptr + q)
+            Vn = U - tl.dot(W, S, input_precision=PREC)
+            if STORE_VNEW:
+                tl.store(vnew_ptr + (q * C + t[:, None]) * DV + dv[None, :], Vn, mask=dv[None, :] < DV)
+            S = S * el + tl.dot(tl.trans(Kd), Vn, input_precision=PREC)
+        tl.store(starts_ptr + ((tl.maximum(s0, 0) + n) * H + h) * hs + soff, S, mask=sm & (s0 >= 0))
+        fi = tl.load(fin_idx_ptr + p).to(tl.int64)
+        tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0) & (n > 0))
+        f2 = tl.load(fin2_idx_ptr + p).to(tl.int64)
+        tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0) & (n > 0))
 
 
 @jit
@@ -189,6 +218,26 @@ def _gdn_append_kernel(
     tl.store(bb_ptr + row, tl.load(b_ptr + b * s_bt + h).to(tl.float32))
 
 
+@dataclass(frozen=True)
+class CPRKernelChoice:
+    """The numerical and tiling choices of CPR's Triton kernels that move bits: the input
+    precision of every fp32 ``tl.dot`` in the prep and state kernels (``"ieee"``: fp32 FMA,
+    ``"tf32x3"``: three TF32 tensor-core products, about fp32 accuracy), how the prep inverts
+    I + A (``inv_bs`` 0: row by row; 16: diagonal blocks merged by dots) and the Dv tile and
+    warp count of the per-token kernel (its ``tl.sum`` over Dk reduces in the layout's order). Every
+    case (trainer, prefill, decode) takes the same choice, so any choice keeps them equal; a
+    different choice gives other bits. ``PINNED`` is the one the ``gdn_cpr`` impl runs;
+    ``scripts/cpr_variant_sweep.py`` times and checks the others on a GPU."""
+
+    dot: str = "ieee"
+    rec_bv: int = 32
+    rec_warps: int = 4
+    inv_bs: int = 0
+
+
+PINNED = CPRKernelChoice()
+
+
 def tile_constants(Dk: int, Dv: int) -> dict:
     """Triton tiles and warps, a function of (Dk, Dv) only (pinned; never of T or batch)."""
     return dict(DKP=max(16, next_pow2(Dk)), DVP=max(16, next_pow2(Dv)),
@@ -200,10 +249,14 @@ def _i32(xs, dev) -> torch.Tensor:
     return torch.tensor(list(xs), dtype=torch.int32, device=dev)
 
 
-def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee", t_out=None):
+def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee", t_out=None, inv_bs=0):
     """Prep for P chunks (row0/nrow int32 device tensors [P]); k [*, Hk, Dk] (rows by token),
     v [*, H, Dv], g, beta [*, H], last dims contiguous. Returns (W, U, Kd, e_last); with ``t_out``
-    [P, H, C, C] fp32 also stores each chunk's T = (I + A)^-1 there (the chunk backward needs it)."""
+    [P, H, C, C] fp32 also stores each chunk's T = (I + A)^-1 there (the chunk backward needs it).
+    ``inv_bs``: 0 inverts (I + A) row by row; 16 (a divisor of C) by diagonal blocks merged by
+    dots (other bits)."""
+    if inv_bs and (chunk % inv_bs or inv_bs < 16):
+        raise ValueError(f"inv_bs {inv_bs} must be >= 16 and divide the chunk {chunk}")
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     tc = tile_constants(Dk, Dv)
@@ -217,7 +270,7 @@ def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee", t_out=Non
             k, v, g, beta, row0, nrow, W, U, Kd, el, t_out if t_out is not None else el, H, rep, Dk, Dv,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
             C=chunk, DKP=tc["DKP"], DVP=tc["DVP"], BK=tc["BK"], BV=tc["BV"], PREC=prec,
-            STORE_T=t_out is not None, num_warps=tc["prep_warps"])
+            STORE_T=t_out is not None, INV_BS=inv_bs, num_warps=tc["prep_warps"])
     return W, U, Kd, el
 
 
@@ -239,18 +292,21 @@ def launch_state(prep, init, starts, fin, fin2, chunk0, nchunk, init_idx, starts
             num_warps=tc["state_warps"], num_stages=3 if prec == "ieee" else 1)
 
 
-def launch_recurrent(q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep):
-    """Per-token recurrence over P segments (index tensors int32 [P]); see the kernel."""
+def launch_recurrent(q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep,
+                     choice: CPRKernelChoice = PINNED):
+    """Per-token recurrence over P segments (index tensors int32 [P]); see the kernel. The Dv
+    tile and warps are ``choice.rec_bv`` / ``choice.rec_warps``."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     tc = tile_constants(Dk, Dv)
+    bv = min(choice.rec_bv, tc["DVP"])
     if P:
-        grid = (P, H, triton_cdiv(Dv, tc["BV"]))
+        grid = (P, H, triton_cdiv(Dv, bv))
         _gdn_recurrent_kernel[grid](
             q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep, Dk, Dv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
-            DKP=tc["DKP"], BV=tc["BV"], num_warps=tc["rec_warps"])
+            DKP=tc["DKP"], BV=bv, num_warps=choice.rec_warps)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -261,7 +317,7 @@ def _rows3(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk):
+def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk, choice=PINNED):
     """CPR over B segments (each starting on a chunk boundary) by the Triton kernels.
     Returns (o [T, H, Dv] fp32, boundary [B, H, Dk, Dv], running [B, H, Dk, Dv])."""
     T, Hk, Dk = k.shape
@@ -288,31 +344,33 @@ def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk):
             seg_fin.append(b if (c == L // C) else -1)  # the trailing partial chunk
         n_starts += nf + 1
     P = len(p_row0)
-    prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C)
+    prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C, prec=choice.dot,
+                       inv_bs=choice.inv_bs)
     init_t = init if init is not None else torch.zeros(1, H, Dk, Dv, dtype=torch.float32, device=dev)
     boundary = (init.clone() if init is not None
                 else torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev))
     starts_t = torch.empty(max(n_starts, 1), H, Dk, Dv, dtype=torch.float32, device=dev)
     launch_state(prep, init_t, starts_t, boundary, boundary, _i32(chunk0, dev), _i32(nchunk, dev),
                  _i32(range(B) if init is not None else [-1] * B, dev), _i32(starts0, dev),
-                 _i32(range(B), dev), _i32([-1] * B, dev), C)
+                 _i32(range(B), dev), _i32([-1] * B, dev), C, prec=choice.dot)
     o = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)
     running = boundary.clone()
     launch_recurrent(q, k, v, g, beta, o, starts_t, running, _i32(seg_row0, dev), _i32(seg_n, dev),
-                     _i32(seg_init, dev), _i32(seg_fin, dev), H, rep)
+                     _i32(seg_init, dev), _i32(seg_fin, dev), H, rep, choice)
     return o, boundary, running
 
 
-def gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
+def gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK,
+                          choice: CPRKernelChoice = PINNED) -> torch.Tensor:
     """Trainer case by the Triton kernels (forward only). CUDA, or CPU under the interpreter."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_varlen_triton")
     starts, lens = _host_lens(cu_seqlens)
-    o, _, _ = _core_triton(q, k, v, g, beta, starts, lens, None, H // Hk, chunk)
+    o, _, _ = _core_triton(q, k, v, g, beta, starts, lens, None, H // Hk, chunk, choice)
     return o
 
 
 def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *,
-                          chunk: int = CHUNK) -> torch.Tensor:
+                          chunk: int = CHUNK, choice: CPRKernelChoice = PINNED) -> torch.Tensor:
     """Engine prefill by the Triton kernels; updates ``state`` in place. One host sync (the
     slots' fill counts and the sequence lengths plan the launch)."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_engine_triton")
@@ -350,7 +408,7 @@ def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
         vv_[pd] = state.buf_v[ps, pp]
         gv_[pd] = state.buf_g[ps, pp]
         bv_[pd] = state.buf_beta[ps, pp]
-    o_v, boundary, running = _core_triton(qv_, kv_, vv_, gv_, bv_, vstarts, vlens, init, rep, chunk)
+    o_v, boundary, running = _core_triton(qv_, kv_, vv_, gv_, bv_, vstarts, vlens, init, rep, chunk, choice)
     # state write-back (buffers hold the trailing partial chunk, k expanded per value head)
     keep = [b for b, L in enumerate(vlens) if L > 0]
     if keep:
@@ -380,7 +438,8 @@ def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
     return out
 
 
-def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK,
+                          choice: CPRKernelChoice = PINNED) -> torch.Tensor:
     """Engine decode by the Triton kernels; updates ``state``. No host sync, no data-dependent
     Python control flow: the resync (prep + state kernels) is launched for every lane and does
     nothing for lanes whose chunk did not complete (chunk count 0 on device)."""
@@ -393,7 +452,8 @@ def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     one = torch.ones(B, dtype=torch.int32, device=dev)
     lanes = torch.arange(B, dtype=torch.int32, device=dev)
-    launch_recurrent(q, k, v, g, beta, o, state.running, state.running, lanes, one, slots32, slots32, H, rep)
+    launch_recurrent(q, k, v, g, beta, o, state.running, state.running, lanes, one, slots32, slots32, H, rep,
+                     choice)
     tc = tile_constants(Dk, Dv)
     if B:
         _gdn_append_kernel[(B, H)](
@@ -408,8 +468,9 @@ def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     bv = state.buf_v.view(-1, H, Dv)
     bg = state.buf_g.view(-1, H)
     bb = state.buf_beta.view(-1, H)
-    prep = launch_prep(bk, bv, bg, bb, slots32 * chunk, full * chunk, H, 1, chunk)
+    prep = launch_prep(bk, bv, bg, bb, slots32 * chunk, full * chunk, H, 1, chunk, prec=choice.dot,
+                       inv_bs=choice.inv_bs)
     launch_state(prep, state.boundary, state.boundary, state.boundary, state.running, lanes, full, slots32,
-                 torch.full_like(lanes, -1), slots32, slots32, chunk)
+                 torch.full_like(lanes, -1), slots32, slots32, chunk, prec=choice.dot)
     state.fill.index_put_((sl,), (f1 * (1 - full)).to(torch.int32))
     return o

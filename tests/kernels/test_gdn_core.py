@@ -465,6 +465,28 @@ def interp_case_native_triton_chunk_and_recurrent_match_recurrence(kb):
         assert kb.rel_l2(o, want) < 1e-5
 
 
+def interp_case_cpr_triton_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb):
+    # a non-pinned choice (TF32x3 dots, blocked inverse of I + A, narrow per-token tile) gives
+    # other bits than the pinned one, but the same bits in every case, and the same function
+    choice = G.triton_kernels.CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16)
+    C = 32  # two 16-row blocks: the blocked inverse's merge runs
+    lens = [70, 5, 33]
+    inp = make_inputs(lens, 2, 4, 16, 16, seed=34)
+    o = G.gdn_cpr_varlen_triton(*inp, chunk=C, choice=choice)
+    assert kb.rel_l2(o, transformers_recurrence(*inp, 16)) < 1e-5
+    st = G.GDNState.allocate(4, 4, 16, 16, "cpu", chunk=C)
+    plan = [("prefill", {0: 40, 1: 2, 2: 31}), ("decode", [0, 1, 2]), ("prefill", {0: 25, 1: 1}),
+            ("decode", [0, 1, 2]), ("decode", [0]), ("prefill", {0: 2})]
+
+    def engine(*a, chunk):
+        return G.gdn_cpr_engine_triton(*a, chunk=chunk, choice=choice)
+
+    def decode(*a, chunk):
+        return G.gdn_cpr_decode_triton(*a, chunk=chunk, choice=choice)
+    kb.assert_bitwise(run_engine(inp, lens, plan, [3, 0, 1], st, engine, decode, C), o,
+                      "engine/decode vs varlen, non-pinned choice")
+
+
 def _native_decode_triton(q, k, v, g, beta, slots, state, chunk):
     # gdn_recurrent_decode dispatches by device; call its CUDA branch's kernel directly on CPU
     B, Hk = k.shape[:2]
@@ -506,6 +528,29 @@ def test_cpr_cuda_varlen_equals_engine_split_and_decode_bitwise(kb, v_dtype):
         o_eng = run_engine(inp, lens, random_plan(lens, seed, max_decode=70), [7, 0, 1, 2, 3, 4], st,
                            G.gdn_cpr_engine, G.gdn_cpr_decode, G.CHUNK)
         kb.assert_bitwise(o_eng, o, f"cuda engine/decode plan {seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("choice", [dict(dot="tf32x3"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16)],
+                         ids=["tf32x3", "tf32x3_rec8_inv16"])
+def test_cpr_cuda_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb, choice):
+    # the candidates of scripts/cpr_variant_sweep.py: each must keep trainer == engine split ==
+    # decode (its own bits) and the float64 recurrence's values
+    c = G.triton_kernels.CPRKernelChoice(**choice)
+    lens = [300, 64, 1, 129, 0, 77]
+    inp = [x.cuda() for x in make_inputs(lens, **QWEN35, seed=41, v_dtype=torch.bfloat16)]
+    o = G.gdn_cpr_varlen_triton(*inp, choice=c)
+    assert kb.rel_l2(o, recurrence64(inp)) < 1e-5
+
+    def engine(*a, chunk):
+        return G.gdn_cpr_engine_triton(*a, chunk=chunk, choice=c)
+
+    def decode(*a, chunk):
+        return G.gdn_cpr_decode_triton(*a, chunk=chunk, choice=c)
+    st = G.GDNState.allocate(8, QWEN35["H"], 128, 128, "cuda")
+    o_eng = run_engine(inp, lens, random_plan(lens, 2, max_decode=70), [7, 0, 1, 2, 3, 4], st, engine, decode,
+                       G.CHUNK)
+    kb.assert_bitwise(o_eng, o, f"cuda engine/decode, choice {c}")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,227 @@
+"""Variant sweep for CPR's Triton kernels on a GPU (a tuning tool, not a benchmark of record).
+
+For each candidate ``CPRKernelChoice`` (dot precision of the prep and state kernels, Dv tile and
+warps of the per-token kernel) this
+
+The candidates also try the prep kernel's blocked inverse of I + A (``inv_bs`` 16), which the
+native chunk baseline could use as well (``native_inv16`` row: the baseline with that inverse).
+
+1. checks the candidate against itself in every case: the trainer's varlen output equals the
+   engine's one-shot prefill, and an engine run that prefills in random pieces and decodes the
+   last tokens one by one (integer views, differing-element counts); and its accuracy against
+   the float64 per-token recurrence (relative L2 and max abs error);
+2. times the three stages of ``isoexec bench cpr`` (trainer forward 5 x 2048, prefill 5 x 2048,
+   decode 256 lanes in a CUDA graph) and the native baselines in the same run;
+3. profiles one call of each stage (torch.profiler): the kernels and their device time, so the
+   stage's time is split by kernel (prep, state chain, per-token pass, host-side glue).
+
+A candidate other than ``PINNED`` gives other bits than the committed gates saw: picking one
+means a new ``gdn_cpr`` version and new GPU gates. Usage on the GPU machine:
+
+    python3 scripts/cpr_variant_sweep.py --out $OUT/cpr_sweep.json [--quick]
+
+``--quick`` (tiny shapes, a few variants) runs anywhere, also under ``TRITON_INTERPRET=1`` on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from torch.autograd import DeviceType
+
+from isoexec.bench.common import time_ms
+from isoexec.bench.cpr import FULL, GDN_DIMS, QUICK, QUICK_DIMS, _decode_state, _graphed, _inputs
+from isoexec.envinfo import env_info
+from isoexec_kernels.gdn_core import GDNState, native as nat, torch_recurrence
+from isoexec_kernels.gdn_core import triton_kernels as tk
+from isoexec_kernels.gdn_core.triton_kernels import CPRKernelChoice
+
+VARIANTS = [
+    CPRKernelChoice(),                                     # pinned
+    CPRKernelChoice(dot="tf32x3"),
+    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=2),
+    CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1),
+    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=1),
+    CPRKernelChoice(dot="ieee", rec_bv=8, rec_warps=1),
+    CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
+    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=2, inv_bs=16),
+    CPRKernelChoice(dot="ieee", inv_bs=16),
+    CPRKernelChoice(dot="tf32", rec_bv=8, rec_warps=1),    # TF32 alone: fast, less accurate
+]
+QUICK_VARIANTS = [CPRKernelChoice(), CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16)]
+
+
+def _name(c: CPRKernelChoice) -> str:
+    return f"dot={c.dot},rec_bv={c.rec_bv},rec_warps={c.rec_warps},inv_bs={c.inv_bs}"
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.contiguous().view(torch.int32) != b.contiguous().view(torch.int32)).sum())
+
+
+def _check(choice, dims, device, seed=7):
+    """Trainer vs engine one-shot vs engine pieces + decode, and accuracy vs float64."""
+    lens = [300, 64, 517, 1, 129] if dims is GDN_DIMS else [40, 16, 33]
+    C = dims["chunk"]
+    (q, k, v, g, beta), cu = _inputs(lens, dims, device, torch.bfloat16 if device == "cuda" else torch.float32,
+                                     seed)
+    o = tk.gdn_cpr_varlen_triton(q, k, v, g, beta, cu, chunk=C, choice=choice)
+    ref = torch_recurrence(*(x.double() for x in (q, k, v, g, beta)), cu).float()
+    err = dict(rel_l2=float((o - ref).norm() / ref.norm()), max_abs=float((o - ref).abs().max()))
+
+    def engine_run(pieces_of):
+        st = GDNState.allocate(len(lens) + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
+        out = torch.full_like(o, float("nan"))
+        for b, L in enumerate(lens):
+            s0 = int(cu[b])
+            pre, ndec = pieces_of(L)
+            pos = 0
+            for n in pre:
+                rows = torch.arange(s0 + pos, s0 + pos + n, device=device)
+                out[rows] = tk.gdn_cpr_engine_triton(
+                    *(x[rows] for x in (q, k, v, g, beta)), torch.tensor([0, n], dtype=torch.int32, device=device),
+                    torch.tensor([b + 1], device=device), st, chunk=C, choice=choice)
+                pos += n
+            for _ in range(ndec):
+                r = torch.tensor([s0 + pos], device=device)
+                out[r] = tk.gdn_cpr_decode_triton(*(x[r] for x in (q, k, v, g, beta)),
+                                                  torch.tensor([b + 1], device=device), st, chunk=C, choice=choice)
+                pos += 1
+        return out
+
+    rng = random.Random(seed)
+
+    def pieces(L):
+        ndec = min(L, rng.randint(0, 2 * C + 3))
+        pre, left = [], L - ndec
+        while left:
+            n = min(left, rng.randint(1, 2 * C))
+            pre.append(n)
+            left -= n
+        return pre, ndec
+
+    one_shot = engine_run(lambda L: ([L] if L else [], 0))
+    split = engine_run(pieces)
+    return dict(err, differ_engine_one_shot=_diff(one_shot, o), differ_engine_split_decode=_diff(split, o),
+                compared=o.numel())
+
+
+def _profile(fn, device, top=8):
+    """The kernels of one call of ``fn`` (after a warm-up call) by device time; on a CPU, the
+    torch ops by their own host time."""
+    fn()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if device == "cuda" and e.device_type == DeviceType.CUDA:
+            rows.append(dict(name=e.key[:100], us=float(e.device_time_total), calls=int(e.count)))
+        elif device != "cuda":
+            rows.append(dict(name=e.key[:100], us=float(e.self_cpu_time_total), calls=int(e.count)))
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
+def _stages(choice, dims, sizes, device, rep_ms, profile):
+    """(times, profiles) of trainer fwd, prefill and decode for ``choice`` (None: native)."""
+    C = dims["chunk"]
+    out, prof = {}, {}
+    b, s = sizes["train"]
+    xs, cu = _inputs([s] * b, dims, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=1)
+    with torch.no_grad():
+        if choice is None:
+            fwd = lambda: nat.gdn_chunk_varlen(*xs, cu, chunk=C)  # noqa: E731
+        else:
+            fwd = lambda: tk.gdn_cpr_varlen_triton(*xs, cu, chunk=C, choice=choice)  # noqa: E731
+        out["trainer_fwd_ms"] = time_ms(fwd, device, rep_ms=rep_ms)
+        if profile:
+            prof["trainer_fwd"] = _profile(fwd, device)
+        b, s = sizes["prefill"]
+        xs, cu = _inputs([s] * b, dims, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=2)
+        slots = torch.arange(b, device=device)
+
+        def prefill():
+            st = GDNState.allocate(b, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
+            if choice is None:
+                return nat.gdn_chunk_engine(*xs, cu, slots, st, chunk=C)
+            return tk.gdn_cpr_engine_triton(*xs, cu, slots, st, chunk=C, choice=choice)
+        out["prefill_ms"] = time_ms(prefill, device, rep_ms=rep_ms)
+        if profile:
+            prof["prefill"] = _profile(prefill, device)
+        B = sizes["decode"]
+        xs, _ = _inputs([1] * B, dims, device, torch.bfloat16 if device == "cuda" else torch.float32, seed=3)
+        slots = torch.arange(B, device=device)
+        st = _decode_state(B, dims, device, seed=4)
+        if choice is None:
+            dec = _graphed(lambda: nat.gdn_recurrent_decode(*xs, slots, st, chunk=C), device)
+        else:
+            dec = _graphed(lambda: tk.gdn_cpr_decode_triton(*xs, slots, st, chunk=C, choice=choice), device)
+        out["decode_ms"] = time_ms(dec, device, rep_ms=rep_ms)
+        if profile:
+            eager = (lambda: tk.gdn_cpr_decode_triton(*xs, slots, st, chunk=C, choice=choice)) if choice else \
+                (lambda: nat.gdn_recurrent_decode(*xs, slots, st, chunk=C))
+            prof["decode_eager"] = _profile(eager, device)
+    return out, prof
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes and two variants (CPU interpreter)")
+    ap.add_argument("--rep-ms", type=float, default=150.0)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dims, sizes = (QUICK_DIMS, QUICK) if args.quick else (GDN_DIMS, FULL)
+    variants = QUICK_VARIANTS if args.quick else VARIANTS
+    rep_ms = 5.0 if args.quick else args.rep_ms
+    result = dict(name="cpr_variant_sweep", env=env_info("sm90" if device == "cuda" else "cpu"),
+                  dims=dims, sizes=sizes, pinned=_name(tk.PINNED), rows=[])
+    t0 = time.time()
+    times, prof = _stages(None, dims, sizes, device, rep_ms, profile=True)
+    result["native"] = dict(times, profile=prof)
+    print("native mixed: " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
+    nat.NATIVE_INV_BS = 16
+    try:
+        times16, prof16 = _stages(None, dims, sizes, device, rep_ms, profile=True)
+        result["native_inv16"] = dict(times16, profile=prof16)
+        print("native mixed, blocked inverse: " + "  ".join(f"{k} {v:.3f}" for k, v in times16.items()), flush=True)
+    except Exception as e:
+        result["native_inv16"] = dict(error=f"{type(e).__name__}: {e}"[:500])
+    nat.NATIVE_INV_BS = 0
+    for choice in variants:
+        row = dict(variant=_name(choice), dot=choice.dot, rec_bv=choice.rec_bv, rec_warps=choice.rec_warps,
+                   inv_bs=choice.inv_bs)
+        try:
+            row["check"] = _check(choice, dims, device)
+            times, prof = _stages(choice, dims, sizes, device, rep_ms, profile=True)
+            row.update(times)
+            row["profile"] = prof
+            row["cost_vs_native"] = {k: round(v / result["native"][k], 3) for k, v in times.items()}
+        except Exception as e:  # one failing candidate (e.g. out of shared memory) must not end the sweep
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        result["rows"].append(row)
+        chk = row.get("check", {})
+        print(f"{row['variant']:<38} " + (row.get("error") or
+              "  ".join(f"{k} {row[k]:.3f}" for k in ("trainer_fwd_ms", "prefill_ms", "decode_ms")) +
+              f"  cost {row['cost_vs_native']}  differ {chk['differ_engine_one_shot']}/"
+              f"{chk['differ_engine_split_decode']} of {chk['compared']}  rel_l2 {chk['rel_l2']:.2e}"),
+              flush=True)
+        with open(args.out, "w") as f:   # after every candidate: a run cut short keeps the finished ones
+            json.dump(result, f, indent=1)
+    print(f"done in {time.time() - t0:.0f}s -> {args.out}")
+    for r in result["rows"]:
+        for stage, ks in r.get("profile", {}).items():
+            print(f"  {r['variant']} {stage}: " + ", ".join(f"{k['name'][:40]} {k['us']:.0f}us"
+                                                          for k in ks[:5]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
