@@ -155,6 +155,12 @@ def model_ops(family: str, hf_config: dict) -> tuple[str, ...]:
     return registry.model_ops(family, absent)
 
 
+def _default_architecture(fam: registry.FamilySpec, model_type: str) -> tuple[str]:
+    """The transformers class of ``model_type`` (``architectures[i]`` is that of ``model_types[i]``),
+    for a model YAML that names none."""
+    return (fam.architectures[fam.model_types.index(model_type)],)
+
+
 def default_model_name(family: str) -> str:
     return f"{family}_tiny"
 
@@ -292,7 +298,8 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
     contract = ExecutionContract(
         schema_version="1",
         model=ModelSpec(family=fam.id,
-                        architectures=tuple(sorted(model_cfg.get("architectures") or fam.architectures[:1])),
+                        architectures=tuple(sorted(model_cfg.get("architectures") or _default_architecture(
+                            fam, model_cfg["hf_config"]["model_type"]))),
                         config_digest=config_digest(model_cfg["hf_config"])),
         cases=cases,
         composition=tuple(entries),

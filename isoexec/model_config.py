@@ -95,8 +95,8 @@ class DenseConfig(_AttentionSizes):
         if mt == "qwen3" and getattr(cfg, "attention_bias", False):
             raise ConfigError("attention_bias=True (a bias on q/k/v and o_proj in qwen3) is not supported by the "
                               "dense family")
-        if qkv_bias and raw.get("attention_bias", True) is not True:
-            raise ConfigError(f"attention_bias={raw['attention_bias']!r}: {mt} models always have a q/k/v bias "
+        if qkv_bias and not getattr(cfg, "attention_bias", True):
+            raise ConfigError(f"attention_bias={cfg.attention_bias!r}: {mt} models always have a q/k/v bias "
                               "(transformers ignores attention_bias for them)")
         if getattr(cfg, "use_sliding_window", False):
             raise ConfigError(f"use_sliding_window=True is not supported by the dense family (every layer attends "

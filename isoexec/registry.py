@@ -43,9 +43,10 @@ class OpSpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """``ops``: every logical op a model of the family may run. ``optional_ops``: groups of them that
-    a model of the family may lack, each as a whole (the dense family's q/k norm, absent from a
-    qwen2 model); the model config says which (``model_config``: a config's ``absent_ops``)."""
+    """``architectures[i]``: the transformers class of ``model_types[i]``. ``ops``: every logical op
+    a model of the family may run. ``optional_ops``: groups of them that a model of the family may
+    lack, each as a whole (the dense family's q/k norm, absent from a qwen2 model); the model config
+    says which (``model_config``: a config's ``absent_ops``)."""
 
     id: str
     model_types: tuple[str, ...]

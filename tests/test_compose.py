@@ -168,3 +168,19 @@ def test_half_of_an_optional_op_group_is_still_required(dense_isoexec_cpu):
     half = with_identities(replace(c, composition=tuple(e for e in c.composition if e.region != ("k_norm",))))
     assert "k_norm" in required_ops(half)
     assert any("model op 'k_norm'" in str(v) for v in validate(half, required_ops(half)))
+
+
+def test_a_model_yaml_without_architectures_gets_its_model_type_s_class(tmp_path):
+    import yaml
+
+    from isoexec import registry
+    from isoexec.compose import load_model_config
+
+    for fam in registry.FAMILIES.values():
+        assert len(fam.model_types) == len(fam.architectures), fam.id
+    for name, arch in (("dense_qwen2_tiny", "Qwen2ForCausalLM"), ("dense_tiny", "Qwen3ForCausalLM")):
+        data = load_model_config(name)
+        data.pop("architectures", None)
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(yaml.safe_dump(data))
+        assert build_contract("dense", "native", "cpu", str(p)).model.architectures == (arch,)
