@@ -131,7 +131,8 @@ def test_qwen2_name_map_has_biases_and_no_qk_norm():
 
 def test_a_contract_of_the_other_architecture_is_refused():
     qwen2 = build_model("dense", TINY)
-    with pytest.raises(BindingRefused, match="region\\(s\\) for op\\(s\\) k_norm, q_norm, which this model does not run"):
+    with pytest.raises(BindingRefused,
+                       match="region\\(s\\) for op\\(s\\) k_norm, q_norm, which this model does not run"):
         qwen2.install(build_contract("dense", "isoexec", "cpu", "dense_tiny"))
     qwen3 = build_model("dense", load_model_config("dense_tiny")["hf_config"])
     with pytest.raises(BindingRefused, match="no region for op\\(s\\) k_norm, q_norm, which this model runs"):
