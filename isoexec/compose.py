@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -146,6 +147,20 @@ def load_model_config(name_or_path: str) -> dict:
     return data
 
 
+def model_ops(family: str, hf_config: dict) -> tuple[str, ...]:
+    """The logical ops a model of ``family`` with this transformers config runs: the family's ops
+    less the optional group(s) the config has none of (a qwen2 dense model has no q/k norm)."""
+    cls = FAMILY_CONFIGS.get(family)
+    absent = getattr(cls.from_hf(hf_config), "absent_ops", ()) if cls is not None else ()
+    return registry.model_ops(family, absent)
+
+
+def _default_architecture(fam: registry.FamilySpec, model_type: str) -> tuple[str]:
+    """The transformers class of ``model_type`` (``architectures[i]`` is that of ``model_types[i]``),
+    for a model YAML that names none."""
+    return (fam.architectures[fam.model_types.index(model_type)],)
+
+
 def default_model_name(family: str) -> str:
     return f"{family}_tiny"
 
@@ -271,6 +286,9 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
     model_cfg = load_model_config(model or default_model_name(family))
     if model_cfg["family"] != family:
         raise ConfigError(f"model config is a {model_cfg['family']} model, not {family}")
+    # the ops this model runs: an op the model lacks (q/k norm of a qwen2 model) gets no region, so
+    # the entries for it are skipped and the contract's semantic identity records its absence
+    fam = replace(fam, ops=model_ops(fam.id, model_cfg["hf_config"]))
     cases = _cases(spec)
     case_ids = tuple(c.id for c in cases)
     entries = build_entries(spec, fam, arch, case_ids, where)
@@ -280,7 +298,8 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
     contract = ExecutionContract(
         schema_version="1",
         model=ModelSpec(family=fam.id,
-                        architectures=tuple(sorted(model_cfg.get("architectures") or fam.architectures[:1])),
+                        architectures=tuple(sorted(model_cfg.get("architectures") or _default_architecture(
+                            fam, model_cfg["hf_config"]["model_type"]))),
                         config_digest=config_digest(model_cfg["hf_config"])),
         cases=cases,
         composition=tuple(entries),
@@ -291,9 +310,17 @@ def build_contract(family: str, composition: str, arch: str, model: str | None =
 
 
 def required_ops(c: ExecutionContract) -> frozenset[str]:
-    """The function ops a valid contract of ``c``'s family must cover."""
-    return frozenset(registry.family(c.model.family).ops)
+    """The function ops a valid contract of ``c``'s family must cover: the family's ops less each
+    optional group (``registry.FamilySpec.optional_ops``) the contract covers no op of. Whether the
+    model has such a group is the model config's to say; ``model.install`` refuses a contract whose
+    ops differ from the model's. A group covered in part stays required, so its other ops are
+    reported missing."""
+    fam = registry.family(c.model.family)
+    covered = {o for e in c.composition if e.half == "function" for o in e.region}
+    absent = [o for g in fam.optional_ops if not set(g) & covered for o in g]
+    return frozenset(registry.model_ops(fam.id, absent))
 
 
 
-__all__ = ["build_contract", "load_composition", "load_model_config", "config_digest", "required_ops", "PENDING"]
+__all__ = ["build_contract", "load_composition", "load_model_config", "config_digest", "model_ops", "required_ops",
+           "PENDING"]

@@ -47,10 +47,24 @@ class _AttentionSizes:
         return self.num_kv_heads * self.head_dim
 
 
+DENSE_MODEL_TYPES = ("qwen3", "qwen2")
+"""The transformers ``model_type`` values the dense family reads. ``qwen2`` (Qwen2ForCausalLM) is
+the Qwen3 layer with a bias on the q/k/v projections and no q/k RMSNorm; MiMo-7B checkpoints
+(``MiMoForCausalLM``, a Qwen2 model with multi-token-prediction layers) load as ``qwen2``, because
+transformers 5.17 has no ``mimo`` model type."""
+
+QKV_BIAS_MODEL_TYPES = ("qwen2",)
+"""Model types whose q/k/v projections carry a bias (transformers builds it whatever
+``attention_bias`` says); the kernel gates draw one for those regions too."""
+
+
 @dataclass(frozen=True)
 class DenseConfig(_AttentionSizes):
-    """The dense family (Qwen3 architecture): GQA attention with q/k RMSNorm, SwiGLU MLP."""
+    """The dense family: GQA attention, SwiGLU MLP, RMSNorms. ``qwen3``: q/k RMSNorm per head, no
+    bias (``qk_norm``). ``qwen2``: a bias on the q, k and v projections (``qkv_bias``; o_proj has
+    none), no q/k norm."""
 
+    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -62,15 +76,35 @@ class DenseConfig(_AttentionSizes):
     rope_theta: float
     tie_word_embeddings: bool
     max_position_embeddings: int
+    qkv_bias: bool
+    qk_norm: bool
 
     @classmethod
     def from_hf(cls, cfg: Any) -> "DenseConfig":
+        raw = cfg if isinstance(cfg, dict) else {}
+        if raw.get("model_type") == "mimo":
+            raise ConfigError("model_type 'mimo' is not a transformers 5.17 model type: write a MiMo config as "
+                              "model_type qwen2 (its multi-token-prediction weights, model.mtp_layers.*, are "
+                              "skipped when a checkpoint is loaded)")
         if isinstance(cfg, dict):
             cfg = hf_config_from_dict(cfg)
-        if getattr(cfg, "model_type", None) != "qwen3":
-            raise ConfigError(f"the dense family reads qwen3 configs, got {getattr(cfg, 'model_type', None)!r}")
-        if getattr(cfg, "attention_bias", False):
-            raise ConfigError("attention_bias=True is not supported by the dense family yet")
+        mt = getattr(cfg, "model_type", None)
+        if mt not in DENSE_MODEL_TYPES:
+            raise ConfigError(f"the dense family reads {' and '.join(DENSE_MODEL_TYPES)} configs, got {mt!r}")
+        qkv_bias = mt in QKV_BIAS_MODEL_TYPES
+        if mt == "qwen3" and getattr(cfg, "attention_bias", False):
+            raise ConfigError("attention_bias=True (a bias on q/k/v and o_proj in qwen3) is not supported by the "
+                              "dense family")
+        if qkv_bias and not getattr(cfg, "attention_bias", True):
+            raise ConfigError(f"attention_bias={cfg.attention_bias!r}: {mt} models always have a q/k/v bias "
+                              "(transformers ignores attention_bias for them)")
+        if getattr(cfg, "use_sliding_window", False):
+            raise ConfigError(f"use_sliding_window=True is not supported by the dense family (every layer attends "
+                              f"to its whole context); {mt} config")
+        types = sorted({t for t in (getattr(cfg, "layer_types", None) or ()) if t != "full_attention"})
+        if types:
+            raise ConfigError(f"layer_types {', '.join(map(repr, types))} are not supported by the dense family "
+                              "(only full_attention)")
         rope = getattr(cfg, "rope_parameters", None) or {}
         if rope.get("rope_type", "default") != "default":
             raise ConfigError(f"rope_type {rope.get('rope_type')!r} is not supported (only 'default')")
@@ -82,13 +116,21 @@ class DenseConfig(_AttentionSizes):
         if cfg.hidden_act != "silu":
             raise ConfigError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         return cls(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads, num_kv_heads=nkv,
             head_dim=head_dim, rms_norm_eps=float(cfg.rms_norm_eps),
             rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
             tie_word_embeddings=bool(cfg.tie_word_embeddings),
             max_position_embeddings=cfg.max_position_embeddings,
+            qkv_bias=qkv_bias, qk_norm=mt == "qwen3",
         )
+
+    @property
+    def absent_ops(self) -> tuple[str, ...]:
+        """Logical ops of the dense family this model does not run (``registry.FamilySpec.optional_ops``):
+        its contract has no region for them."""
+        return () if self.qk_norm else ("k_norm", "q_norm")
 
     @property
     def num_kv_layers(self) -> int:

@@ -31,7 +31,7 @@ from isoexec_kernels.impl import Impl as ImplSpec
 from .errors import CompositionError
 
 __all__ = ["ARCHES", "OPS", "FAMILIES", "IMPLS", "OpSpec", "FamilySpec", "ImplSpec", "ConstantSpec", "family", "op",
-           "impl", "impl_by_ref", "entry_for", "native_counterpart"]
+           "model_ops", "impl", "impl_by_ref", "entry_for", "native_counterpart"]
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,16 @@ class OpSpec:
 
 @dataclass(frozen=True)
 class FamilySpec:
+    """``architectures[i]``: the transformers class of ``model_types[i]``. ``ops``: every logical op
+    a model of the family may run. ``optional_ops``: groups of them that a model of the family may
+    lack, each as a whole (the dense family's q/k norm, absent from a qwen2 model); the model config
+    says which (``model_config``: a config's ``absent_ops``)."""
+
     id: str
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
     ops: tuple[str, ...]
+    optional_ops: tuple[tuple[str, ...], ...] = ()
 
 
 def _ops(*rows: tuple[str, str, str]) -> Mapping[str, OpSpec]:
@@ -110,7 +116,8 @@ _GDN = ("gdn_in_proj", "gdn_ba_proj", "gdn_conv", "gdn_prep", "gdn_core", "gdn_o
 _ENDS = ("embed", "final_norm", "lm_head", "logprob")
 
 FAMILIES: Mapping[str, FamilySpec] = MappingProxyType({
-    "dense": FamilySpec("dense", ("qwen3",), ("Qwen3ForCausalLM",), _ENDS + _ATTN + _MLP),
+    "dense": FamilySpec("dense", ("qwen3", "qwen2"), ("Qwen3ForCausalLM", "Qwen2ForCausalLM"), _ENDS + _ATTN + _MLP,
+                        optional_ops=(("q_norm", "k_norm"),)),
     "mla_moe": FamilySpec(
         "mla_moe", ("glm4_moe_lite", "deepseek_v3"), ("Glm4MoeLiteForCausalLM", "DeepseekV3ForCausalLM"),
         _ENDS + ("attn_norm", "q_a_proj", "q_a_norm", "q_b_proj", "kv_a_proj", "kv_a_norm", "kv_b_proj", "rope",
@@ -166,6 +173,20 @@ def family(name: str) -> FamilySpec:
         return FAMILIES[name]
     except KeyError:
         raise CompositionError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def model_ops(name: str, absent=()) -> tuple[str, ...]:
+    """The logical ops a model of family ``name`` runs when it lacks the ops ``absent``, which must
+    be whole groups of the family's ``optional_ops``."""
+    fam = family(name)
+    absent = set(absent)
+    groups = [set(g) for g in fam.optional_ops if set(g) & absent]
+    whole = set().union(*groups) if groups else set()
+    if absent != whole:
+        known = "; ".join("+".join(g) for g in fam.optional_ops) or "none"
+        raise CompositionError(f"a {fam.id} model cannot lack op(s) {', '.join(sorted(absent))}: only whole "
+                               f"optional groups may be absent (the family's: {known})")
+    return tuple(o for o in fam.ops if o not in absent)
 
 
 def op(name: str) -> OpSpec:

@@ -133,3 +133,54 @@ def test_moe_families_compose_on_both_arches_with_the_reference_moe(family):
             assert impls[("experts",)].impl.id == want
     attn = {e.region: e for e in build_contract("mla_moe", "isoexec", "sm90").composition}[("attn_core",)]
     assert attn.impl.id == "mla_expanded_walk" and attn.constants["FORM"] == "expanded"
+
+
+def test_a_qwen2_contract_records_no_qk_norm_and_differs_from_the_qwen3_one():
+    """A qwen2 model runs no q/k norm: its contract has no region for them (in every case), so its
+    semantic identity (the ops) and its numerical policy (the entries) differ from a qwen3
+    contract's, and both validate against the ops they cover (compose.required_ops)."""
+    from isoexec.compose import required_ops
+    from isoexec.contract import diff, validate
+
+    for comp in ("isoexec", "native"):
+        q3 = build_contract("dense", comp, "cpu", "dense_tiny")
+        q2 = build_contract("dense", comp, "cpu", "dense_qwen2_tiny")
+        ops3 = {o for e in q3.composition for o in e.region}
+        ops2 = {o for e in q2.composition for o in e.region}
+        assert ops3 - ops2 == {"q_norm", "k_norm"} and ops2 <= ops3
+        assert q2.model.architectures == ("Qwen2ForCausalLM",) and q3.model.config_digest != q2.model.config_digest
+        assert q3.identities.semantic != q2.identities.semantic
+        assert q3.identities.numerical_policy != q2.identities.numerical_policy
+        assert validate(q2, required_ops(q2)) == [] and validate(q3, required_ops(q3)) == []
+        assert {"q_norm", "k_norm"} <= required_ops(q3) and not {"q_norm", "k_norm"} & required_ops(q2)
+        assert any(d.where.startswith("region k_norm") for d in diff(q3, q2))
+
+
+def test_half_of_an_optional_op_group_is_still_required(dense_isoexec_cpu):
+    """Without its k_norm region a qwen3 contract is not a qwen2 one: the rest of the q/k norm group
+    is reported missing."""
+    from dataclasses import replace
+
+    from isoexec.compose import required_ops
+    from isoexec.contract import validate, with_identities
+
+    c = dense_isoexec_cpu
+    half = with_identities(replace(c, composition=tuple(e for e in c.composition if e.region != ("k_norm",))))
+    assert "k_norm" in required_ops(half)
+    assert any("model op 'k_norm'" in str(v) for v in validate(half, required_ops(half)))
+
+
+def test_a_model_yaml_without_architectures_gets_its_model_type_s_class(tmp_path):
+    import yaml
+
+    from isoexec import registry
+    from isoexec.compose import load_model_config
+
+    for fam in registry.FAMILIES.values():
+        assert len(fam.model_types) == len(fam.architectures), fam.id
+    for name, arch in (("dense_qwen2_tiny", "Qwen2ForCausalLM"), ("dense_tiny", "Qwen3ForCausalLM")):
+        data = load_model_config(name)
+        data.pop("architectures", None)
+        p = tmp_path / f"{name}.yaml"
+        p.write_text(yaml.safe_dump(data))
+        assert build_contract("dense", "native", "cpu", str(p)).model.architectures == (arch,)

@@ -54,3 +54,17 @@ def test_a_pinned_constant_the_kernel_does_not_run_with_is_refused(dense_isoexec
     bad = replace(e, constants={**e.constants, "BLOCK_K": 32})   # allowed by the registry, not built
     with pytest.raises(BindingRefused, match="runs with BLOCK_K=64"):
         bind(bad, "engine_decode")
+
+
+def test_model_ops_drop_only_whole_optional_groups():
+    """A dense model may lack its q/k norm (qwen2), both ops together, and nothing else."""
+    from isoexec.errors import CompositionError
+
+    full = registry.FAMILIES["dense"].ops
+    assert registry.model_ops("dense") == full
+    assert set(full) - set(registry.model_ops("dense", ("k_norm", "q_norm"))) == {"q_norm", "k_norm"}
+    for bad in (("q_norm",), ("k_norm", "q_norm", "o_proj")):
+        with pytest.raises(CompositionError, match="only whole optional groups may be absent .*q_norm\\+k_norm"):
+            registry.model_ops("dense", bad)
+    with pytest.raises(CompositionError, match="\\(the family's: none\\)"):
+        registry.model_ops("hybrid", ("q_norm", "k_norm"))

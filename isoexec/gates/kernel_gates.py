@@ -32,6 +32,7 @@ from isoexec_kernels.moe import RouterSpec
 
 from .. import registry
 from ..contract import Entry, ImplRef, frozen_mapping
+from ..model_config import QKV_BIAS_MODEL_TYPES
 from .compare import BitReport, compare_bits, merge
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -181,6 +182,12 @@ def linear_shape(region: tuple[str, ...], cfg: dict) -> tuple[int, int]:
     return h, h
 
 
+def linear_has_bias(region: tuple[str, ...], cfg: dict) -> bool:
+    """Whether the model adds a bias in this linear region: the q/k/v projections of a model type
+    in ``model_config.QKV_BIAS_MODEL_TYPES`` (Qwen2)."""
+    return bool(set(region) & {"q_proj", "k_proj", "v_proj"}) and cfg.get("model_type") in QKV_BIAS_MODEL_TYPES
+
+
 def norm_width(region: tuple[str, ...], cfg: dict) -> int:
     if set(region) == {"q_a_norm"}:
         return cfg["q_lora_rank"]
@@ -200,18 +207,27 @@ def gate_linear(fn, region, cfg, family, dtype, device, gen, sizes, hazards, con
         k = k + 17 if k % block_k == 0 else k
         exercised["k_not_tile_multiple"] = k % block_k != 0
     w = _rand((n, k), dtype, gen, device, 1.0 / math.sqrt(k))
+    shapes = {"K": k, "N": n, "M": list(sizes)}
+    if linear_has_bias(region, cfg):   # the kernel adds the bias inside its rounding schedule
+        b = _rand((n,), dtype, gen, device)
+        shapes["bias"] = True
+        run = lambda x: fn(x, w, b)  # noqa: E731
+        ref = lambda x: x.double() @ w.double().T + b.double()  # noqa: E731
+    else:
+        run = lambda x: fn(x, w)  # noqa: E731
+        ref = lambda x: x.double() @ w.double().T  # noqa: E731
 
     def make(m):
         x = _rand((m, k), dtype, gen, device)
         return _with_zeros_and_subnormals(x, gen) if family == "hazards" else x
 
     if family == "hazards":
-        reports = _hazard_reports(lambda x: fn(x, w), make, sizes, gen, exercised)
+        reports = _hazard_reports(run, make, sizes, gen, exercised)
     else:
-        reports = _rowwise_invariance(lambda x: fn(x, w), make, sizes, gen)
+        reports = _rowwise_invariance(run, make, sizes, gen)
     x = make(min(sizes[-1], 64))
-    err = rel_err(fn(x, w), x.double() @ w.double().T)
-    return GateOutcome(family, {"K": k, "N": n, "M": list(sizes)}, str(dtype), reports, err,
+    err = rel_err(run(x), ref(x))
+    return GateOutcome(family, shapes, str(dtype), reports, err,
                        TOLERANCE[dtype], exercised, hazards if family == "hazards" else ())
 
 

@@ -1,4 +1,4 @@
-"""The dense family of the unified model (Qwen3 architecture).
+"""The dense family of the unified model (Qwen3 and Qwen2 architectures).
 
 One model class serves the trainer and the engine; what differs between them is only the case
 (``trainer_fwd``, ``trainer_score``, ``engine_prefill``, ``engine_decode``), the batch layout and
@@ -8,6 +8,12 @@ different contract.
 
 Weights are stored fused where regions may fuse (``qkv_weight`` = [Wq; Wk; Wv], ``gate_up_weight``
 = [Wg; Wu]); a contract that keeps the ops in separate regions runs one GEMM per row slice.
+
+Qwen3 and Qwen2 differ in two places, set by the config (``DenseConfig``): Qwen2's q/k/v
+projections carry a bias (``qkv_bias`` = [bq; bk; bv], handed to the linear region's kernel, which
+adds it inside its rounding schedule: fp32, after the K sum, before the one rounding), and Qwen2 has
+no q/k RMSNorm (``qk_norm`` False: no ``q_norm``/``k_norm`` parameters, and its contract has no
+region for those ops; ``install`` refuses a contract whose ops are not the model's).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 from isoexec_kernels.attention import write_kv_pages
 from isoexec_kernels.rope import rope_cache
 
+from .. import registry
 from ..contract import ExecutionContract
 from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
@@ -33,8 +40,9 @@ class DenseLayer(nn.Module):
         p = lambda *shape: nn.Parameter(torch.empty(shape, dtype=dtype, device=device))  # noqa: E731
         self.attn_norm = p(h)
         self.qkv_weight = p(cfg.q_size + 2 * cfg.kv_size, h)
-        self.q_norm = p(hd)
-        self.k_norm = p(hd)
+        self.qkv_bias = p(cfg.q_size + 2 * cfg.kv_size) if cfg.qkv_bias else None
+        self.q_norm = p(hd) if cfg.qk_norm else None
+        self.k_norm = p(hd) if cfg.qk_norm else None
         self.o_weight = p(h, cfg.q_size)
         self.mlp_norm = p(h)
         self.gate_up_weight = p(2 * cfg.intermediate_size, h)
@@ -67,15 +75,35 @@ class DenseModel(nn.Module):
     # ------------------------------------------------------------------------------ contract
     def install(self, contract: ExecutionContract, facts: RuntimeFacts | None = None) -> list[BoundRecord]:
         """Bind every (region, case) of ``contract`` to this model; refuse before any compute if
-        the topology or the bound callables differ from the contract."""
+        the contract's ops are not the model's, or the topology or the bound callables differ from
+        the contract."""
         if contract.model.family != self.family:
             raise BindingRefused(f"contract is for the {contract.model.family} family, model is {self.family}")
 
+        self.check_ops(contract)
         facts = facts or RuntimeFacts(arch="cpu" if self.embed.device.type == "cpu" else runtime_arch())
         check_topology(contract, facts)
         self.plans = {case: ExecutionPlan.build(contract, case) for case in contract.case_ids}
         self.contract = contract
         return [r for p in self.plans.values() for r in p.records()]
+
+    def ops(self) -> tuple[str, ...]:
+        """The logical ops this model runs: its family's, less those its config has none of."""
+        return registry.model_ops(self.family, getattr(self.cfg, "absent_ops", ()))
+
+    def check_ops(self, contract: ExecutionContract) -> None:
+        """Refuse a contract whose regions cover other ops than the model runs (a qwen3 contract,
+        with q/k norm regions, on a qwen2 model, or the other way round)."""
+        want = set(self.ops())
+        have = {o for e in contract.composition if e.half == "function" for o in e.region}
+        problems = []
+        if want - have:
+            problems.append(f"no region for op(s) {', '.join(sorted(want - have))}, which this model runs")
+        if have - want:
+            problems.append(f"region(s) for op(s) {', '.join(sorted(have - want))}, which this model does not run")
+        if problems:
+            raise BindingRefused(f"the contract does not fit this {self.family} model "
+                                 f"({getattr(self.cfg, 'model_type', self.family)}): " + "; ".join(problems))
 
     def _plan(self, case: str) -> ExecutionPlan:
         try:
@@ -92,7 +120,9 @@ class DenseModel(nn.Module):
     def init_random(self, seed: int = 0, std: float = 0.02) -> "DenseModel":
         g = torch.Generator().manual_seed(seed)
         for name, prm in self.named_parameters():
-            if prm.dim() == 1:
+            if name.endswith(".qkv_bias"):       # a bias, not a norm weight: centred on 0
+                prm.copy_(torch.randn(prm.shape, generator=g) * 0.1)
+            elif prm.dim() == 1:
                 prm.copy_(1.0 + 0.05 * torch.randn(prm.shape, generator=g))
             else:
                 prm.copy_(torch.randn(prm.shape, generator=g) * std)
@@ -111,14 +141,16 @@ class DenseModel(nn.Module):
     # ------------------------------------------------------------------------------ forward
     @staticmethod
     def _linear(plan: ExecutionPlan, ops: tuple[str, ...], x: torch.Tensor, weight: torch.Tensor,
-                sizes: tuple[int, ...]) -> torch.Tensor:
-        """One GEMM if the contract fuses ``ops`` into one region, else one GEMM per row slice."""
+                sizes: tuple[int, ...], bias: torch.Tensor | None = None) -> torch.Tensor:
+        """One GEMM if the contract fuses ``ops`` into one region, else one GEMM per row slice.
+        ``bias`` (rows as ``weight``'s) goes to the region's kernel, which adds it itself."""
         bound = [plan[o] for o in ops]
         if all(b is bound[0] for b in bound):
-            return bound[0](x, weight)
+            return bound[0](x, weight) if bias is None else bound[0](x, weight, bias)
         outs, start = [], 0
         for b, n in zip(bound, sizes):
-            outs.append(b(x, weight[start:start + n]))
+            w = weight[start:start + n]
+            outs.append(b(x, w) if bias is None else b(x, w, bias[start:start + n]))
             start += n
         return torch.cat(outs, dim=-1)
 
@@ -145,10 +177,12 @@ class DenseModel(nn.Module):
         for i, L in enumerate(self.layers):
             n = plan["attn_norm"](x, L.attn_norm, eps)
             qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
-                               (cfg.q_size, cfg.kv_size, cfg.kv_size))
+                               (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-            q = plan["q_norm"](q.reshape(T, nh, hd), L.q_norm, eps)
-            k = plan["k_norm"](k.reshape(T, nkv, hd), L.k_norm, eps)
+            q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
+            if cfg.qk_norm:
+                q = plan["q_norm"](q, L.q_norm, eps)
+                k = plan["k_norm"](k, L.k_norm, eps)
             q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
             k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
             v = v.reshape(T, nkv, hd)

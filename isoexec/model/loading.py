@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -60,7 +61,8 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def dense_name_map(cfg: DenseConfig) -> dict[str, tuple[str, int, int]]:
-    """HF name -> (unified parameter name, first row, row count) in the fused layout."""
+    """HF name (``Qwen3ForCausalLM`` / ``Qwen2ForCausalLM``) -> (unified parameter name, first row, row
+    count) in the fused layout. A qwen2 model has the q/k/v biases and no q/k norm weights."""
     m: dict[str, tuple[str, int, int]] = {"model.embed_tokens.weight": ("embed", 0, cfg.vocab_size),
                                           "model.norm.weight": ("final_norm", 0, cfg.hidden_size)}
     if not cfg.tie_word_embeddings:
@@ -73,14 +75,19 @@ def dense_name_map(cfg: DenseConfig) -> dict[str, tuple[str, int, int]]:
             pre + "self_attn.q_proj.weight": (to + "qkv_weight", 0, q),
             pre + "self_attn.k_proj.weight": (to + "qkv_weight", q, kv),
             pre + "self_attn.v_proj.weight": (to + "qkv_weight", q + kv, kv),
-            pre + "self_attn.q_norm.weight": (to + "q_norm", 0, cfg.head_dim),
-            pre + "self_attn.k_norm.weight": (to + "k_norm", 0, cfg.head_dim),
             pre + "self_attn.o_proj.weight": (to + "o_weight", 0, cfg.hidden_size),
             pre + "post_attention_layernorm.weight": (to + "mlp_norm", 0, cfg.hidden_size),
             pre + "mlp.gate_proj.weight": (to + "gate_up_weight", 0, inter),
             pre + "mlp.up_proj.weight": (to + "gate_up_weight", inter, inter),
             pre + "mlp.down_proj.weight": (to + "down_weight", 0, cfg.hidden_size),
         })
+        if cfg.qk_norm:
+            m.update({pre + "self_attn.q_norm.weight": (to + "q_norm", 0, cfg.head_dim),
+                      pre + "self_attn.k_norm.weight": (to + "k_norm", 0, cfg.head_dim)})
+        if cfg.qkv_bias:
+            m.update({pre + "self_attn.q_proj.bias": (to + "qkv_bias", 0, q),
+                      pre + "self_attn.k_proj.bias": (to + "qkv_bias", q, kv),
+                      pre + "self_attn.v_proj.bias": (to + "qkv_bias", q + kv, kv)})
     return m
 
 
@@ -113,14 +120,20 @@ def load_named_tensors(model, tensors: Iterator[tuple[str, torch.Tensor]] | Mapp
                               f"{unexpected[0]!r}")
 
 
-def _tied_extra(cfg: DenseConfig) -> Callable[[str], bool]:
-    # Tied checkpoints often still carry lm_head.weight (a copy of the embedding).
-    return lambda n: cfg.tie_word_embeddings and n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq")
+_MTP_LAYER = re.compile(r"^model\.mtp_layers\.\d+\.")
+
+
+def _dense_ignore(cfg: DenseConfig) -> Callable[[str], bool]:
+    # Tied checkpoints often still carry lm_head.weight (a copy of the embedding). MiMo checkpoints
+    # (a qwen2 model) carry multi-token-prediction layers as model.mtp_layers.{j}.*: scoring and
+    # generation use the next-token head only, so those are skipped (no other unknown name is).
+    return lambda n: (cfg.tie_word_embeddings and n == "lm_head.weight" or n.endswith("rotary_emb.inv_freq")
+                      or _MTP_LAYER.match(n) is not None)
 
 
 def load_dense_checkpoint(model, path: str | Path) -> None:
     load_named_tensors(model, iter_safetensors(path), dense_name_map(model.cfg), str(path),
-                       ignore=_tied_extra(model.cfg))
+                       ignore=_dense_ignore(model.cfg))
 
 
 def load_from_hf_model(model, hf_model) -> None:
@@ -133,12 +146,13 @@ def load_from_hf_model(model, hf_model) -> None:
         return load_mla_moe_from_hf_model(model, hf_model)
     state = {k: v for k, v in hf_model.state_dict().items()}
     load_named_tensors(model, state, dense_name_map(model.cfg), type(hf_model).__name__,
-                       ignore=_tied_extra(model.cfg))
+                       ignore=_dense_ignore(model.cfg))
 
 
 @torch.no_grad()
 def to_hf_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's weights under transformers' names (Qwen3, or Qwen3.5 for a hybrid model)."""
+    """The model's weights under the names of its transformers model (Qwen3 or Qwen2 for a dense
+    model, Qwen3.5 for a hybrid one, ...)."""
     if isinstance(model.cfg, HybridMoeConfig):
         return _map_to_hf(model, hybrid_moe_name_map(model.cfg))
     if isinstance(model.cfg, HybridConfig):
@@ -324,7 +338,6 @@ def _stack_experts(items, E: int, source: str) -> Iterator[tuple[str, torch.Tens
     ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (how checkpoints store them) are stacked into
     ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I] once a layer's
     experts are all read."""
-    import re
 
     pat = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
     pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}

@@ -78,3 +78,24 @@ def test_model_negative_controls_whole_model_must_fail_generate_verify_may_be_in
     assert verdict(same, "engine_generate_verify") == "inconclusive"
     assert verdict(same, "model_case_parity") == "fail"
     assert verdict(differs, "engine_generate_verify") == "pass"
+
+
+def test_the_qkv_gate_of_a_qwen2_model_draws_a_bias_and_checks_the_kernel_adds_it():
+    """A qwen2 model's q/k/v region is a linear with a bias: its gate hands the kernel one, and a
+    kernel that drops it fails the correctness check however invariant it is."""
+    cfg = load_model_config("dense_qwen2_tiny")["hf_config"]
+    entry = next(e for e in build_contract("dense", "isoexec", "cpu", "dense_qwen2_tiny").composition
+                 if "q_proj" in e.region)
+    fn = bind(entry, "trainer_score")
+    gen = torch.Generator().manual_seed(0)
+
+    def gate(f):
+        return gate_linear(f, entry.region, cfg, "batch_invariance", torch.float32, "cpu", gen, BATCH_SIZES["cpu"],
+                           (), dict(entry.constants))
+
+    out = gate(fn)
+    assert out.shapes["bias"] is True and out.verdict() == "pass"
+    dropped = gate(lambda x, w, b: fn(x, w))
+    assert merge(dropped.reports)["differing"] == 0 and dropped.verdict() == "fail"
+    plain = _run(next(e for e in build_contract("dense", "isoexec", "cpu").composition if "q_proj" in e.region))
+    assert "bias" not in plain.shapes      # a qwen3 model's q/k/v have none
