@@ -9,6 +9,7 @@ sys.modules.setdefault("fla", None)
 import torch  # noqa: E402
 
 from isoexec.compose import build_contract  # noqa: E402
+from isoexec.engine import SamplingParams  # noqa: E402
 from isoexec.gates.compare import BitReport, compare_bits  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
@@ -40,6 +41,18 @@ def random_prompts(gen: torch.Generator, count: int, min_len: int = 1, max_len: 
         n = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
         out.append(torch.randint(0, vocab, (n,), generator=gen).tolist())
     return out
+
+
+def seeded_prompts(seed: int, count: int, max_len: int, vocab: int) -> list[list[int]]:
+    """``count`` prompts of 1 .. max_len - 1 random tokens (the family engine tests' traffic)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(1, max_len, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(count)]
+
+
+def sampled_params(n: int, max_tokens: int, seed0: int) -> list[SamplingParams]:
+    """Temperature 0.9, top-k 40, one seed per request from ``seed0``."""
+    return [SamplingParams(temperature=0.9, top_k=40, seed=seed0 + i, max_tokens=max_tokens) for i in range(n)]
 
 
 def verify(model, results) -> BitReport:

@@ -16,7 +16,7 @@ from isoexec.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 
-from engine_fixtures import same_results  # noqa: E402
+from engine_fixtures import same_results, sampled_params, seeded_prompts  # noqa: E402
 
 CFG = load_model_config("hybrid_tiny")["hf_config"]
 
@@ -29,13 +29,11 @@ def hybrid(composition: str = "isoexec", seed: int = 0):
 
 
 def prompts(seed: int, count: int, max_len: int = 150) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG["vocab_size"], (int(torch.randint(1, max_len, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(count)]
+    return seeded_prompts(seed, count, max_len, CFG["vocab_size"])
 
 
 def params(n: int, max_tokens: int = 12) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.9, top_k=40, seed=1000 + i, max_tokens=max_tokens) for i in range(n)]
+    return sampled_params(n, max_tokens, seed0=1000)
 
 
 def test_engine_gives_each_running_sequence_a_state_slot_by_default():

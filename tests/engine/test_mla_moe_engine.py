@@ -15,7 +15,7 @@ from isoexec.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 
-from engine_fixtures import same_results  # noqa: E402
+from engine_fixtures import same_results, sampled_params, seeded_prompts  # noqa: E402
 
 CFG = load_model_config("mla_moe_tiny")["hf_config"]
 
@@ -28,13 +28,11 @@ def mla_moe(seed: int = 0):
 
 
 def prompts(seed: int, count: int, max_len: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG["vocab_size"], (int(torch.randint(1, max_len, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(count)]
+    return seeded_prompts(seed, count, max_len, CFG["vocab_size"])
 
 
 def params(n: int, max_tokens: int = 4) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.9, top_k=40, seed=2000 + i, max_tokens=max_tokens) for i in range(n)]
+    return sampled_params(n, max_tokens, seed0=2000)
 
 
 def test_generate_then_verify_with_chunked_prefill_and_preemption_and_weight_update():

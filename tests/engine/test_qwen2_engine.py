@@ -19,7 +19,7 @@ from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.gates.model_gates import model_case_parity  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 
-from engine_fixtures import same_results  # noqa: E402
+from engine_fixtures import same_results, sampled_params, seeded_prompts  # noqa: E402
 
 NAME = "dense_qwen2_tiny"
 CFG = load_model_config(NAME)["hf_config"]
@@ -34,13 +34,11 @@ def qwen2(composition: str = "isoexec", seed: int = 0, dtype=torch.float32):
 
 
 def prompts(seed: int, count: int, max_len: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, CFG["vocab_size"], (int(torch.randint(1, max_len, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(count)]
+    return seeded_prompts(seed, count, max_len, CFG["vocab_size"])
 
 
 def params(n: int, max_tokens: int = 4) -> list[SamplingParams]:
-    return [SamplingParams(temperature=0.9, top_k=40, seed=2000 + i, max_tokens=max_tokens) for i in range(n)]
+    return sampled_params(n, max_tokens, seed0=2000)
 
 
 def _parity(composition: str, dtype) -> dict:

@@ -1,7 +1,8 @@
-"""The dense family on a Qwen2-architecture config (q/k/v bias, no q/k norm) matches transformers 5.17
-Qwen2ForCausalLM on the same weights, loads its safetensors checkpoints (MiMo's multi-token-prediction
-tensors skipped, any other unknown tensor and a missing bias refused), and refuses a qwen3 contract
-(and a qwen2 contract on a qwen3 model)."""
+"""The dense family on a Qwen2-architecture config (q/k/v bias, no q/k norm): the bias is in the
+model (the logprob match with transformers 5.17 Qwen2ForCausalLM is test_dense_vs_transformers.py's
+qwen2 cases); it loads Qwen2 safetensors checkpoints (MiMo's multi-token-prediction tensors
+skipped, any other unknown tensor and a missing bias refused), and refuses a qwen3 contract (and a
+qwen2 contract on a qwen3 model)."""
 
 import sys
 
@@ -10,8 +11,7 @@ sys.modules.setdefault("fla", None)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
-
+from hf_dense import hf_dense, ours_from_hf  # noqa: E402
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
 from isoexec.errors import BindingRefused  # noqa: E402
 from isoexec.model import ForwardBatch, build_model, load_dense_checkpoint, load_from_hf_model  # noqa: E402
@@ -21,23 +21,11 @@ TINY = load_model_config("dense_qwen2_tiny")["hf_config"]
 
 
 def _hf(cfg, dtype=torch.float32):
-    torch.manual_seed(0)
-    d = {k: v for k, v in cfg.items() if k != "model_type"}
-    m = Qwen2ForCausalLM(Qwen2Config(**d)).to(dtype).eval()
-    with torch.no_grad():  # non-trivial norm weights and biases, so a skipped one would show
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif n.endswith("_proj.bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-    return m
+    return hf_dense(cfg, dtype)
 
 
 def _ours(hf, cfg, dtype, composition):
-    m = build_model("dense", cfg, dtype=dtype)
-    load_from_hf_model(m, hf)
-    m.install(build_contract("dense", composition, "cpu", "dense_qwen2_tiny"))
-    return m
+    return ours_from_hf(hf, cfg, dtype, composition, "dense_qwen2_tiny")
 
 
 def test_a_qwen2_config_builds_a_model_with_qkv_bias_and_no_qk_norm():
@@ -47,24 +35,6 @@ def test_a_qwen2_config_builds_a_model_with_qkv_bias_and_no_qk_norm():
     names = {n for n, _ in m.named_parameters()}
     assert "layers.0.qkv_bias" in names and not any("q_norm" in n or "k_norm" in n for n in names)
     assert m.layers[0].qkv_bias.shape == (m.cfg.q_size + 2 * m.cfg.kv_size,)
-
-
-@pytest.mark.parametrize("composition", ["isoexec", "native"])
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tied", [True, False])
-def test_qwen2_logprobs_match_transformers(composition, dtype, tol, tied):
-    cfg = dict(TINY, tie_word_embeddings=tied)
-    hf = _hf(cfg, dtype)
-    ours = _ours(hf, cfg, dtype, composition)
-    lens = [23, 9, 31]
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, cfg["vocab_size"], (n,), generator=g) for n in lens]
-    with torch.no_grad():
-        ref = torch.cat([torch.log_softmax(hf(s[None]).logits[0].float(), -1) for s in seqs])
-        batch = ForwardBatch.packed(lens, "trainer_score", "cpu")
-        got = torch.log_softmax(ours.logits(ours.hidden_states(torch.cat(seqs), batch), "trainer_score").float(), -1)
-    err = ((got - ref).norm() / ref.norm()).item()
-    assert err < tol, err
 
 
 def test_the_bias_changes_the_logprobs():

@@ -1,4 +1,5 @@
-"""The unified dense model matches transformers 5.17 Qwen3ForCausalLM on the same weights."""
+"""The unified dense model matches transformers 5.17 Qwen3ForCausalLM (and, for a qwen2 config,
+Qwen2ForCausalLM) on the same weights."""
 
 import sys
 
@@ -6,10 +7,9 @@ sys.modules.setdefault("fla", None)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-
-from isoexec.compose import build_contract  # noqa: E402
-from isoexec.model import ForwardBatch, build_model, load_dense_checkpoint, load_from_hf_model  # noqa: E402
+from hf_dense import hf_dense, logprob_rel_error, ours_from_hf  # noqa: E402
+from isoexec.compose import build_contract, load_model_config  # noqa: E402
+from isoexec.model import build_model, load_dense_checkpoint, load_from_hf_model  # noqa: E402
 from isoexec.model.loading import CheckpointError  # noqa: E402
 
 TINY = dict(model_type="qwen3", vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -18,44 +18,19 @@ TINY = dict(model_type="qwen3", vocab_size=384, hidden_size=64, intermediate_siz
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=True)
 
 
-def _hf(cfg, dtype):
-    torch.manual_seed(0)
-    d = {k: v for k, v in cfg.items() if k != "model_type"}
-    m = Qwen3ForCausalLM(Qwen3Config(**d)).to(dtype).eval()
-    with torch.no_grad():  # non-trivial norm weights so a skipped norm would show
-        for n, p in m.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return m
-
-
-def _ours(hf, cfg, dtype, composition):
-    m = build_model("dense", cfg, dtype=dtype)
-    load_from_hf_model(m, hf)
-    m.install(build_contract("dense", composition, "cpu"))
-    return m
-
-
 @pytest.mark.parametrize("composition", ["isoexec", "native"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("tied", [True, False])
-def test_dense_logprobs_match_transformers(composition, dtype, tol, tied):
-    cfg = dict(TINY, tie_word_embeddings=tied)
-    hf = _hf(cfg, dtype)
-    ours = _ours(hf, cfg, dtype, composition)
-    lens = [23, 9, 31]
-    g = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, cfg["vocab_size"], (n,), generator=g) for n in lens]
-    with torch.no_grad():
-        ref = torch.cat([torch.log_softmax(hf(s[None]).logits[0].float(), -1) for s in seqs])
-        batch = ForwardBatch.packed(lens, "trainer_score", "cpu")
-        got = torch.log_softmax(ours.logits(ours.hidden_states(torch.cat(seqs), batch), "trainer_score").float(), -1)
-    err = ((got - ref).norm() / ref.norm()).item()
+@pytest.mark.parametrize("model", [None, "dense_qwen2_tiny"], ids=["qwen3", "qwen2"])
+def test_dense_logprobs_match_transformers(composition, dtype, tol, tied, model):
+    cfg = dict(TINY if model is None else load_model_config(model)["hf_config"], tie_word_embeddings=tied)
+    hf = hf_dense(cfg, dtype)
+    err = logprob_rel_error(hf, ours_from_hf(hf, cfg, dtype, composition, model), cfg["vocab_size"])
     assert err < tol, err
 
 
 def test_safetensors_checkpoint_round_trip(tmp_path):
-    hf = _hf(TINY, torch.float32)
+    hf = hf_dense(TINY)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")  # sharded: index + several files
     assert (tmp_path / "model.safetensors.index.json").exists()
     a = build_model("dense", TINY)
@@ -67,7 +42,7 @@ def test_safetensors_checkpoint_round_trip(tmp_path):
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
-    hf = _hf(TINY, torch.float32)
+    hf = hf_dense(TINY)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     m = build_model("dense", TINY)
     with pytest.raises(CheckpointError, match="not found"):
