@@ -24,7 +24,7 @@ from isoexec_kernels.logprob import REF_LEAF_V
 
 def _check_rank(what: str, tp: int, rank: int) -> None:
     if tp < 1 or not 0 <= rank < tp:
-        raise ValueError(f"{what}: rank {rank} of a group of size {tp}; need tp >= 1 and 0 <= rank < tp")
+        raise ValueError(f"{what}: rank {rank} of a group of size {tp}; need a size >= 1 and 0 <= rank < size")
 
 
 def _part(n_units: int, parts: int, j: int) -> tuple[int, int]:
