@@ -25,7 +25,7 @@ LAYERS = (
     ("isoexec.compose", "isoexec.enforce"),
     ("isoexec.model",),
     ("isoexec.assembly", "isoexec.engine", "isoexec.train"),
-    ("isoexec.gates",),
+    ("isoexec.gates", "isoexec.dist.fsdp"),
     ("isoexec.debug",),
     ("isoexec.bench", "isoexec.rl"),
     ("isoexec.cli",),

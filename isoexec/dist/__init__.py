@@ -16,8 +16,12 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
   ``vocab_parallel_token_logprobs``  V sharded by whole vocabulary leaves of the reference schedule
   ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
 
-Not built yet: the FSDP2 trainer, tensor parallelism inside the engine and the model classes,
-expert parallelism, the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
+The data-parallel trainer (FSDP2) is the subpackage ``isoexec.dist.fsdp``; it sits above
+``isoexec.train`` and is not imported here. ``mesh.dp_mesh`` builds its device mesh and
+``partition.sequence_share`` deals out its sequences.
+
+Not built yet: tensor parallelism inside the engine and the model classes, expert parallelism, the
+launcher, and the vocabulary-parallel form of the Triton logprob kernel.
 """
 
 from .column_parallel import column_parallel_linear

@@ -1,4 +1,5 @@
-"""Which contiguous slice of a dimension each rank of a tensor-parallel group holds.
+"""Which contiguous slice of a dimension each rank of a tensor-parallel group holds, and which
+sequences of a batch each data-parallel rank takes (``sequence_share``, at the end).
 
 Every split here cuts a dimension into the fixed units of a kernel's own schedule (64-wide K blocks
 grouped into K leaves, ``REF_LEAF_V``-wide vocabulary leaves), never into arbitrary column counts:
@@ -23,7 +24,7 @@ from isoexec_kernels.logprob import REF_LEAF_V
 
 def _check_rank(what: str, tp: int, rank: int) -> None:
     if tp < 1 or not 0 <= rank < tp:
-        raise ValueError(f"{what}: rank {rank} of a group of size {tp}; need tp >= 1 and 0 <= rank < tp")
+        raise ValueError(f"{what}: rank {rank} of a group of size {tp}; need a size >= 1 and 0 <= rank < size")
 
 
 def _part(n_units: int, parts: int, j: int) -> tuple[int, int]:
@@ -88,3 +89,16 @@ def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     leaf counts may differ by one between ranks."""
     return _unit_range("vocab-parallel logprob", f"vocab_size={vocab_size}", vocab_size, REF_LEAF_V,
                        f"leaf/leaves of {REF_LEAF_V} logits", "at least one whole leaf", tp, rank)
+
+
+def sequence_share(n_sequences: int, dp: int, rank: int) -> tuple[int, int]:
+    """Sequences ``[s0, s1)`` data-parallel rank ``rank`` of ``dp`` takes from a batch of
+    ``n_sequences``: the contiguous run ``rank * n / dp`` to ``(rank + 1) * n / dp``, by index.
+    ``dp`` must divide ``n``: every rank takes the same number, and none is left without a
+    sequence (an idle rank would miss the parameter all-gather the others wait in)."""
+    if dp < 1 or n_sequences < 1 or n_sequences % dp:
+        raise ValueError(f"data-parallel batch: {n_sequences} sequence(s) over dp={dp} rank(s); dp must divide "
+                         "the sequence count so every rank takes the same number of whole sequences "
+                         "(pick a batch and mini-batch size that are multiples of dp)")
+    _check_rank("data-parallel batch", dp, rank)
+    return _part(n_sequences, dp, rank)

@@ -1,12 +1,14 @@
-"""Which slice each rank holds: whole K leaves, whole 64-column units, whole vocabulary leaves, in
-rank order and covering the dimension; the refusals name the sizes. No process group needed."""
+"""Which slice each rank holds: whole K leaves, whole 64-column units, whole vocabulary leaves, and a
+data-parallel rank's run of sequences, in rank order and covering the dimension; the refusals
+(and the mesh-shape check) name the sizes. No process group needed."""
 
 from __future__ import annotations
 
 import pytest
 
 from isoexec.dist import column_shard_range, row_shard_range, vocab_shard_range
-from isoexec.dist.partition import row_shard_leaves
+from isoexec.dist.mesh import check_mesh_shape
+from isoexec.dist.partition import row_shard_leaves, sequence_share
 from isoexec_kernels.gemm import BLOCK_K, leaf_bounds
 from isoexec_kernels.logprob import REF_LEAF_V
 
@@ -52,7 +54,20 @@ def test_column_and_vocab_shards_cover_the_dimension_in_whole_units():
     assert [vocab_shard_range(151936, 2, r) for r in range(2)] == [(0, 74 * 1024), (74 * 1024, 151936)]
 
 
+def test_data_parallel_ranks_take_contiguous_equal_runs_of_sequences_in_rank_order():
+    for n in (1, 2, 4, 8, 12):
+        for dp in (d for d in (1, 2, 4) if n % d == 0):
+            ranges = [sequence_share(n, dp, r) for r in range(dp)]
+            assert _covers(ranges, n) and {b - a for a, b in ranges} == {n // dp}
+    assert [sequence_share(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+
+
 @pytest.mark.parametrize("call, words", [
+    (lambda: sequence_share(6, 4, 0), ["6 sequence(s)", "dp=4"]),
+    (lambda: sequence_share(0, 1, 0), ["0 sequence(s)"]),
+    (lambda: sequence_share(4, 2, 2), ["rank 2", "size 2"]),
+    (lambda: check_mesh_shape((3,), 2), ["(3,)", "3 rank(s)", "2 process(es)"]),
+    (lambda: check_mesh_shape((2, 0), 0), ["(2, 0)"]),
     (lambda: row_shard_range(337, 4, 3, 0), ["tp=3", "L=4"]),
     (lambda: row_shard_range(337, 3, 2, 1), ["tp=2", "L=3"]),
     (lambda: row_shard_range(337, 7, 1, 0), ["L=7", "in_features=337", "6 blocks"]),

@@ -1,0 +1,122 @@
+"""Shard a unified model with FSDP2 over the ``dp`` axis: one unit per decoder layer, plus the root.
+
+``shard_model(model, mesh)`` applies ``torch.distributed.fsdp.fully_shard`` to every module of
+``model.layers`` and then to the model itself (the root unit holds the embedding, the final norm
+and an untied lm_head). Each parameter becomes a DTensor sharded along dim 0 over ``dp``; the
+optimizer steps the shards (``adamw.py``).
+
+Precision: the sharded parameters are fp32 and are the optimizer's master weights. A model built
+in bf16 is converted to fp32 first and computes in bf16 through FSDP2's ``MixedPrecisionPolicy``
+(``param_dtype`` bf16): each shard is rounded to bf16 before the all-gather, which is
+``master.to(bf16)``, the value ``MasterAdamW.sync_params`` writes into a single process's bf16
+parameters. Gradients are reduced in fp32 (``reduce_dtype``) and stay fp32 on the shards, as the
+single process accumulates its bf16 gradients into fp32 masters.
+
+Gradient reduction: a plain sum (divide factor 1: the loss of each rank is already its share of
+the global mini-batch loss, ``trainer.py``), by ``RankOrderReduceScatter`` (rank order, fixed
+bits). Parameters no token of a rank reached still take part with zero gradients
+(``set_reduce_scatter_unused_params``), so every rank's reduce-scatter has the same size even when
+ranks route to different experts.
+
+When parameters are gathered. FSDP2's hooks fire on a module's ``forward``; the unified models
+run their decoder layers inline (``hidden_states`` loops over ``self.layers`` and reads each
+layer's tensors), never calling a layer as a module. So the forward entry is the model's
+``hidden_states``, registered with ``register_fsdp_forward_method``: it gathers the root, then
+every layer in order (``unshard``), then runs. The gathered parameters stay until the backward's
+end, where FSDP2 reduce-scatters the gradients and frees them (``reshard_after_backward``), or
+until ``free_params`` after a forward without a graph. Nothing is freed between one layer's
+forward and the next: freeing a layer after its forward and gathering it again for its backward
+(FSDP2's ``reshard_after_forward``), and checkpointing activations per layer, both need a call
+boundary around each layer that the model classes do not have (docs/scale_out.md).
+
+Between optimizer steps everything is sharded: the trainer frees the parameters after every
+forward-only pass, and the backward frees them, so the optimizer only ever writes shards that no
+gathered copy shadows.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from .reduce_scatter import RankOrderReduceScatter
+
+# FSDP2 warns when a forward method returns a view (hidden_states ends in a reshape): an in-place
+# op on that view would skip its pre-backward hook. Nothing here writes into it (scoring indexes
+# rows out of it, a copy), so the warning is silenced for this one call.
+_VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+
+
+def units(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 units of a sharded model: its layers in order, then the root."""
+    return [*model.layers, model]
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters()}
+    if len(dtypes) != 1:
+        raise ValueError(f"shard_model: the model's parameters have several dtypes {sorted(map(str, dtypes))}; "
+                         "the trainer shards a model built in one dtype (fp32 or bf16)")
+    return dtypes.pop()
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard ``model`` in place over ``mesh`` (a 1-D ``dp`` mesh); returns it. See the module
+    docstring for the units, the precision and when parameters are gathered."""
+    if isinstance(model, FSDPModule):
+        raise ValueError("shard_model: the model is already sharded")
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "hidden_states"):
+        raise ValueError(f"shard_model: {type(model).__name__} is not a unified model (needs .layers and "
+                         ".hidden_states)")
+    dtype = compute_dtype(model)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"shard_model: parameters are {dtype}; the trainer computes in fp32 or bf16")
+    if dtype != torch.float32:
+        model.to(torch.float32)   # the shards are the fp32 masters; compute stays in `dtype`
+    mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32,
+                              cast_forward_inputs=False)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for unit in units(model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_custom_reduce_scatter(RankOrderReduceScatter())
+    model.set_reduce_scatter_unused_params(True)
+
+    run = model.hidden_states
+
+    def gather_layers_then_run(*args, **kwargs):
+        for layer in model.layers:     # runs after the root's pre-forward (FSDP2's lazy init)
+            layer.unshard()
+        return run(*args, **kwargs)
+
+    model.hidden_states = gather_layers_then_run
+    register_fsdp_forward_method(model, "hidden_states")
+    fsdp_run = model.hidden_states
+
+    def hidden_states(*args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_VIEW_WARNING)
+            return fsdp_run(*args, **kwargs)
+
+    model.hidden_states = hidden_states
+    return model
+
+
+def free_params(model: nn.Module) -> None:
+    """Free every gathered parameter (no communication); the shards stay."""
+    for unit in units(model):
+        unit.reshard()
+
+
+def set_gradient_sync(model: nn.Module, sync: bool) -> None:
+    """``sync=False``: the next backward passes accumulate gradients on the gathered parameters
+    and keep them gathered (no communication); ``sync=True``: the next backward reduce-scatters
+    the accumulated gradients and frees the gathered parameters."""
+    model.set_requires_gradient_sync(sync)
+    model.set_reshard_after_backward(sync)

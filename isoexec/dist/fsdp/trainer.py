@@ -1,0 +1,248 @@
+"""The data-parallel RL trainer: ``Trainer``'s training step over a ``dp`` mesh, FSDP2-sharded.
+
+Every rank builds the same model and is handed the same batch (the whole list of sequences, their
+advantages and rollout logprobs); each takes a fixed share of the work:
+
+- **which sequences.** Rank r of dp takes the contiguous run ``[r * n / dp, (r + 1) * n / dp)``
+  of every batch it works on: of each mini-batch when training (by index within the mini-batch,
+  before rejection), of the sequence list when scoring or in an SFT step
+  (``partition.sequence_share``). dp must divide every such count; otherwise one ``ValueError``
+  naming the sizes is raised on every rank before any collective (they all see the same sizes).
+- **the loss.** Everything that spans the mini-batch is computed by every rank from the whole
+  (replicated) mini-batch, with no communication: the off-policy corrections, the rejected
+  sequences, and the loss's denominator (kept tokens for DAPO / REINFORCE, kept sequences for
+  GRPO). Each rank packs its kept sequences into micro-batches of ``micro_batch_tokens``, and each
+  micro-batch's loss is its share of the mini-batch loss, exactly as in ``Trainer.backward``; the
+  sum over ranks of their gradients is therefore the mini-batch gradient.
+- **the gradient.** A rank's micro-batches accumulate on the gathered parameters (fp32, in order,
+  no communication; FSDP2's ``set_requires_gradient_sync(False)``), and the last one's backward
+  reduce-scatters the sum, the ranks added in rank order (``reduce_scatter.py``). Ranks may pack
+  different numbers of micro-batches. A rank whose whole share was rejected still runs one
+  forward and backward (its first sequence, every token masked: zero loss, zero gradient) so that
+  it takes part in the all-gather and the reduce-scatter; if the whole mini-batch was rejected no
+  rank runs anything and the update is skipped, as in ``Trainer.train``.
+- **the step.** ``ShardedAdamW`` on the fp32 shards, clipped by a fixed-order sharded norm.
+- **the statistics.** Each rank's per-micro-batch statistics and loss shares are gathered and
+  merged in global order (rank order, micro-batch order within a rank) by the single-process
+  rules, so every rank returns the same dict.
+
+What matches a single process, and how (tests/dist/test_fsdp_trainer.py):
+
+- the forward is bitwise: a sequence's logprobs do not depend on the batch around it, and FSDP2
+  only gathers the parameters (an fp32 or bf16 copy), so ``score`` and the training forward give
+  the single-process ``Trainer``'s bits at any dp;
+- the step is bitwise equal to a single-process step whose micro-batches are the ranks' shares
+  (the same per-rank gradients, added in the same order) when the clip does not engage;
+- against a single process that packs the mini-batch differently, the gradient's fp32 sums run in
+  another order, so the step agrees within a tolerance (stated in the test);
+- run to run at a fixed dp everything is bitwise: every reduction has a fixed order.
+
+Checkpoints: ``save(path)`` / ``load(path)`` write and read a sharded checkpoint with
+``torch.distributed.checkpoint`` (``get_state_dict`` / ``set_state_dict`` for the model and
+the optimizer, plus the trainer's own counters and SFT generator). A run resumed from one is
+bitwise the uninterrupted run at the same dp.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+
+from isoexec.dist.mesh import DP, check_dp_mesh, dp_mesh
+from isoexec.dist.partition import sequence_share
+from isoexec.train.losses import policy_loss
+from isoexec.train.scoring import PackedSequences, score_logprobs
+from isoexec.train.trainer import TrainBatch, TrainConfig, Trainer, check_prompt_lens, merge_stats, pack_by_tokens
+
+from .adamw import ShardedAdamW
+from .shard import free_params, set_gradient_sync, shard_model
+
+
+def _floats(stats: dict) -> dict:
+    return {k: float(v) for k, v in stats.items()}
+
+
+class FSDPTrainer(Trainer):
+    """``Trainer`` over the ``dp`` axis of ``mesh`` (default: every rank of the default group);
+    ``model`` is sharded in place. Every rank calls every method with the same arguments."""
+
+    def __init__(self, model, config: TrainConfig, mesh: Optional[DeviceMesh] = None):
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"FSDPTrainer needs a TrainConfig, got {type(config).__name__}")
+        if mesh is None:
+            mesh = dp_mesh(device_type=next(model.parameters()).device.type)
+        self.dp, self.rank = check_dp_mesh(mesh)
+        self.mesh, self.group = mesh, mesh.get_group(DP)
+        self.model, self.config = shard_model(model, mesh), config
+        self.optimizer = ShardedAdamW(model, self.group, self.dp, lr=config.lr, betas=config.betas, eps=config.eps,
+                                      weight_decay=config.weight_decay, grad_clip=config.grad_clip)
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self.rl_updates = 0
+
+    # ------------------------------------------------------------------------ communication
+    def _share(self, n: int) -> range:
+        s0, s1 = sequence_share(n, self.dp, self.rank)
+        return range(s0, s1)
+
+    def _all_gather(self, obj) -> list:
+        """Every rank's ``obj`` (python objects, CPU tensors) in rank order."""
+        out = [None] * self.dp
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def _accumulate(self, groups: list[list[int]], sequences: Sequence[Sequence[int]], loss_of) -> list[tuple]:
+        """Forward and backward of each micro-batch (indices into ``sequences``) in order; the
+        last backward reduce-scatters. ``loss_of(idx, packed, flat)`` gives (loss, stats)."""
+        out = []
+        set_gradient_sync(self.model, False)
+        try:
+            for k, idx in enumerate(groups):
+                if k == len(groups) - 1:
+                    set_gradient_sync(self.model, True)
+                packed = PackedSequences.from_lists([sequences[i] for i in idx], self.device)
+                flat = score_logprobs(self.model, packed, grad=True)
+                loss, st = loss_of(idx, packed, flat)
+                loss.backward()
+                out.append((float(loss.detach()), st))
+        finally:
+            set_gradient_sync(self.model, True)
+        return out
+
+    # ------------------------------------------------------------------------------- scoring
+    def score(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> list[torch.Tensor]:
+        """fp32 logprobs of each sequence's response tokens, the single-process bits: each rank
+        scores its share, then every rank receives all of them."""
+        check_prompt_lens(sequences, prompt_lens)
+        mine = self._share(len(sequences))
+        try:
+            lps = super().score([sequences[i] for i in mine], [prompt_lens[i] for i in mine])
+        finally:
+            free_params(self.model)
+        parts = self._all_gather([t.cpu() for t in lps])
+        return [t.to(self.device) for part in parts for t in part]
+
+    # ------------------------------------------------------------------------------ training
+    def train(self, batch: TrainBatch, old_logprobs: Sequence[torch.Tensor], mini_batch_size: int) -> dict:
+        """``Trainer.train`` with each mini-batch dealt out over dp (module docstring)."""
+        if isinstance(mini_batch_size, int) and not isinstance(mini_batch_size, bool) and mini_batch_size >= 1 \
+                and len(batch) and (mini_batch_size % self.dp or len(batch) % self.dp):
+            raise ValueError(f"data-parallel train: mini_batch_size {mini_batch_size} and a batch of {len(batch)} "
+                             f"sequences over dp={self.dp}; dp must divide both, so that every mini-batch deals "
+                             "the same number of whole sequences to each rank")
+        return super().train(batch, old_logprobs, mini_batch_size)
+
+    def backward(self, batch: TrainBatch, old_logprobs: Sequence[torch.Tensor], correction=None) -> dict:
+        """Accumulate the gradient of ``batch`` taken as ONE mini-batch, this rank's share of it,
+        and reduce-scatter it over dp (no optimizer step). Returns the mini-batch's statistics,
+        the same on every rank."""
+        cfg = self.config
+        mine = self._share(len(batch))
+        old = self._checked_old(batch, old_logprobs)
+        corr = correction if correction is not None else self.correction(batch, old)
+        resp_lens = batch.response_lens
+        if cfg.loss == "grpo" and cfg.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs TrainBatch.ref_logprobs (the reference model's logprobs)")
+        kept = [i for i, k in enumerate(corr.keep.tolist()) if k]
+        n_tokens, n_seqs = sum(resp_lens[i] for i in kept), len(kept)
+        if n_tokens == 0:   # every rank sees it: none runs a forward, the update is skipped
+            return {"loss": 0.0, "tokens": 0.0, "sequences": 0.0}
+        denom = n_seqs if cfg.loss == "grpo" else n_tokens
+        weights = corr.sequence_weights()
+        my_kept = [i for i in kept if i in mine]
+        groups = [[my_kept[j] for j in g]
+                  for g in pack_by_tokens([len(batch.sequences[i]) for i in my_kept], cfg.micro_batch_tokens)]
+        null = not groups
+        if null:                      # a share with no kept sequence: one masked micro-batch
+            groups = [[mine[0]]]
+
+        def loss_of(idx, packed, flat):
+            logp = torch.cat(self._responses(packed, flat, [batch.prompt_lens[i] for i in idx]))
+            adv = torch.cat([torch.full((resp_lens[i],), float(batch.advantages[i]), dtype=torch.float32)
+                             for i in idx]).to(self.device)
+            w = None if weights[0] is None else torch.cat([weights[i] for i in idx]).to(self.device)
+            ref = None if batch.ref_logprobs is None else torch.cat([batch.ref_logprobs[i] for i in idx])
+            mask = torch.zeros(logp.shape[0], dtype=torch.bool, device=self.device) if null else None
+            return policy_loss(cfg.loss, logp, torch.cat([old[i] for i in idx]), adv, [resp_lens[i] for i in idx],
+                               mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
+                               ref_logprobs=ref, weights=w, clip_ratio_c=cfg.clip_ratio_c, denom=denom)
+
+        done = self._accumulate(groups, batch.sequences, loss_of)
+        local = [] if null else [(loss, _floats(st)) for loss, st in done]
+        every = [item for part in self._all_gather(local) for item in part]   # global micro-batch order
+        loss_total = 0.0
+        for loss, _ in every:
+            loss_total += loss
+        stats = merge_stats([st for _, st in every]) if every else {}
+        stats.update(loss=loss_total, tokens=float(n_tokens), sequences=float(n_seqs))
+        return stats
+
+    # ------------------------------------------------------------------------------------ sft
+    def sft_step(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int]) -> dict:
+        """``Trainer.sft_step`` (token-mean NLL of the response tokens of all ``sequences``, one
+        optimizer step) with the sequences dealt out over dp."""
+        check_prompt_lens(sequences, prompt_lens)
+        mine = self._share(len(sequences))
+        n_tokens = sum(len(s) - p for s, p in zip(sequences, prompt_lens))
+        groups = [[mine[j] for j in g] for g in self._packs([sequences[i] for i in mine])]
+
+        def loss_of(idx, packed, flat):
+            logp = torch.cat(self._responses(packed, flat, [prompt_lens[i] for i in idx]))
+            return -logp.sum() / n_tokens, {}
+
+        done = self._accumulate(groups, sequences, loss_of)
+        loss_total = 0.0
+        for part in self._all_gather([loss for loss, _ in done]):
+            for loss in part:
+                loss_total += loss
+        o = self.optimizer.step()
+        return {"loss": loss_total, "grad_norm": o["grad_norm"], "tokens": float(n_tokens), "step": self.step}
+
+    # ----------------------------------------------------------------------------- checkpoint
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered whole (fp32 masters), by name; a collective: every rank calls it."""
+        free_params(self.model)
+        return {n: p.detach().full_tensor() for n, p in zip(self.optimizer.names, self.optimizer.params)}
+
+    def state_dict(self) -> dict:
+        """The trainer's state for ``torch.distributed.checkpoint``: model and optimizer from
+        ``get_state_dict`` (sharded DTensors, the live tensors, not a copy), the counters and the
+        SFT generator (replicated). Refused before the first optimizer step: DCP gives an optimizer
+        without state a zero-LR step to create it, which would change the run's next update."""
+        if self.optimizer.steps == 0 or not self.optimizer.opt.state:
+            raise RuntimeError("FSDPTrainer.state_dict: no optimizer step taken yet; a fresh trainer is the "
+                               "same state (checkpoint after the first step)")
+        return self._state()
+
+    def _state(self) -> dict:
+        free_params(self.model)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer.opt)
+        return {"model": model_sd, "optimizer": optim_sd,
+                "trainer": {"rng": self._rng.get_state(), "rl_updates": torch.tensor(self.rl_updates),
+                            "steps": torch.tensor(self.optimizer.steps)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a :meth:`state_dict` in place (``set_state_dict``)."""
+        free_params(self.model)
+        set_state_dict(self.model, self.optimizer.opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        t = state["trainer"]
+        self._rng.set_state(t["rng"])
+        self.rl_updates = int(t["rl_updates"])
+        self.optimizer.steps = int(t["steps"])
+        self.optimizer.zero_grad()
+
+    def save(self, path: str) -> None:
+        """Write a sharded checkpoint to the folder ``path`` (every rank calls it)."""
+        dcp.save(self.state_dict(), checkpoint_id=path)
+
+    def load(self, path: str) -> None:
+        """Read a checkpoint written by :meth:`save` at the same dp into this trainer (every rank
+        calls it); the run continues bitwise as the saved one would have."""
+        state = self._state()
+        dcp.load(state, checkpoint_id=path)
+        self.load_state_dict(state)
