@@ -6,7 +6,8 @@ monkey-patched kernel is refused), pins the contract's constants on it, and reco
 (module and qualified name, impl, constants). ``check_bindings`` refuses any record that differs
 from the contract (a different callable or impl, other constants).
 ``check_topology`` compares runtime facts (TP/EP/SP/PP/DP/CP sizes, arch) with the contract's
-topology claims and refuses an unproven size before any compute.
+topology claims and refuses an unproven size before any compute; the model adds what its own shape
+refuses (a tp that does not divide its kv heads), so one error names every problem.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from __future__ import annotations
 import functools
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch.distributed as dist
 
 from . import registry
 from .contract import Entry, ExecutionContract
+from .contract.validate import tp_leaf_problems
 from .envinfo import runtime_arch
 from .errors import BindingRefused, CompositionError, TopologyRefused
 
@@ -175,8 +177,10 @@ class RuntimeFacts:
         return cls(arch=runtime_arch(), dp=world)
 
 
-def check_topology(contract: ExecutionContract, facts: RuntimeFacts) -> None:
-    """Refuse, before any forward, a runtime size or arch the contract does not prove."""
+def check_topology(contract: ExecutionContract, facts: RuntimeFacts, model_problems: Iterable[str] = ()) -> None:
+    """Refuse, before any forward, a runtime size or arch the contract does not prove.
+    ``model_problems``: what the model's own shape refuses at these sizes (``DenseModel.tp_problems``),
+    reported in the same error."""
     problems = []
     arches = {e.impl.arch for e in contract.composition}
     if facts.arch not in arches:
@@ -191,5 +195,7 @@ def check_topology(contract: ExecutionContract, facts: RuntimeFacts) -> None:
         elif size not in claim.domain:
             problems.append(f"{axis}={size} is not in the proven domain {sorted(claim.domain)} ({claim.kind}, proof "
                             f"{claim.proof})")
+    problems += tp_leaf_problems(contract, [facts.tp])
+    problems += list(model_problems)
     if problems:
         raise TopologyRefused("topology refused: " + "; ".join(problems))

@@ -31,12 +31,15 @@ class Constant:
     the kernel: as the keyword argument ``arg``, or checked against ``fixed``, the value the kernel
     is built with (a contract pinning another value is refused when the kernel is bound). A
     constant with neither is a label the contract records (``ACC_DTYPE = "fp32"``): it may allow
-    one value only."""
+    one value only. An ``optional`` constant is absent from a contract that does not pin it, and
+    then the kernel runs as if it had no such constant (``default`` is what it computes then, where
+    that is one value): so adding one to an impl leaves every existing contract's bytes alone."""
 
     default: int | str | bool
     allowed: tuple[int | str | bool, ...] = ()
     arg: str | None = None
     fixed: Any = _NOT_FIXED
+    optional: bool = False
 
     def __post_init__(self):
         if not self.allowed:
@@ -99,7 +102,8 @@ class Impl:
         return fns.get(case, fns.get("*"))
 
     def default_constants(self) -> dict:
-        return {k: v.default for k, v in self.constants.items()}
+        """The constants a contract lists when its entry pins none: every non-optional one."""
+        return {k: v.default for k, v in self.constants.items() if not v.optional}
 
 
 def per_case(trainer: Callable, prefill: Callable, decode: Callable) -> dict[str, Callable]:

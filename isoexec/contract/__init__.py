@@ -5,6 +5,8 @@ from .diff import Difference, diff, format_diff, policy_differences
 from .digests import compute_identities, with_identities
 from .handshake import HandshakeResult, handshake, offer, receive
 from .schema import (
+    K_LEAVES,
+    ROW_PARALLEL_OPS,
     SCHEMA_VERSION,
     STANDARD_CASES,
     Bounds,

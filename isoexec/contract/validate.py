@@ -3,7 +3,8 @@
 The rules (docs/contract.md): case ids are unique and entries only name declared cases; in every case
 each logical op belongs to exactly one region (an op uncovered in some case is a violation, not a
 default); a contract that claims a tolerance of 0 has a discharge on every function-half entry;
-claims name known cases and axes; stored identities equal recomputed ones.
+claims name known cases and axes; a tp claim above 1 comes with a pinned K_LEAVES, divisible by
+every claimed size, on each row-parallel region; stored identities equal recomputed ones.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import ContractInvalid
 from .digests import compute_identities
-from .schema import SCHEMA_VERSION, STANDARD_CASES, ExecutionContract
+from .schema import K_LEAVES, ROW_PARALLEL_OPS, SCHEMA_VERSION, STANDARD_CASES, ExecutionContract
 
 # The role each standard case must have: a trainer_* case run by the engine would be a lie.
 _STANDARD_ROLES = {"trainer_fwd": "trainer", "trainer_score": "trainer", "engine_prefill": "engine",
@@ -100,6 +101,9 @@ def validate(c: ExecutionContract, required_ops: frozenset[str] | None = None) -
             add(f"{p}.domain", "sizes are positive integers")
         if len(set(t.domain)) != len(t.domain):
             add(f"{p}.domain", "a size is listed twice")
+        if t.axis == "tp":
+            for msg in tp_leaf_problems(c, t.domain):
+                add(f"{p}.domain", msg)
     for i, s in enumerate(c.claims.state):
         if not s.invalidated_by:
             add(f"$.claims.state[{i}].invalidated_by", f"state {s.id!r} names no invalidating event")
@@ -118,6 +122,32 @@ def validate(c: ExecutionContract, required_ops: frozenset[str] | None = None) -
         stored, real = getattr(c.identities, name), getattr(want, name)
         if stored != real:
             add(f"$.identities.{name}", f"stored digest {stored[:12]}… does not match content ({real[:12]}…)")
+    return out
+
+
+def tp_leaf_problems(c: ExecutionContract, sizes) -> list[str]:
+    """Why ``c`` cannot serve the tensor-parallel ``sizes``: a row-parallel region (o_proj,
+    down_proj) must pin its K leaf count L (``K_LEAVES``) and every size above 1 must divide it, so
+    that each rank holds L/tp whole leaves and every size adds the same L partials in one order."""
+    out = []
+    big = sorted(s for s in set(sizes) if s > 1)
+    if not big:
+        return out
+    for e in c.composition:
+        rows = [o for o in e.region if o in ROW_PARALLEL_OPS]
+        if not rows or e.half != "function":
+            continue
+        leaves = e.constants.get(K_LEAVES)
+        if leaves is None:
+            sizes_text = ", ".join(map(str, big))
+            out.append(f"tp={sizes_text}: row-parallel region {e.region_name!r} (impl {e.impl.id}) pins no "
+                       f"{K_LEAVES}: the K leaves of its cross-rank sum must be a contract constant")
+            continue
+        bad = [s for s in big if not isinstance(leaves, int) or isinstance(leaves, bool) or leaves % s]
+        if bad:
+            sizes_text = ", ".join(map(str, bad))
+            out.append(f"tp={sizes_text}: row-parallel region {e.region_name!r} pins {K_LEAVES}={leaves!r}, which "
+                       "tp does not divide (each rank holds L/tp whole K leaves)")
     return out
 
 

@@ -13,21 +13,24 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
 
   ``row_parallel_linear``     K sharded by whole K leaves, leaf partials gathered and summed in leaf order
   ``column_parallel_linear``  N sharded, no reduction; optionally gathered along N
+  ``replicated_input``        the input of column-parallel work run by the caller (its backward sum)
   ``vocab_parallel_token_logprobs``  V sharded by whole vocabulary leaves of the reference schedule
   ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
 
 The data-parallel trainer (FSDP2) is the subpackage ``isoexec.dist.fsdp``; it sits above
 ``isoexec.train`` and is not imported here. ``mesh.dp_mesh`` builds its device mesh and
-``partition.sequence_share`` deals out its sequences.
+``partition.sequence_share`` deals out its sequences. The dense model's trainer forward under tensor
+parallelism is ``isoexec.model.tp_dense`` (it needs the model and the contract, which sit above this
+package).
 
-Not built yet: tensor parallelism inside the engine and the model classes, expert parallelism, the
-launcher, and the vocabulary-parallel form of the Triton logprob kernel.
+Not built yet: tensor parallelism inside the engine and the other families' model classes, expert
+parallelism, the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
 """
 
-from .column_parallel import column_parallel_linear
+from .column_parallel import column_parallel_linear, replicated_input
 from .partition import column_shard_range, row_shard_range, vocab_shard_range
 from .row_parallel import row_parallel_linear
 from .vocab_parallel_logprob import vocab_parallel_token_logprobs
 
-__all__ = ["column_parallel_linear", "column_shard_range", "row_parallel_linear", "row_shard_range",
+__all__ = ["column_parallel_linear", "column_shard_range", "replicated_input", "row_parallel_linear", "row_shard_range",
            "vocab_parallel_token_logprobs", "vocab_shard_range"]

@@ -59,6 +59,16 @@ class _GatherColumnsFn(torch.autograd.Function):
         return grad[:, a:b].contiguous(), None, None, None, None
 
 
+def replicated_input(x: torch.Tensor, group=None) -> torch.Tensor:
+    """``x`` as the replicated input of column-parallel work the caller runs itself (a fused q/k/v
+    shard through the contract's bound linear): the identity forward, and in the backward the
+    ranks' input gradients summed in rank order (``column_parallel_linear`` does this itself)."""
+    tp, _ = group_size_rank(group)
+    if tp > 1 and torch.is_grad_enabled() and x.requires_grad:
+        return _ReplicatedInputFn.apply(x, group, tp)
+    return x
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                            out_features: int, group=None, gather_output: bool = True, unit: int = 1,
                            leaves: int | None = None) -> torch.Tensor:

@@ -22,10 +22,13 @@ import torch
 from torch import nn
 
 from isoexec_kernels.attention import write_kv_pages
+from isoexec_kernels.gemm.reference import num_k_blocks
+from isoexec_kernels.logprob import REF_LEAF_V
 from isoexec_kernels.rope import rope_cache
 
 from .. import registry
-from ..contract import ExecutionContract
+from ..contract import K_LEAVES, ExecutionContract
+from ..dist.partition import column_shard_range, row_shard_range
 from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
@@ -82,10 +85,76 @@ class DenseModel(nn.Module):
 
         self.check_ops(contract)
         facts = facts or RuntimeFacts(arch="cpu" if self.embed.device.type == "cpu" else runtime_arch())
-        check_topology(contract, facts)
+        check_topology(contract, facts, self.tp_problems(contract, facts.tp))
         self.plans = {case: ExecutionPlan.build(contract, case) for case in contract.case_ids}
         self.contract = contract
         return [r for p in self.plans.values() for r in p.records()]
+
+    def linear_k(self) -> dict[str, int]:
+        """{linear op: its K (input features)}: what a region's pinned ``K_LEAVES`` must fit."""
+        cfg = self.cfg
+        h = cfg.hidden_size
+        return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": cfg.q_size, "gate_proj": h, "up_proj": h,
+                "down_proj": cfg.intermediate_size, "lm_head": h}
+
+    def tp_problems(self, contract: ExecutionContract, tp: int) -> list[str]:
+        """Why this model cannot run ``contract`` at tensor-parallel size ``tp`` (empty: it can),
+        from its own shape: a pinned ``K_LEAVES`` larger than a region's K blocks (at any tp), and
+        at tp > 1 the cuts of ``TensorParallelDense`` (isoexec/model/tp_dense.py): whole query and
+        kv heads per rank, o_proj's K leaves on head boundaries, gate/up 64-column units on
+        down_proj's leaves, a whole vocabulary leaf per rank, and kernels whose schedule the
+        tensor-parallel layers reproduce. ``check_topology`` reports them with its own."""
+        if self.family != "dense":  # the subclasses' shapes differ; none has a tensor-parallel model yet
+            return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
+        cfg, out = self.cfg, []
+        ks = self.linear_k()
+        leaves: dict[str, set] = {}
+        impls: dict[str, set] = {}
+        for e in contract.composition:
+            if e.half != "function":
+                continue
+            for o in e.region:
+                impls.setdefault(o, set()).add((e.impl.id, e.impl.arch))
+                if o in ks:
+                    L = e.constants.get(K_LEAVES)
+                    leaves.setdefault(o, set()).add(L)
+                    if L is not None and L > num_k_blocks(ks[o]):
+                        out.append(f"region {e.region_name!r} pins {K_LEAVES}={L}, more than the "
+                                   f"{num_k_blocks(ks[o])} K block(s) of {o} (K={ks[o]})")
+        if tp == 1:
+            return out
+        nh, nkv = cfg.num_heads, cfg.num_kv_heads
+        if nh % tp or nkv % tp:
+            out.append(f"tp={tp} does not divide the {nh} query heads and {nkv} kv heads (each rank holds "
+                       "whole heads of both)")
+        for o in ("o_proj", "down_proj"):
+            if len(leaves.get(o, ())) > 1:
+                out.append(f"{o} pins different {K_LEAVES} in different cases ({sorted(map(str, leaves[o]))})")
+        L_o, L_d = (next(iter(leaves.get(o) or {None})) for o in ("o_proj", "down_proj"))
+        if nh % tp == 0 and L_o is not None and L_o % tp == 0 and L_o <= num_k_blocks(cfg.q_size):
+            heads = [(r * cfg.q_size // tp, (r + 1) * cfg.q_size // tp) for r in range(tp)]
+            leafs = [row_shard_range(cfg.q_size, L_o, tp, r) for r in range(tp)]
+            if heads != leafs:
+                out.append(f"o_proj's K leaves ({K_LEAVES}={L_o} over K={cfg.q_size}) give the ranks input columns "
+                           f"{leafs}, not their heads' {heads}: each rank's heads must span whole K leaves")
+        I = cfg.intermediate_size
+        if L_d is not None and L_d % tp == 0 and L_d <= num_k_blocks(I):
+            units = [column_shard_range(I, tp, r, 64) for r in range(tp)]
+            if units != [row_shard_range(I, L_d, tp, r) for r in range(tp)]:
+                out.append(f"gate/up's 64-column units do not meet down_proj's {K_LEAVES}={L_d} leaves at tp={tp}")
+        vocab_leaves = -(-cfg.vocab_size // REF_LEAF_V)
+        if vocab_leaves < tp:
+            out.append(f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
+                       f"(vocab_size={cfg.vocab_size}); each rank needs a whole leaf")
+        want = {o: ("gemm_fixed_k", None) for o in ks}
+        want["logprob"] = ("logprob_fixed", "cpu")
+        for o, (impl, arch) in want.items():
+            for got_impl, got_arch in sorted(impls.get(o, ())):
+                if got_impl != impl or (arch is not None and got_arch != arch):
+                    out.append(f"region of {o} runs {got_impl} ({got_arch}); at tp > 1 it must be {impl}"
+                               + (f" on {arch}" if arch else "") + ", the schedule the tensor-parallel layers "
+                               "reproduce")
+        return out
 
     def ops(self) -> tuple[str, ...]:
         """The logical ops this model runs: its family's, less those its config has none of."""

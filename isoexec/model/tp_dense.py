@@ -1,0 +1,205 @@
+"""The dense model's trainer forward under tensor parallelism, with the bits of one process.
+
+``TensorParallelDense(model, group)`` takes a single-process ``DenseModel`` with its contract
+installed and keeps, on this rank of the tensor-parallel ``group``, the shards of its weights:
+
+  * q/k/v (one fused weight, or the contract's separate regions) column-parallel by whole heads:
+    this rank's ``num_heads / tp`` query heads and ``num_kv_heads / tp`` kv heads (GQA groups stay
+    whole: query head h reads kv head ``h // (num_heads / num_kv_heads)``, and both cuts are
+    contiguous), the q/k/v bias likewise;
+  * gate/up column-parallel in 64-column units (``column_shard_range(I, tp, rank, 64)``), which are
+    exactly the K columns of down_proj's K leaves this rank holds (isoexec/dist/partition.py);
+  * o_proj and down_proj row-parallel (``row_parallel_linear``) with the contract's ``K_LEAVES``:
+    each rank computes its L/tp leaves' fp32 partials, all L are gathered and added in leaf order on
+    every rank; o_proj's input columns are this rank's heads, which ``DenseModel.tp_problems``
+    checks fall on whole K leaves;
+  * the lm_head vocabulary-parallel (``vocab_shard_range``: whole leaves of 1024 logits) and the
+    token logprob by ``vocab_parallel_token_logprobs``;
+  * the embedding, the norms, RoPE and the residual stream replicated.
+
+Column-parallel shards run through the contract's bound linear with the K leaf count of the whole
+weight (the region's ``K_LEAVES``, else ``k_leaves_for`` of the whole shape), so each output
+column is the single-process column; attention, the q/k norms and RoPE run per head, so a rank's
+heads are the single-process heads. The row-parallel sum and the logprob keep the one-process
+schedule (docs/scale_out.md). So under one contract, TP = 1, 2 and 4 and ``DenseModel`` in one
+process give the same hidden states, logits and token logprobs, bit for bit, on every rank
+(tests/dist/test_tp_dense_model.py, gloo on CPU).
+
+The size is checked before anything is cut or sent: ``check_topology`` with the model's own
+problems (``DenseModel.tp_problems``) refuses, in one error naming the sizes, a tp the contract
+does not claim, a tp that does not divide the row-parallel regions' ``K_LEAVES`` or the heads, and
+kernels other than the ones whose schedule the tensor-parallel layers reproduce. Every rank sees
+the same sizes, so every rank refuses and none waits in a collective.
+
+Trainer cases only (``trainer_fwd``, ``trainer_score``); the engine under TP (its KV pages hold the
+rank's kv heads) is not built. The backward is deterministic for a given tp, not tp-invariant
+(only forward bits must match): the replicated inputs of column-parallel work get the ranks'
+gradients summed in rank order, the row-parallel and logprob backward need no communication. With
+tied embeddings the embedding's gradient on a rank holds the lm_head contribution of its own
+vocabulary rows only; summing it across ranks is the trainer's job and is not built here.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from isoexec_kernels.gemm import k_leaves_for
+
+from ..contract import K_LEAVES
+from ..dist import (column_shard_range, replicated_input, row_parallel_linear,
+                    vocab_parallel_token_logprobs, vocab_shard_range)
+from ..dist.collectives import group_size_rank
+from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
+from ..envinfo import runtime_arch
+from ..errors import BindingRefused
+from .batch import ForwardBatch
+from .dense import DenseModel
+
+TRAINER_CASES = ("trainer_fwd", "trainer_score")
+UNIT = 64  # gate/up column unit: one K block of down_proj
+
+
+class _LayerShard(nn.Module):
+    def __init__(self, layer, cfg, tp: int, rank: int, unit: int):
+        super().__init__()
+        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q0, q1 = rank * nh // tp * hd, (rank + 1) * nh // tp * hd
+        k0, k1 = rank * nkv // tp * hd, (rank + 1) * nkv // tp * hd
+        qs, ks = cfg.q_size, cfg.kv_size
+        rows = torch.cat([torch.arange(q0, q1), qs + torch.arange(k0, k1), qs + ks + torch.arange(k0, k1)])
+        p = lambda t: nn.Parameter(t.detach().clone())  # noqa: E731
+        self.sizes = (q1 - q0, k1 - k0, k1 - k0)
+        self.attn_norm = p(layer.attn_norm)
+        self.qkv_weight = p(layer.qkv_weight[rows])
+        self.qkv_bias = None if layer.qkv_bias is None else p(layer.qkv_bias[rows])
+        self.q_norm = None if layer.q_norm is None else p(layer.q_norm)
+        self.k_norm = None if layer.k_norm is None else p(layer.k_norm)
+        self.o_weight = p(layer.o_weight[:, q0:q1])
+        self.mlp_norm = p(layer.mlp_norm)
+        inter = cfg.intermediate_size
+        i0, i1 = column_shard_range(inter, tp, rank, unit)
+        self.inter = i1 - i0
+        self.gate_up_weight = p(torch.cat([layer.gate_up_weight[i0:i1], layer.gate_up_weight[inter + i0:inter + i1]]))
+        self.down_weight = p(layer.down_weight[:, i0:i1])
+
+
+class TensorParallelDense(nn.Module):
+    """This rank's shards of ``model`` (a ``DenseModel`` with a contract installed) on ``group``
+    (None: the default group, or one process if none is initialised). Module docstring."""
+
+    def __init__(self, model: DenseModel, group=None):
+        super().__init__()
+        if model.contract is None:
+            raise BindingRefused("tensor-parallel dense model: install a contract on the model first")
+        if model.family != "dense":
+            raise BindingRefused(f"tensor-parallel dense model: the model is of the {model.family} family")
+        tp, rank = group_size_rank(group)
+        contract, cfg = model.contract, model.cfg
+        arch = "cpu" if model.embed.device.type == "cpu" else runtime_arch()
+        # every rank refuses here, before any weight is cut or any collective is entered
+        check_topology(contract, RuntimeFacts(arch=arch, tp=tp), model.tp_problems(contract, tp))
+        self.cfg, self.contract, self.group, self.tp, self.rank = cfg, contract, group, tp, rank
+        self.plans: dict[str, ExecutionPlan] = {c: model.plans[c] for c in TRAINER_CASES if c in model.plans}
+        self.vocab_range = vocab_shard_range(cfg.vocab_size, tp, rank)
+        v0, v1 = self.vocab_range
+        self.embed = nn.Parameter(model.embed.detach().clone())
+        self.layers = nn.ModuleList(_LayerShard(L, cfg, tp, rank, UNIT) for L in model.layers)
+        self.final_norm = nn.Parameter(model.final_norm.detach().clone())
+        self.lm_head = None if model.lm_head is None else nn.Parameter(model.lm_head[v0:v1].detach().clone())
+        self._rope = model.rope_table().detach()
+
+    # ------------------------------------------------------------------------------ schedule
+    def _plan(self, case: str) -> ExecutionPlan:
+        if case not in self.plans:
+            raise BindingRefused(f"tensor-parallel dense model: case {case!r} is not served (trainer cases "
+                                 f"{', '.join(TRAINER_CASES)} that the contract declares; the engine under TP is "
+                                 "not built)")
+        return self.plans[case]
+
+    @staticmethod
+    def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int:
+        """The K leaves of the region of ``op`` for the whole weight [n_full, k]: its pinned
+        ``K_LEAVES``, else the shape table's count for the whole shape (never the shard's)."""
+        pinned = plan[op].record.constants.get(K_LEAVES)
+        return k_leaves_for(n_full, k) if pinned is None else pinned
+
+    def _column(self, plan, ops, x, weight, full_sizes, local_sizes, bias=None):
+        """Column-parallel shard of ``ops`` (fused or not, as the contract says): this rank's
+        output columns of each op, side by side, by the bound linear with the whole weight's K
+        leaves."""
+        bound = [plan[o] for o in ops]
+        K = x.shape[-1]
+        if all(b is bound[0] for b in bound):
+            groups = [(ops, sum(full_sizes), sum(local_sizes), 0)]
+        else:
+            starts = [sum(local_sizes[:i]) for i in range(len(ops))]
+            groups = [((o,), n, m, s) for o, n, m, s in zip(ops, full_sizes, local_sizes, starts)]
+        outs = []
+        for g_ops, n_full, m, s in groups:
+            leaves = self._leaves(plan, g_ops[0], n_full, K)
+            w = weight[s:s + m]
+            b = None if bias is None else bias[s:s + m]
+            outs.append(plan[g_ops[0]](x, w, b, leaves=leaves) if b is not None else
+                        plan[g_ops[0]](x, w, leaves=leaves))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    # ------------------------------------------------------------------------------ forward
+    def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank:
+        the bits of ``DenseModel.hidden_states`` under the same contract."""
+        if batch.is_engine:
+            raise BindingRefused("tensor-parallel dense model: engine batches are not served (trainer cases only)")
+        cfg, plan, tp = self.cfg, self._plan(batch.case), self.tp
+        T = ids.shape[0]
+        hd, eps = cfg.head_dim, cfg.rms_norm_eps
+        nh, nkv = cfg.num_heads // tp, cfg.num_kv_heads // tp
+        full_qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        L_o = self._leaves(plan, "o_proj", cfg.hidden_size, cfg.q_size)
+        L_d = self._leaves(plan, "down_proj", cfg.hidden_size, cfg.intermediate_size)
+        x = plan["embed"](ids, self.embed)
+        for L in self.layers:
+            n = replicated_input(plan["attn_norm"](x, L.attn_norm, eps), self.group)
+            qkv = self._column(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight, full_qkv, L.sizes, L.qkv_bias)
+            q, k, v = qkv.split(L.sizes, dim=-1)
+            q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
+            if cfg.qk_norm:
+                q = plan["q_norm"](q, L.q_norm, eps)
+                k = plan["k_norm"](k, L.k_norm, eps)
+            q = plan["rope"](q, batch.positions, self._rope, theta=cfg.rope_theta)
+            k = plan["rope"](k, batch.positions, self._rope, theta=cfg.rope_theta)
+            v = v.reshape(T, nkv, hd)
+            a = plan["attn_core"](q, k, v, batch.cu_seqlens, batch.max_seqlen, hd ** -0.5)
+            x = x + row_parallel_linear(a.reshape(T, nh * hd), L.o_weight, None, in_features=cfg.q_size,
+                                        leaves=L_o, group=self.group)
+            n = replicated_input(plan["mlp_norm"](x, L.mlp_norm, eps), self.group)
+            inter = cfg.intermediate_size
+            gu = self._column(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter),
+                              (L.inter, L.inter))
+            g, u = gu.split((L.inter, L.inter), dim=-1)
+            x = x + row_parallel_linear(plan["act"](g, u), L.down_weight, None, in_features=inter, leaves=L_d,
+                                        group=self.group)
+        return plan["final_norm"](x, self.final_norm, eps)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the lm_head (of the embedding, when tied)."""
+        v0, v1 = self.vocab_range
+        return self.embed[v0:v1] if self.lm_head is None else self.lm_head
+
+    def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:
+        """This rank's logits [T, v1 - v0] (``self.vocab_range``): those columns of the
+        single-process logits."""
+        plan = self._plan(case)
+        v0, v1 = self.vocab_range
+        leaves = self._leaves(plan, "lm_head", self.cfg.vocab_size, hidden.shape[-1])
+        return plan["lm_head"](replicated_input(hidden, self.group), self.lm_head_weight, leaves=leaves)
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 log p(targets[t] | row t) [T], the same on every rank: the bits of
+        ``DenseModel.token_logprobs`` on the CPU (the logprob region's reference schedule)."""
+        return vocab_parallel_token_logprobs(self.logits(hidden, case), targets, vocab_size=self.cfg.vocab_size,
+                                             group=self.group)
+
+
+__all__ = ["TensorParallelDense", "TRAINER_CASES"]
