@@ -66,6 +66,23 @@ def clip_coefficient(norm: torch.Tensor, max_norm: Optional[float]) -> torch.Ten
     return torch.minimum(one, torch.tensor(max_norm, dtype=torch.float32, device=norm.device) / (norm + CLIP_EPS))
 
 
+def clipped_update(opt: torch.optim.Optimizer, grads, norm: torch.Tensor, max_norm: Optional[float], lr: float,
+                   local=lambda g: g) -> dict:
+    """One optimizer step on ``grads`` (the tensors ``opt`` updates) clipped by ``norm``, unless
+    the norm is not finite (no update). ``local(g)`` is the tensor to scale in place (a DTensor's
+    local shard). Returns ``grad_norm`` (before clipping), ``clip_coef``, ``lr`` and ``skipped``;
+    the caller clears the gradients."""
+    if not bool(torch.isfinite(norm)):
+        return {"grad_norm": float(norm), "clip_coef": 0.0, "lr": lr, "skipped": True}
+    coef = clip_coefficient(norm, max_norm)
+    if max_norm is not None:
+        for g in grads:
+            if g is not None:
+                local(g).mul_(coef.to(g.device))
+    opt.step()
+    return {"grad_norm": float(norm), "clip_coef": float(coef), "lr": lr, "skipped": False}
+
+
 class MasterAdamW:
     """AdamW on fp32 masters of ``model``'s trainable parameters, written back in place.
 
@@ -137,20 +154,12 @@ class MasterAdamW:
         for group in self.opt.param_groups:
             group["lr"] = lr
         self.accumulate_grads()
-        norm = global_grad_norm(self.grads)
-        if not bool(torch.isfinite(norm)):
-            self.zero_grad()
-            return {"grad_norm": float(norm), "clip_coef": 0.0, "lr": lr, "skipped": True}
-        coef = clip_coefficient(norm, self.grad_clip)
-        if self.grad_clip is not None:
-            for g in self.grads:
-                if g is not None:
-                    g.mul_(coef.to(g.device))
-        self.opt.step()
-        self.sync_params()
+        stats = clipped_update(self.opt, self.grads, global_grad_norm(self.grads), self.grad_clip, lr)
+        if not stats["skipped"]:
+            self.sync_params()
+            self.steps += 1
         self.zero_grad()
-        self.steps += 1
-        return {"grad_norm": float(norm), "clip_coef": float(coef), "lr": lr, "skipped": False}
+        return stats
 
     @torch.no_grad()
     def sync_params(self) -> None:

@@ -317,19 +317,24 @@ class Trainer:
         return correct(torch.cat(old), torch.cat(rollout), batch.response_lens,
                        cfg.tis_threshold, cfg.rs_kind, cfg.rs_threshold)
 
+    def _kept(self, batch: TrainBatch, old_logprobs: Sequence[torch.Tensor], correction: Optional[Correction]):
+        """The checks and the rejection of a mini-batch's backward: (old logprobs, correction, the
+        kept sequences' indices, their response tokens, their count)."""
+        old = self._checked_old(batch, old_logprobs)
+        corr = correction if correction is not None else self.correction(batch, old)
+        if self.config.loss == "grpo" and self.config.kl_coef > 0 and batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs TrainBatch.ref_logprobs (the reference model's logprobs)")
+        kept = [i for i, k in enumerate(corr.keep.tolist()) if k]
+        return old, corr, kept, sum(batch.response_lens[i] for i in kept), len(kept)
+
     def backward(self, batch: TrainBatch, old_logprobs: Sequence[torch.Tensor],
                  correction: Optional[Correction] = None) -> dict:
         """Accumulate the gradient of the loss of ``batch`` taken as ONE mini-batch (no optimizer
         step). Returns its statistics; ``loss`` is the mini-batch loss, ``tokens``/``sequences``
         count what was kept after rejection."""
         cfg = self.config
-        old = self._checked_old(batch, old_logprobs)
-        corr = correction if correction is not None else self.correction(batch, old)
+        old, corr, kept, n_tokens, n_seqs = self._kept(batch, old_logprobs, correction)
         resp_lens = batch.response_lens
-        if cfg.loss == "grpo" and cfg.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs TrainBatch.ref_logprobs (the reference model's logprobs)")
-        kept = [i for i, k in enumerate(corr.keep.tolist()) if k]
-        n_tokens, n_seqs = sum(resp_lens[i] for i in kept), len(kept)
         denom = n_seqs if cfg.loss == "grpo" else n_tokens
         weights = corr.sequence_weights()
         parts, loss_total = [], 0.0

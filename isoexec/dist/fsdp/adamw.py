@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from isoexec.train.optim import clip_coefficient
+from isoexec.train.optim import clipped_update
 
 from .grad_norm import sharded_grad_norm
 
@@ -75,16 +75,9 @@ class ShardedAdamW:
         lr = self.lr * lr_scale
         for group in self.opt.param_groups:
             group["lr"] = lr
-        norm = sharded_grad_norm(self.grads, self.group, self.dp)
-        if not bool(torch.isfinite(norm)):
-            self.zero_grad()
-            return {"grad_norm": float(norm), "clip_coef": 0.0, "lr": lr, "skipped": True}
-        coef = clip_coefficient(norm, self.grad_clip)
-        if self.grad_clip is not None:
-            for g in self.grads:
-                if g is not None:
-                    g.to_local().mul_(coef.to(g.device))
-        self.opt.step()
+        stats = clipped_update(self.opt, self.grads, sharded_grad_norm(self.grads, self.group, self.dp),
+                               self.grad_clip, lr, local=lambda g: g.to_local())
+        if not stats["skipped"]:
+            self.steps += 1
         self.zero_grad()
-        self.steps += 1
-        return {"grad_norm": float(norm), "clip_coef": float(coef), "lr": lr, "skipped": False}
+        return stats

@@ -142,13 +142,8 @@ class FSDPTrainer(Trainer):
         the same on every rank."""
         cfg = self.config
         mine = self._share(len(batch))
-        old = self._checked_old(batch, old_logprobs)
-        corr = correction if correction is not None else self.correction(batch, old)
+        old, corr, kept, n_tokens, n_seqs = self._kept(batch, old_logprobs, correction)
         resp_lens = batch.response_lens
-        if cfg.loss == "grpo" and cfg.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs TrainBatch.ref_logprobs (the reference model's logprobs)")
-        kept = [i for i, k in enumerate(corr.keep.tolist()) if k]
-        n_tokens, n_seqs = sum(resp_lens[i] for i in kept), len(kept)
         if n_tokens == 0:   # every rank sees it: none runs a forward, the update is skipped
             return {"loss": 0.0, "tokens": 0.0, "sequences": 0.0}
         denom = n_seqs if cfg.loss == "grpo" else n_tokens
