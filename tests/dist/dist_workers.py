@@ -176,11 +176,12 @@ def _vocab_all_reduce(zs, t, v0, v1):
     return (zt - shards.lse_from_leaf_sums(s[None])).reshape(t.shape)
 
 
-def _refusal(fn) -> str:
+def _refusal(fn, errors=(ValueError,)) -> str:
+    """``"<error type>: <message>"`` if ``fn()`` raises one of ``errors``, else ``"accepted"``."""
     try:
         fn()
-    except ValueError as e:
-        return f"ValueError: {e}"
+    except errors as e:
+        return f"{type(e).__name__}: {e}"
     return "accepted"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+from dist_workers import _refusal  # noqa: E402
 from isoexec.contract import decode  # noqa: E402
 from isoexec.model import FAMILY_MODELS  # noqa: E402
 from isoexec.train import PackedSequences, TrainBatch, TrainConfig, Trainer, score_logprobs  # noqa: E402
@@ -107,14 +109,6 @@ def single_run(job: dict, family: str, cfg: TrainConfig, dtype=torch.float32, **
 
 
 # ---------------------------------------------------------------------------------------- plans
-def _refusal(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return f"ValueError: {e}"
-    return "accepted"
-
-
 def _fsdp_run(job, family, cfg, dtype=torch.float32, **kw) -> dict:
     from isoexec.dist.fsdp import FSDPTrainer
 
@@ -227,6 +221,20 @@ def run_world(world_size: int, out_dir: Path, job: dict) -> list[dict]:
 
     mp.spawn(_entry, args=(world_size, _free_port(), str(out_dir), job), nprocs=world_size, join=True)
     return [torch.load(out_dir / f"ws{world_size}_rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def run_worlds(job: dict, tmp_path_factory, prefix: str) -> dict:
+    """{dp: [rank results]} of one world per dp in WORLD_SIZES running ``job``; a rank's failure
+    fails here with its traceback."""
+    out, times = {}, {}
+    for ws in WORLD_SIZES:
+        t0 = time.monotonic()
+        out[ws] = run_world(ws, tmp_path_factory.mktemp(f"{prefix}{ws}"), job)
+        times[ws] = round(time.monotonic() - t0, 1)
+        errors = [r["__error__"] for r in out[ws] if "__error__" in r]
+        assert not errors, f"dp={ws}: a rank failed:\n{errors[0]}"
+    print(f"\nworld start-up and cases, seconds per dp: {times}")
+    return out
 
 
 def make_job(plan: str, families=("dense", "hybrid"), cases=None, **extra) -> dict:

@@ -9,7 +9,6 @@ sequence and run C is run B)."""
 from __future__ import annotations
 
 import sys
-import time
 
 sys.modules.setdefault("fla", None)
 
@@ -48,15 +47,8 @@ def job():
 
 @pytest.fixture(scope="module")
 def worlds(job, tmp_path_factory):
-    out, times = {}, {}
-    for ws in fw.WORLD_SIZES:
-        t0 = time.monotonic()
-        out[ws] = fw.run_world(ws, tmp_path_factory.mktemp(f"fsdp_det{ws}"), job)
-        times[ws] = round(time.monotonic() - t0, 1)
-        errors = [r["__error__"] for r in out[ws] if "__error__" in r]
-        assert not errors, f"dp={ws}: a rank failed:\n{errors[0]}"
-    print(f"\nworld start-up and cases, seconds per dp: {times}")
-    return out
+    """{dp: [rank results]} for dp = 1, 2, 4 (one spawn each)."""
+    return fw.run_worlds(job, tmp_path_factory, "fsdp_det")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ integer views."""
 from __future__ import annotations
 
 import sys
-import time
 
 sys.modules.setdefault("fla", None)
 
@@ -33,15 +32,7 @@ def job():
 @pytest.fixture(scope="module")
 def worlds(job, tmp_path_factory):
     """{dp: [rank results]} for dp = 1, 2, 4 (one spawn each)."""
-    out, times = {}, {}
-    for ws in fw.WORLD_SIZES:
-        t0 = time.monotonic()
-        out[ws] = fw.run_world(ws, tmp_path_factory.mktemp(f"fsdp{ws}"), job)
-        times[ws] = round(time.monotonic() - t0, 1)
-        errors = [r["__error__"] for r in out[ws] if "__error__" in r]
-        assert not errors, f"dp={ws}: a rank failed:\n{errors[0]}"
-    print(f"\nworld start-up and cases, seconds per dp: {times}")
-    return out
+    return fw.run_worlds(job, tmp_path_factory, "fsdp")
 
 
 def _differing(got: dict, want: dict) -> int:

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
+import dist_workers  # noqa: E402
 from dist_workers import _free_port  # noqa: E402
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
 from isoexec.errors import TopologyRefused  # noqa: E402
@@ -82,12 +83,7 @@ def _stock_row_parallel(x, weight, bias, *, in_features, leaves, group=None):
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _refusal(fn) -> str:
-    try:
-        fn()
-    except TopologyRefused as e:
-        return f"TopologyRefused: {e}"
-    return "accepted"
+_refusal = functools.partial(dist_workers._refusal, errors=(TopologyRefused,))
 
 
 def cases(group=None) -> dict:
