@@ -62,8 +62,9 @@ Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
   (masked ``tl.sum`` over the C rows), W/U by ``tl.dot``); ``_gdn_state_kernel`` (the B_c chain,
   one program per (sequence or lane, head, Dv tile of ``BLOCK_DV``); Vnew and B_c+1 by
   ``tl.dot``); ``_gdn_recurrent_kernel`` (the per-token step over a segment of tokens, one
-  program per (segment, head, Dv tile); ``tl.sum`` over Dk). Every fp32 ``tl.dot`` uses
-  ``input_precision="ieee"`` (no TF32); exp is ``tl.exp``; tiles and warps are fixed constants
+  program per (segment, head, Dv tile); ``tl.sum`` over Dk). Every fp32 ``tl.dot`` of the prep
+  and state kernels uses ``input_precision="tf32x3"`` (three TF32 tensor-core products per dot,
+  about fp32 accuracy, the same instruction sequence in every case); exp is ``tl.exp``; tiles and warps are fixed constants
   that depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same
   prep/state kernels for all lanes; a lane whose chunk is not complete has a chunk count of 0
   on device and its programs store nothing, so decode has no host sync and no data-dependent
@@ -73,10 +74,11 @@ Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
 On the H200 (GPU tests at ``4a2c7cb``): varlen / engine split / decode bitwise equal, graph replay
 == eager, accuracy against the float64 recurrence. The arithmetic choices that move bits (dot
 precision, the prep's inverse of I + A, the per-token Dv tile and warps) are one value,
-``triton_kernels.CPRKernelChoice``; ``PINNED`` (fp32 FMA dots, row-by-row inverse, 32-wide Dv
-tile, 4 warps) is this impl's. The row-by-row inverse takes 63 steps of masked reductions over
-the 64 x 64 tile; ``inv_bs=16`` inverts the 16 x 16 diagonal blocks (15 steps) and merges them by
-dots, not pinned until measured (docs/cpr.md, "Speed").
+``triton_kernels.CPRKernelChoice``; ``PINNED`` (tf32x3 dots, row-by-row inverse, 32-wide Dv
+tile, 4 warps) is this impl's version 2 (version 1 ran fp32 FMA dots: the same cases bitwise,
+4x slower). The H200 sweep (``scripts/cpr_variant_sweep.py``, docs/cpr.md "Speed") picked it:
+fastest decode of the candidates, prefill within 12% of the fastest, every candidate bitwise across
+the cases; the blocked inverse (``inv_bs=16``) was slower than the row-by-row one and is not pinned.
 
 Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
 [chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]

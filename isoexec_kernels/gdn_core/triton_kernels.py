@@ -229,7 +229,7 @@ class CPRKernelChoice:
     different choice gives other bits. ``PINNED`` is the one the ``gdn_cpr`` impl runs;
     ``scripts/cpr_variant_sweep.py`` times and checks the others on a GPU."""
 
-    dot: str = "ieee"
+    dot: str = "tf32x3"
     rec_bv: int = 32
     rec_warps: int = 4
     inv_bs: int = 0
