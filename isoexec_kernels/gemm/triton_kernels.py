@@ -281,6 +281,43 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 _SUM_BLOCK = 1024
 
 
+def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -> int | None:
+    """Scheduling only: the number of leading rows to run with the bucket's tiles when its last
+    wave of output tiles would leave most SMs idle, the remaining rows then taking the 2048-row
+    bucket's smaller tiles (same K loop, same bits: every tile of the tile table gives identical
+    bits, see :func:`tile_for_m`); None for one launch. Only large M with few output columns
+    (N <= 2048) qualifies: Qwen3-0.6B o_proj / down_proj at M = 10240 are 320 tiles of 128 x 256
+    on 132 SMs, 2.4 waves whose third is 42% busy (0.87-0.89x cuBLAS); cutting at 8448 rows
+    (two full waves) leaves 1792 rows as 112 tiles of 128 x 128, half a wave's time. A function
+    of (M, N, K, the device's SM count), never of the data."""
+    if M <= M_BUCKET_BOUNDS[-1] or N > 2048:
+        return None
+    cfg = tile_for_m(M, dtype, N, K)
+    if cfg["path"] != "tma":
+        return None
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    tiles_n = -(-N // bn)
+    tiles = -(-M // bm) * tiles_n
+    full_waves, rest = divmod(tiles, programs)
+    if full_waves == 0 or rest == 0 or rest * 2 > programs:
+        return None   # one wave or less, an exact fit, or a last wave at least half busy
+    head = (full_waves * programs // tiles_n) * bm
+    return head if 0 < head < M else None
+
+
+def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs):
+    M, K = x2.shape
+    N = w.shape[0]
+    ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
+    flatten = cfg.get("flatten", not ws)
+    _gemm_tma_persistent_kernel[(programs,)](
+        x2, w, out, bias_arg, M, N, K,
+        HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
+        NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
 def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, out_dtype=None):
     M, K = x2.shape
     N = w.shape[0]
@@ -319,14 +356,15 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # compile-time constant, and min(SMs, tiles) would compile a new kernel for every tile
         # count below the SM count, i.e. for almost every small M
         programs = num_sms(x2.device)
-        ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
-        flatten = cfg.get("flatten", not ws)
-        _gemm_tma_persistent_kernel[(programs,)](
-            x2, w, out, bias_arg, M, N, K,
-            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
-            NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        head = tail_rows_split(M, N, K, x2.dtype, programs) if tile is None else None
+        if head is None:
+            _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
+        else:
+            # rows are independent and every tile runs the same K loop, so the two launches give
+            # each row the bits one launch would (rows past `head` just use smaller tiles)
+            tail_cfg = tile_for_m(M_BUCKET_BOUNDS[-1], x2.dtype, N, K)
+            _launch_tma(x2[:head], w, out[:head], bias_arg, has_bias, cfg, bk, leaves, prec, programs)
+            _launch_tma(x2[head:], w, out[head:], bias_arg, has_bias, tail_cfg, bk, leaves, prec, programs)
     elif path == "pointer":
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _gemm_pointer_kernel[grid](

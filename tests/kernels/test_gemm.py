@@ -10,7 +10,9 @@ from isoexec_kernels import _ref, gemm
 
 DTYPES = (torch.float32, torch.bfloat16)
 BATCH_SIZES = (1, 2, 3, 5, 8, 16, 31, 64, 65, 100, 128, 129, 200, 256)
-CUDA_BATCH_SIZES = BATCH_SIZES + (17, 257, 1000, 1025, 2048, 4096, 4097)
+# 6000 and 10240 rows at N <= 2048 run as two launches (tail_rows_split); they come before the
+# last size because the float64 check on the CPU uses the last batch
+CUDA_BATCH_SIZES = BATCH_SIZES + (17, 257, 1000, 1025, 2048, 6000, 10240, 4096, 4097)
 CUDA_N = (4096, 1024, 1000, 151936)
 
 
@@ -303,6 +305,32 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
             for n in CUDA_N for m in CUDA_BATCH_SIZES}
     assert buckets <= gate, "CUDA_BATCH_SIZES misses an M bucket"
     assert gemm.gemm_path(4096, 4096, torch.bfloat16, torch.device("cpu")) == "pointer"
+
+
+def test_tail_rows_split_leaves_whole_waves_then_less_than_a_wave_of_smaller_tiles():
+    from isoexec_kernels.gemm.triton_kernels import tail_rows_split
+    sms = 132
+    split_seen = False
+    for n, k in ((1024, 2048), (1024, 3072), (2048, 1024), (4096, 1024), (151936, 1024)):
+        for m in (1, 256, 2048, 2049, 4097, 6000, 8192, 10240, 12345, 20000):
+            head = tail_rows_split(m, n, k, torch.bfloat16, sms)
+            if head is None:
+                continue
+            split_seen = True
+            big, small = gemm.tile_for_m(m, torch.bfloat16, n, k), gemm.tile_for_m(2048, torch.bfloat16, n, k)
+            assert n <= 2048 and m > 2048 and 0 < head < m and head % big["BLOCK_M"] == 0
+            tiles_n = -(-n // big["BLOCK_N"])
+            full_waves = -(-m // big["BLOCK_M"]) * tiles_n // sms
+            head_tiles = head // big["BLOCK_M"] * tiles_n
+            # the head is the whole row blocks of the full waves
+            assert full_waves * sms - tiles_n < head_tiles <= full_waves * sms
+            tail_tiles = -(-(m - head) // small["BLOCK_M"]) * -(-n // small["BLOCK_N"])
+            # the tail's smaller tiles fit in about one wave, instead of a third big wave
+            assert tail_tiles <= 2 * sms, (n, m, head, tail_tiles)
+    assert split_seen
+    # Qwen3-0.6B o_proj at 10240 rows: two full waves of 128 x 256 tiles, then 1792 rows
+    assert tail_rows_split(10240, 1024, 2048, torch.bfloat16, sms) == 8448
+    assert tail_rows_split(8192, 1024, 2048, torch.bfloat16, sms) is None   # 1.94 waves: one launch
 
 
 def test_linear_errors_name_the_problem():
