@@ -75,10 +75,12 @@ def p_fixed(top_p: float) -> int:
 
 
 def support_cut(z: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                top_p_fix: torch.Tensor) -> torch.Tensor:
+                top_p_fix: torch.Tensor, any_top_p: Optional[bool] = None) -> torch.Tensor:
     """fp32 [R]: the smallest allowed logit of each row of z [R, V] under its top-k and top-p
     (module docstring; ``top_p_fix`` = :func:`p_fixed` of top_p, int64); top_k 0 = all, top_p 1 =
-    all. Rows with neither give the row minimum."""
+    all. Rows with neither give the row minimum. ``any_top_p``: whether some row has top_p < 1,
+    when the caller knows it on the host (else it is read from the device: a sync that would
+    stall the host until the step's forward is done)."""
     R, V = z.shape
     if V >= 1 << (63 - _MASS_BITS - _P_BITS):
         raise ValueError(f"support_cut: a vocabulary of {V} tokens overflows the fixed-point mass")
@@ -86,7 +88,7 @@ def support_cut(z: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     k = torch.where((top_k > 0) & (top_k < V), top_k, torch.full_like(top_k, V))
     cut = s.gather(1, (k - 1)[:, None])                                    # k-th largest logit
     use_p = top_p_fix < (1 << _P_BITS)
-    if bool(use_p.any()):
+    if any_top_p if any_top_p is not None else bool(use_p.any()):
         x = (s - s[:, :1]) / temperature[:, None]                            # <= 0, fp32
         e = torch.exp(x) if z.is_cuda else exp64(x.to(torch.float64)).to(torch.float32)
         e = torch.where(s >= cut, e, torch.zeros_like(e))
@@ -111,6 +113,7 @@ class SamplingPlan:
     top_k: Optional[torch.Tensor]              # int64 [F]
     top_p_fix: Optional[torch.Tensor]          # int64 [F], p_fixed(top_p)
     logprobs: tuple[int, ...]                  # top-n logprobs wanted per row
+    any_top_p: bool = False                    # some filtered row has top_p < 1 (known on the host)
 
 
 @dataclass
@@ -135,12 +138,13 @@ class Sampler:
         keys = torch.from_numpy(row_keys([p.seed for p in params], request_ids, positions))
         filt = [i for i, p in enumerate(params) if not p.greedy and (p.top_k > 0 or p.top_p < 1.0)]
         f_idx = f_k = f_p = None
+        any_p = any(p_fixed(params[i].top_p) < (1 << _P_BITS) for i in filt)
         if filt:
             f_idx = torch.tensor(filt, dtype=torch.int64).to(device, non_blocking=True)
             f_k = torch.tensor([params[i].top_k for i in filt], dtype=torch.int64).to(device, non_blocking=True)
             f_p = torch.tensor([p_fixed(params[i].top_p) for i in filt], dtype=torch.int64).to(device, non_blocking=True)
         return SamplingPlan(R, False, temp.to(device, non_blocking=True), keys.to(device, non_blocking=True),
-                            f_idx, f_k, f_p, lp)
+                            f_idx, f_k, f_p, lp, any_p)
 
     def choose_planned(self, logits: torch.Tensor, plan: SamplingPlan) -> torch.Tensor:
         """The next token of every row of ``logits`` [R, V] (int64 [R])."""
@@ -149,7 +153,7 @@ class Sampler:
         cut = torch.full((plan.rows,), float("-inf"), dtype=torch.float32, device=logits.device)
         if plan.filtered is not None:
             cut[plan.filtered] = support_cut(logits[plan.filtered], plan.temperature[plan.filtered],
-                                             plan.top_k, plan.top_p_fix)
+                                             plan.top_k, plan.top_p_fix, plan.any_top_p)
         return gumbel_argmax(logits, plan.temperature, cut, plan.keys)
 
     def choose(self, logits: torch.Tensor, params: Seq[SamplingParams], request_ids: Seq[int],

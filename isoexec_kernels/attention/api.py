@@ -210,12 +210,29 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
+_DECODE_CU: dict[torch.device, torch.Tensor] = {}
+
+
+def _decode_cu_seqlens(batch: int, device: torch.device) -> torch.Tensor:
+    """``arange(batch + 1)`` as int32 on ``device``: a slice of one kept tensor, so a decode
+    step does not launch an arange per layer. During CUDA-graph capture a missing or short
+    tensor is made inside the graph instead (a tensor kept from a capture would belong to the
+    graph's private memory pool)."""
+    kept = _DECODE_CU.get(device)
+    if kept is None or kept.numel() < batch + 1:
+        fresh = torch.arange(max(batch + 1, 257), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return fresh[:batch + 1]
+        _DECODE_CU[device] = kept = fresh
+    return kept[:batch + 1]
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
     """Decode (engine case): q [B, Hq, D], one query per sequence at absolute position
     context_lens[b] - 1 (its K/V already written). Same kernel and schedule as prefill."""
-    cu = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    cu = _decode_cu_seqlens(q.shape[0], q.device)
     return paged_prefill_attention(q, k_cache, v_cache, block_table, cu, context_lens, scale,
                                    max_seqlen_q=1)
 

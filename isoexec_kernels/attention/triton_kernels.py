@@ -339,7 +339,8 @@ def write_kv_pages_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         v2 = v2.contiguous()
     row = hkv * d
     _write_kv_kernel[(t,)](
-        k2, v2, k_cache, v_cache, slot_mapping.to(torch.int32).contiguous(),
+        # the slots as given (int32 or int64): a cast would be one more kernel per layer and step
+        k2, v2, k_cache, v_cache, slot_mapping.contiguous(),
         k2.stride(0), v2.stride(0), k_cache.stride(1), v_cache.stride(1),
         ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
     )

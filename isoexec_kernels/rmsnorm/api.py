@@ -44,7 +44,7 @@ import torch
 
 from .._triton_util import want_triton
 from .reference import _check, _ref_fwd, _rows, rms_norm_backward_reference
-from .triton_kernels import _triton_fwd, rms_norm_backward_triton
+from .triton_kernels import _triton_fwd, rms_norm_backward_triton, triton_rows
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -78,9 +78,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_cent
     _check(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFn.apply(x, weight, eps, zero_centred)
-    x2 = _rows(x)
-    if want_triton(x2):
-        out, _ = _triton_fwd(x2, weight, eps, zero_centred)
+    if want_triton(x):
+        out, _ = _triton_fwd(triton_rows(x), weight, eps, zero_centred)
     else:
-        out, _ = _ref_fwd(x2, weight, eps, zero_centred)
+        out, _ = _ref_fwd(_rows(x), weight, eps, zero_centred)
     return out.reshape(x.shape)

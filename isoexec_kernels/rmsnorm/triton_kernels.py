@@ -16,12 +16,15 @@ def _warps_for(H: int) -> int:
 
 
 @jit
-def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
+def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps, heads, stride_head,
                     BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+    # row r of x is (r // heads, r % heads) of a [T, heads, H] view with strides
+    # (stride_x, stride_head, 1): a head-strided q/k slice is read in place instead of copied
+    # (the address changes, the row's arithmetic does not)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     ok = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    x = tl.load(x_ptr + (row // heads) * stride_x + (row % heads) * stride_head + cols, mask=ok, other=0.0)
     xf = x.to(tl.float32)
     ss = tl.sum(xf * xf, axis=0)
     var = ss / H
@@ -84,15 +87,31 @@ def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
 
 
 def _triton_fwd(x2, weight, eps, zero_centred: bool = False):
-    R, H = x2.shape
+    """Forward of rows ``x2``: [R, H] with unit column stride, or [T, heads, H] with unit column
+    stride (rows taken in (token, head) order; out is [T * heads, H] either way)."""
+    H = x2.shape[-1]
+    if x2.dim() == 3:
+        heads, stride_x, stride_head = x2.shape[1], x2.stride(0), x2.stride(1)
+    else:
+        heads, stride_x, stride_head = 1, x2.stride(0), 0
+    R = x2.numel() // H if H else 0
     out_dtype = x2.dtype if zero_centred else _out_dtype(x2, weight)
     out = torch.empty((R, H), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R:
-        _rms_fwd_kernel[(R,)](x2, weight.contiguous(), out, rstd, H, x2.stride(0), out.stride(0),
-                              _eps32(eps), BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
-                              num_warps=_warps_for(H))
+        _rms_fwd_kernel[(R,)](x2, weight.contiguous(), out, rstd, H, stride_x, out.stride(0),
+                              _eps32(eps), heads, stride_head, BLOCK_H=next_pow2(H),
+                              ZERO_CENTRED=zero_centred, num_warps=_warps_for(H))
     return out, rstd
+
+
+def triton_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the forward kernel reads it without a copy: [R, H] rows, or the [T, heads, H]
+    view itself when only the token stride breaks the row layout (a q or k slice of a fused qkv
+    output); a copy only when the last dim is strided or the view has other shapes."""
+    if x.dim() == 3 and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] and x.shape[1] > 1:
+        return x
+    return _rows(x)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -100,7 +119,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """RMSNorm by the Triton schedule (api.py's docstring); forward only. CUDA tensors, or CPU
     tensors under ``TRITON_INTERPRET=1``."""
     _check(x, weight)
-    out, _ = _triton_fwd(_rows(x), weight, eps, zero_centred)
+    out, _ = _triton_fwd(triton_rows(x), weight, eps, zero_centred)
     return out.reshape(x.shape)
 
 

@@ -91,6 +91,20 @@ def test_support_cut_keeps_ties_at_the_cut():
     assert cut.tolist() == [2.0, 3.0]          # top-2 keeps both 2.0s; p = 0.5 keeps the 3.0 alone
 
 
+def test_plan_knows_on_the_host_whether_any_row_has_top_p_and_the_cut_is_the_same():
+    s = Sampler()
+    z = _logits(6, seed=8)
+    mixed = [SamplingParams(top_k=5, seed=1), SamplingParams(top_p=0.8, seed=1), SamplingParams(seed=1)] * 2
+    only_k = [SamplingParams(top_k=5, seed=1), SamplingParams(seed=1)] * 3
+    for params, want in ((mixed, True), (only_k, False)):
+        plan = s.plan(params, list(range(6)), [3] * 6, z.device)
+        assert plan.any_top_p is want
+        f = plan.filtered
+        told = support_cut(z[f], plan.temperature[f], plan.top_k, plan.top_p_fix, plan.any_top_p)
+        read = support_cut(z[f], plan.temperature[f], plan.top_k, plan.top_p_fix)   # reads the device
+        assert torch.equal(told, read)
+
+
 def test_support_cut_row_alone_equals_row_in_batch():
     g = torch.Generator().manual_seed(6)
     z = torch.randn(23, 5000, generator=g) * 4

@@ -151,6 +151,19 @@ def interp_case_rms_norm_matches_float64_and_row_invariant(kb):
             kb.assert_bitwise(out[idx], alone, f"{dtype} M={m}")
 
 
+def interp_case_rms_norm_head_strided_view_read_in_place_equals_contiguous_copy_bitwise(kb):
+    # a q slice of a fused qkv output: [T, heads, D] with a token stride wider than heads * D
+    g = torch.Generator().manual_seed(13)
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(5, 6 * 16 + 24, generator=g).to(dtype)
+        q = qkv[:, :6 * 16].reshape(5, 6, 16)
+        w = _weight(16, dtype, g)
+        assert rmsnorm.triton_kernels.triton_rows(q) is q            # read in place, no copy
+        got = rmsnorm.rms_norm_triton(q, w, EPS)
+        kb.assert_bitwise(got, rmsnorm.rms_norm_triton(q.contiguous(), w, EPS), f"{dtype} strided vs copy")
+        assert got.shape == q.shape and kb.rel_l2(got, _f64(q, w)) < kb.TOL[dtype]
+
+
 def interp_case_rms_norm_backward_matches_reference(kb):
     g = torch.Generator().manual_seed(10)
     x = torch.randn(7, 48, generator=g)
@@ -182,6 +195,19 @@ def test_rms_norm_cuda_row_alone_equals_row_in_batch_bitwise(kb, H):
         out = rmsnorm.rms_norm(batch.cuda(), w, EPS)
         kb.assert_bitwise(out[idx], alone, f"cuda H={H} M={m}")
     assert kb.rel_l2(out, _f64(batch, w.cpu())) < kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_rms_norm_cuda_head_strided_view_equals_contiguous_and_autograd_bitwise(kb):
+    g = torch.Generator().manual_seed(14)
+    qkv = torch.randn(37, 4096, generator=g).bfloat16().cuda()
+    w = _weight(128, torch.bfloat16, g).cuda()
+    for lo, heads in ((0, 16), (2048, 8)):                     # the q and the k slice
+        x = qkv[:, lo:lo + heads * 128].reshape(37, heads, 128)
+        got = rmsnorm.rms_norm(x, w, EPS)
+        kb.assert_bitwise(got, rmsnorm.rms_norm(x.contiguous(), w, EPS), f"heads={heads} strided vs copy")
+        xr = x.detach().clone().requires_grad_()                # the trainer's autograd path
+        kb.assert_bitwise(got, rmsnorm.rms_norm(xr, w, EPS).detach(), f"heads={heads} vs autograd")
 
 
 @pytest.mark.gpu
