@@ -28,6 +28,11 @@ class EngineConfig:
     # keep the whole fp32 log-softmax row of every sampled position in ``runner.full_rows`` (the
     # engine_full_vocab gate; RL losses over the whole distribution); off: nothing is computed
     record_full_logprobs: bool = False
+    # plan and launch the next decode step before reading this one's tokens (engine.py, "Decode
+    # lookahead"): the host's scheduling and staging then overlap the device's work. Scheduling
+    # only: the tokens and logprobs are those of a run without it (the kernels are batch
+    # invariant), tested on CPU; off until its speed is measured on a GPU
+    overlap_decode: bool = False
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"

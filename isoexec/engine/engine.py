@@ -11,6 +11,18 @@ whose logprobs the trainer cannot reproduce bit for bit is refused before it is 
 
 Staggered arrivals: ``add_request`` at any time, ``step()`` runs one scheduled step and returns
 the requests that finished in it. ``generate`` is add + step until done, results in prompt order.
+
+Decode lookahead (``EngineConfig.overlap_decode``): a decode step ends by reading its sampled
+tokens to the host (a sync), and the next step's scheduling, staging and graph launch then run
+while the device waits. With lookahead, once a decode step is launched the engine plans the next
+decode step (``Scheduler.lookahead``: the same sequences minus those that reach their length
+limit) and launches it at once, its input tokens copied on the device from the step still
+running; only then does it read the first step's tokens and postprocess them. A sequence that
+sampled a stop token in the first step was computed one token too far: that row is dropped and
+its page freed with the rest. Weight updates drop a step planned ahead. The kernels are batch
+invariant, so the tokens and logprobs are those of a run without lookahead (tested); only which
+rows share a step changes. Off by default (attention-only models; not with top-n logprobs or
+full-row recording) until its speed is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -98,6 +110,9 @@ class Engine:
         self.num_finished = 0
         self._live: dict[int, Sequence] = {}
         self._next_id = 0
+        self._ahead: Optional[tuple] = None      # (lookahead batch, its launched output)
+        self.num_ahead_steps = 0                 # decode steps launched ahead (overlap_decode)
+        self.num_ahead_dropped = 0               # rows computed ahead for a sequence that had stopped
         self._t0 = time.perf_counter()
         if trainer_contract is not None:
             self.handshake(trainer_contract)
@@ -148,14 +163,29 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one scheduled step; the requests that finished in it."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        out = self.runner.run(batch)
+        live = None
+        if self._ahead is not None:                 # launched during the previous call
+            batch, out = self._ahead
+            self._ahead = None
+            live = [not s.is_finished for s in batch.seqs]
+            if not all(live):       # sampled a stop token one step earlier: drop the row computed ahead
+                self.num_ahead_dropped += live.count(False)
+                batch = replace(batch, seqs=[s for s, k in zip(batch.seqs, live) if k],
+                                num_tokens=[n for n, k in zip(batch.num_tokens, live) if k])
+        else:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            out = self.runner.run(batch)
+        if batch.seqs and out is not None and self._may_look_ahead(batch):
+            self._launch_ahead(batch, out, live)
         if out is None:
             tokens, lps, tops = [], [], None
         else:
             tokens, lps, tops = out.tokens.tolist(), out.logprobs.tolist(), out.top
+            if live is not None and not all(live):
+                tokens = [t for t, k in zip(tokens, live) if k]
+                lps = [v for v, k in zip(lps, live) if k]
         finished = self.scheduler.postprocess(batch, tokens, lps, tops)
         self.num_steps += 1
         self.num_generated += len(tokens)
@@ -165,6 +195,27 @@ class Engine:
         if self.config.log_every and self.num_steps % self.config.log_every == 0:
             print(self.progress().line(), file=sys.stderr, flush=True)
         return [s.result() for s in finished]
+
+    def _may_look_ahead(self, batch) -> bool:
+        """Lookahead applies: asked for, a decode step, an attention-only model, and nothing
+        that reads the step's results on the host before its tokens (top-n logprobs) or keeps
+        per-position records (full-row recording)."""
+        return (self.config.overlap_decode and batch.is_decode and not self.runner.recurrent
+                and self.runner.full_rows is None and not any(s.params.logprobs for s in batch.seqs))
+
+    def _launch_ahead(self, batch, out, live) -> None:
+        """Plan and launch the decode step after ``batch`` before its tokens are read."""
+        nxt = self.scheduler.lookahead(batch)
+        if nxt is None:
+            return
+        # rows of ``out`` (one per sequence of the batch as launched) that feed the next step
+        rows = [i for i, k in enumerate(live or [True] * len(out.tokens)) if k]
+        pos = {id(s): r for s, r in zip(batch.seqs, rows)}
+        pick = [pos[id(s)] for s in nxt.seqs]
+        ids = out.tokens if pick == list(range(len(out.tokens))) else \
+            out.tokens[torch.tensor(pick, dtype=torch.int64).to(out.tokens.device, non_blocking=True)]
+        self._ahead = (nxt, self.runner.run(nxt, ahead_ids=ids))
+        self.num_ahead_steps += 1
 
     def progress(self, finished: Optional[int] = None, total: int = 0) -> Progress:
         return Progress(self.num_steps, self.num_finished if finished is None else finished, total,
@@ -220,6 +271,7 @@ class Engine:
             if tuple(src[name].shape) != tuple(p.shape):
                 raise ValueError(f"update_weights: {name} has shape {tuple(src[name].shape)}, the model "
                                  f"{tuple(p.shape)}")
+        self._ahead = None                               # a step planned ahead ran on the old weights
         self.scheduler.preempt_all()                     # KV (and recurrent state) are stale now
         self.runner.reset_state(None)                    # every recurrent-state slot starts from zero
         for name, p in params.items():

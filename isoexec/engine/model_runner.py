@@ -66,13 +66,21 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv, sizes, max_pages, self.gdn_states, self.conv_states,
                                        self.scratch_slot)
 
-    def forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, str]:
-        """Hidden rows [T, H] of the step's new tokens and the case they ran under."""
+    def forward(self, batch: ScheduledBatch, ahead_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, str]:
+        """Hidden rows [T, H] of the step's new tokens and the case they ran under. A lookahead
+        batch (``batch.ahead``) takes its input tokens from ``ahead_ids`` (int64 [B] on the
+        device: the previous step's samples) at one position past ``Sequence.num_computed``."""
         seqs, counts = batch.seqs, batch.num_tokens
         case = "engine_decode" if batch.is_decode else "engine_prefill"
-        ids = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed:s.num_computed + n]]
+        if batch.ahead:
+            if ahead_ids is None or ahead_ids.shape[0] != len(seqs):
+                raise ValueError("ModelRunner: a lookahead batch needs one input token per sequence (ahead_ids)")
+            ids = ahead_ids
+            starts = [s.num_computed + 1 for s in seqs]
+        else:
+            ids = [t for s, n in zip(seqs, counts) for t in s.token_ids[s.num_computed:s.num_computed + n]]
+            starts = [s.num_computed for s in seqs]
         tables = [s.block_table for s in seqs]
-        starts = [s.num_computed for s in seqs]
         state = {}
         if self.recurrent:
             fresh = [s.state_slot for s in seqs if s.num_computed == 0]
@@ -84,7 +92,8 @@ class ModelRunner:
             self.graph_replays += 1
             return self.graphs.run(ids, tables, starts, self.page_size, state.get("state_slots")), case
         fb = ForwardBatch.paged(case, self.kv, tables, starts, counts, self.device, **state)
-        return self.model.hidden_states(torch.tensor(ids, dtype=torch.int64, device=self.device), fb), case
+        ids_t = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64, device=self.device)
+        return self.model.hidden_states(ids_t, fb), case
 
     def reset_state(self, slots) -> None:
         """Zero the recurrent state of ``slots`` (all slots if None); a no-op for attention-only models."""
@@ -93,22 +102,25 @@ class ModelRunner:
             self.model.reset_recurrent_state(self.gdn_states, self.conv_states, idx)
 
     @torch.no_grad()
-    def run(self, batch: ScheduledBatch) -> Optional[SampleOutput]:
-        """Run the step; sample for each sequence whose chunk reaches its last token."""
+    def run(self, batch: ScheduledBatch, ahead_ids: Optional[torch.Tensor] = None) -> Optional[SampleOutput]:
+        """Run the step; sample for each sequence whose chunk reaches its last token.
+        ``ahead_ids``: the input tokens of a lookahead batch (:meth:`forward`)."""
         samples = batch.samples
         if not any(samples):
-            self.forward(batch)
+            self.forward(batch, ahead_ids)
             return None
         picked = [s for s, keep in zip(batch.seqs, samples) if keep]
+        # a lookahead batch runs one token past what its sequences record (forward)
+        shift = 1 if batch.ahead else 0
         # everything the sampler needs goes to the device before the forward is launched, so no
         # host-to-device copy has to wait for the forward (a pageable copy syncs the stream)
         plan = self.sampler.plan([s.params for s in picked], [s.request_id for s in picked],
-                                 [s.num_tokens for s in picked], self.device)
+                                 [s.num_tokens + shift for s in picked], self.device)
         rows = None
         if not (batch.is_decode and all(samples)):          # decode: every row is its sequence's last
             ends = torch.tensor(batch.num_tokens, dtype=torch.int64).cumsum(0) - 1
             rows = ends[torch.tensor(samples)].to(self.device, non_blocking=True)
-        hidden, case = self.forward(batch)
+        hidden, case = self.forward(batch, ahead_ids)
         logits = self.model.logits(hidden if rows is None else hidden[rows], case)
 
         def logprob(lg, targets):
@@ -119,7 +131,7 @@ class ModelRunner:
             # eager, after the sampler (never inside a captured graph); the rows stay on the
             # device, so recording adds no host sync
             full = self.model.log_softmax_from_logits(logits, case)
-            self.full_rows.extend((s.request_id, s.num_tokens, full[i]) for i, s in enumerate(picked))
+            self.full_rows.extend((s.request_id, s.num_tokens + shift, full[i]) for i, s in enumerate(picked))
         return out
 
 
@@ -213,15 +225,20 @@ class DecodeGraphs:
             if state_slots is not None:
                 st_h[:n] = state_slots
 
-    def run(self, ids: list[int], tables: list[list[int]], starts: list[int], page_size: int,
+    def run(self, ids, tables: list[list[int]], starts: list[int], page_size: int,
             state_slots: Optional[list[int]] = None) -> torch.Tensor:
+        """Replay the bucket's graph; ``ids`` a list of ints, or an int64 device tensor (the
+        previous step's samples, for a lookahead step: copied on the device, no host round trip)."""
         n = len(tables)
         bs = self.bucket(n)
         if self.copied is not None:     # the previous step's copy must have left the host buffers
             self.copied.synchronize()
-        self.stage(n, ids, tables, starts, page_size, state_slots)
+        on_device = isinstance(ids, torch.Tensor)
+        self.stage(n, [0] * n if on_device else ids, tables, starts, page_size, state_slots)
         self.dev64.copy_(self.host64, non_blocking=True)
         self.dev32.copy_(self.host32, non_blocking=True)
+        if on_device:
+            self.ids[:n].copy_(ids)     # after the staging copy in stream order
         if self.copied is None:
             self.copied = torch.cuda.Event()
         self.copied.record()

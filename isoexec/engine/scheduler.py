@@ -52,6 +52,10 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]          # new tokens per sequence, in batch order
     is_decode: bool                # every row is a decode token: the engine_decode case
+    # planned by ``Scheduler.lookahead`` before the previous step's tokens were known: each
+    # sequence's input is the token that step sampled for it (still on the device), one position
+    # past what ``Sequence`` records until the previous step is postprocessed
+    ahead: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -184,6 +188,34 @@ class Scheduler:
                                    "raise num_pages")
             self.preempt(self.running[-1])
         return None
+
+    def lookahead(self, batch: ScheduledBatch) -> Optional[ScheduledBatch]:
+        """The decode step that follows ``batch`` (a decode step launched, not yet postprocessed),
+        planned before its tokens are known; None when the next step might be anything else.
+
+        It is the step ``schedule`` would return after ``postprocess(batch)`` whatever tokens
+        come back, except for sequences that sample a stop token (the engine drops their rows):
+        the sequences of ``batch`` that do not reach max_tokens or max_model_len with this
+        token, each decoding its one new token, and no prefill chunk (there is no prefill work,
+        or the prefill interval holds it, as in ``_plan``). Every page it needs must be free (a
+        step that would preempt is left to ``schedule``)."""
+        if not batch.is_decode:
+            return None
+        seqs = [s for s in batch.seqs
+                if s.num_generated + 1 < s.params.max_tokens and s.num_tokens + 1 < self.max_model_len]
+        if not seqs or len(seqs) > self.max_num_batched_tokens:
+            return None
+        budget = self.max_num_batched_tokens - len(seqs)
+        at_hand = self._prefill_tokens_at_hand(batch.seqs, budget)
+        if at_hand and not (self.decode_steps_since_prefill < self.prefill_interval and at_hand < budget):
+            return None
+        # each sequence's next position is one past its pending token: pages for num_computed + 2
+        if sum(self.bm.pages_needed(s, 2) for s in seqs) > self.bm.num_free_pages:
+            return None
+        for s in seqs:
+            self.bm.allocate(s, 2)
+        self.decode_steps_since_prefill += 1
+        return ScheduledBatch(seqs, [1] * len(seqs), True, ahead=True)
 
     def preempt(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the cache of ``seq`` and queue it first."""

@@ -39,6 +39,8 @@ def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
         assert {(r["workload"], r["baseline"]) for r in obj["rows"]} == {
             ("batch", "native_engine"), ("batch", "transformers_generate"), ("staggered", "native_engine")}
         assert all(r["requests"] == 4 for r in obj["rows"])
+        # the decode-lookahead runs: one batch and one staggered row (same tokens, tested in tests/engine)
+        assert sorted(r["workload"] for r in obj["rows"] if r.get("overlap_decode")) == ["batch", "staggered"]
     if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size; then MLA
         moe = [r for r in obj["rows"] if r["stage"].startswith("moe.")]
         mla = [r for r in obj["rows"] if r["stage"].startswith("mla.")]

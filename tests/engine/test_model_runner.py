@@ -12,8 +12,8 @@ def test_mixed_steps_run_engine_prefill_and_pure_decode_steps_run_engine_decode(
     cases = []
     forward = engine.runner.forward
 
-    def recording(batch):
-        hidden, case = forward(batch)
+    def recording(batch, *ahead):
+        hidden, case = forward(batch, *ahead)
         decode_rows = [n == 1 and s.num_computed > 0 for s, n in zip(batch.seqs, batch.num_tokens)]
         cases.append((case, all(decode_rows), any(decode_rows), hidden.shape[0], batch.total_tokens))
         return hidden, case
