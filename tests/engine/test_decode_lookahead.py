@@ -26,9 +26,9 @@ def _params(n, seed, stop=(), max_tokens=(4, 14)):
                            max_tokens=rng.randint(*max_tokens), stop_token_ids=list(stop)) for i in range(n)]
 
 
-def _common_tokens(model, prompts, params, k=3):
-    """Tokens the run without lookahead samples often: as stop tokens they end sequences mid-run."""
-    runs = _engine(model, False).generate(prompts, params)
+def _common_tokens(engine, prompts, params, k=3):
+    """Tokens a run samples often: as stop tokens they end sequences mid-run."""
+    runs = engine.generate(prompts, params)
     counts = torch.bincount(torch.tensor([t for r in runs for t in r.ids[1:]]), minlength=256)
     return counts.argsort(descending=True)[:k].tolist()
 
@@ -37,7 +37,7 @@ def _common_tokens(model, prompts, params, k=3):
 def test_lookahead_gives_the_tokens_and_logprobs_of_a_run_without_it_bitwise(dtype):
     model = tiny_model("isoexec", dtype)
     prompts = random_prompts(torch.Generator().manual_seed(80), 12, 2, 30)
-    stop = _common_tokens(model, prompts, _params(12, 81))
+    stop = _common_tokens(_engine(model, False), prompts, _params(12, 81))
     params = _params(12, 81, stop=stop)
     plain = _engine(model, False)
     want = plain.generate(prompts, params)
@@ -110,3 +110,26 @@ def test_lookahead_stays_off_when_the_step_reads_top_n_logprobs_on_the_host():
     e = _engine(model, True)
     e.generate(prompts, SamplingParams(max_tokens=6, logprobs=2, seed=3))
     assert e.num_ahead_steps == 0
+
+
+@pytest.mark.gpu
+def test_lookahead_in_cuda_graphs_equals_graphs_without_it_bitwise():
+    """The graph path stages a lookahead step's input tokens by a device copy. Needs CUDA."""
+    from isoexec.compose import build_contract
+    from isoexec.envinfo import runtime_arch
+    from isoexec.model import build_model
+    from engine_fixtures import TINY
+
+    c = build_contract("dense", "isoexec", runtime_arch())
+    model = build_model("dense", TINY, dtype=torch.bfloat16, device="cuda").init_random(1)
+    model.install(c)
+    prompts = random_prompts(torch.Generator().manual_seed(87), 11, 1, 40)   # 11: a padded bucket (16)
+    cfg = dict(max_num_seqs=16, num_pages=256, max_num_batched_tokens=256, cuda_graphs=True)
+    stop = _common_tokens(Engine(model, c, EngineConfig(**cfg)), prompts, _params(11, 88))
+    params = _params(11, 88, stop=stop)
+    plain = Engine(model, c, EngineConfig(**cfg)).generate(prompts, params)
+    ahead = Engine(model, c, EngineConfig(overlap_decode=True, **cfg))
+    got = ahead.generate(prompts, params)
+    same_results(plain, got)
+    assert ahead.num_ahead_steps > 0 and ahead.runner.graph_replays > 0 and ahead.num_ahead_dropped > 0
+    assert verify(model, got).differing == 0
