@@ -20,9 +20,10 @@ limit) and launches it at once, its input tokens copied on the device from the s
 running; only then does it read the first step's tokens and postprocess them. A sequence that
 sampled a stop token in the first step was computed one token too far: that row is dropped and
 its page freed with the rest. Weight updates drop a step planned ahead. The kernels are batch
-invariant, so the tokens and logprobs are those of a run without lookahead (tested); only which
-rows share a step changes. Off by default (attention-only models; not with top-n logprobs or
-full-row recording) until its speed is measured on a GPU.
+invariant, so the tokens and logprobs are those of a run without lookahead (tested, dense and
+hybrid); only which rows share a step changes. A dropped row of a recurrent family updates its
+freed state slot, which the next sequence to take it zeroes first. Off by default (and never with
+top-n logprobs or full-row recording) until its speed is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -197,10 +198,10 @@ class Engine:
         return [s.result() for s in finished]
 
     def _may_look_ahead(self, batch) -> bool:
-        """Lookahead applies: asked for, a decode step, an attention-only model, and nothing
+        """Lookahead applies: asked for, a decode step, and nothing
         that reads the step's results on the host before its tokens (top-n logprobs) or keeps
         per-position records (full-row recording)."""
-        return (self.config.overlap_decode and batch.is_decode and not self.runner.recurrent
+        return (self.config.overlap_decode and batch.is_decode
                 and self.runner.full_rows is None and not any(s.params.logprobs for s in batch.seqs))
 
     def _launch_ahead(self, batch, out, live) -> None:

@@ -113,3 +113,25 @@ def test_hybrid_decode_graph_replay_with_padded_lanes_equals_eager_bitwise():
     assert graphed_engine.runner.graph_replays > 0
     same_results(eager, graphed)
     assert verify_engine_logprobs(m, eager).differing == 0
+
+
+def test_decode_lookahead_on_the_hybrid_family_changes_no_bit():
+    """Decode lookahead (EngineConfig.overlap_decode) with recurrent-state slots: a row computed
+    ahead for a sequence that sampled a stop token updates the freed slot, which the next
+    sequence to take it zeroes first; tokens and logprobs equal the run without lookahead."""
+    m, c = hybrid()
+    ps = prompts(7, 10, max_len=90)
+    base = params(len(ps), max_tokens=14)
+    cfg = dict(max_num_seqs=4, num_pages=256, max_num_batched_tokens=64, chunk_align=8)
+    first = Engine(m, c, EngineConfig(**cfg)).generate(ps, base)
+    common = torch.bincount(torch.tensor([t for r in first for t in r.ids[1:]]),
+                            minlength=CFG["vocab_size"]).argsort(descending=True)[:2].tolist()
+    stopping = [SamplingParams(temperature=p.temperature, top_k=p.top_k, seed=p.seed, max_tokens=p.max_tokens,
+                               stop_token_ids=common) for p in base]
+    plain = Engine(m, c, EngineConfig(**cfg)).generate(ps, stopping)
+    engine = Engine(m, c, EngineConfig(overlap_decode=True, **cfg))
+    got = engine.generate(ps, stopping)
+    same_results(plain, got)
+    assert engine.num_ahead_steps > 0 and engine.num_ahead_dropped > 0
+    assert any(r.finish_reason == "stop" for r in got)
+    assert verify_engine_logprobs(m, got).differing == 0
