@@ -188,6 +188,9 @@ class Engine:
                 tokens = [t for t, k in zip(tokens, live) if k]
                 lps = [v for v, k in zip(lps, live) if k]
         finished = self.scheduler.postprocess(batch, tokens, lps, tops)
+        if self._ahead is not None and all(s.is_finished for s in self._ahead[0].seqs):
+            self.num_ahead_dropped += len(self._ahead[0].seqs)   # every one stopped: nothing to keep
+            self._ahead = None
         self.num_steps += 1
         self.num_generated += len(tokens)
         self.num_finished += len(finished)
@@ -198,9 +201,9 @@ class Engine:
         return [s.result() for s in finished]
 
     def _may_look_ahead(self, batch) -> bool:
-        """Lookahead applies: asked for, a decode step, and nothing
-        that reads the step's results on the host before its tokens (top-n logprobs) or keeps
-        per-position records (full-row recording)."""
+        """Lookahead applies: asked for, a decode step, and nothing that reads the step's
+        results on the host before its tokens (top-n logprobs) or keeps per-position records
+        (full-row recording)."""
         return (self.config.overlap_decode and batch.is_decode
                 and self.runner.full_rows is None and not any(s.params.logprobs for s in batch.seqs))
 
