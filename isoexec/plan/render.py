@@ -111,7 +111,7 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         f"checkpointing), plus the logits and {LOGIT_FP32_COPIES} fp32 [tokens, vocab] working tensors; "
         "the engine: one layer's tensors for a step's tokens plus the sampled rows' logits "
         "(isoexec/plan/activations.py).",
-        "Not counted: the CUDA context and allocator fragmentation (reserve ~1-2 GiB), CUDA graph pools, "
+        "Not counted: the CUDA context, allocator fragmentation, CUDA graph pools, "
         "NCCL buffers, data and tokenizer.",
         "Model dimensions come from the model YAML; a checkpoint's config.json must agree with it "
         "(loading refuses a tensor whose shape differs).",
