@@ -7,9 +7,11 @@
     isoexec gates run --family dense --composition isoexec [--arch cpu] --out DIR [--seed N] [--json]
     isoexec run --config rl.yaml --out DIR [--checkpoint FOLDER]
     isoexec warmup --config rl.yaml --out FOLDER   (the shared warm-up, native composition: run --checkpoint FOLDER)
+    isoexec plan --config workflow.yaml [--gpu-memory-gib G] [--markdown FILE]   (memory per GPU, before a run)
 
-Exit codes: 0 success (verify: admitted; diff: numerical_policy agrees; gates: every gate passed);
-1 a check failed (not admitted, policies differ, a gate failed, a binding or topology refusal);
+Exit codes: 0 success (verify: admitted; diff: numerical_policy agrees; gates: every gate passed;
+plan: every run fits); 1 a check failed (not admitted, policies differ, a gate failed, a binding or
+topology refusal, a run that does not fit in the GPU's memory);
 2 bad input (usage, missing file, invalid JSON/YAML, unknown family/impl/region, invalid contract).
 Errors print one line ``isoexec: error: ...`` on stderr; outputs are written atomically, so a
 refused command never leaves a partial file.
@@ -34,6 +36,7 @@ from .errors import IsoExecError
 from .gates.artifacts import PENDING, resolve_discharges, verify_contract
 from .gates.runner import gate_names, run_gates
 from .paths import atomic_write, check_output_path
+from .plan import memory_plan, render_markdown, render_text
 from .rl.data import synthetic_arithmetic, write_parquet
 from .rl.loop import RLConfig, run_rl, warm_up
 from .yamlio import load_yaml
@@ -244,12 +247,26 @@ def cmd_data_synthetic(args) -> int:
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------------ memory plan
+def cmd_plan(args) -> int:
+    if args.markdown:
+        check_output_path(args.markdown)
+    plan = memory_plan(args.config, args.gpu_memory_gib)
+    print(render_text(plan), end="")
+    if args.markdown:
+        command = f"isoexec plan --config {args.config}" + (
+            f" --gpu-memory-gib {args.gpu_memory_gib:g}" if args.gpu_memory_gib is not None else "")
+        atomic_write(args.markdown, render_markdown(plan, command))
+        print(f"wrote {args.markdown}")
+    return EXIT_OK if plan.fits else EXIT_CHECK_FAILED
+
+
 # ------------------------------------------------------------------------------------ parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="isoexec", description="Bitwise-identical trainer/engine logprobs: contracts, "
                                 "gates and benchmarks.", epilog="exit codes: 0 ok, 1 check failed, 2 bad input",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench,run,warmup,data}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{contract,gates,bench,run,warmup,plan,data}")
 
     pc = sub.add_parser("contract", help="build, show, verify and diff execution contracts")
     cs = pc.add_subparsers(dest="action", required=True, metavar="{build,show,verify,diff}")
@@ -327,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     pw.add_argument("--seed", type=int)
     pw.add_argument("--out", required=True, help="checkpoint folder (config.json, model.safetensors, warmup.json)")
     pw.set_defaults(func=cmd_warmup)
+
+    pp = sub.add_parser("plan", help="memory per GPU of a workflow config's runs (exit 1 if one does not fit)")
+    pp.add_argument("--config", required=True, help="workflow config YAML (configs/paper.yaml, configs/h200.yaml, ...)")
+    pp.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB (default: 80, an H100 80 GB)")
+    pp.add_argument("--markdown", help="also write the plan as markdown to this file")
+    pp.set_defaults(func=cmd_plan)
 
     pd = sub.add_parser("data", help="datasets for RL runs")
     ds = pd.add_subparsers(dest="action", required=True, metavar="{synthetic}")

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import jsonschema
 import yaml
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
 
 from .errors import ConfigError
 
@@ -45,9 +49,25 @@ _TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine_many({
 _Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_TYPES)
 
 
-def check_schema(data: Any, schema: dict, what: str) -> None:
-    """Validate ``data`` against ``schema``; the error names the JSON path of the best match."""
-    validator = _Validator(schema)
+def _schema_file(uri: str) -> Resource:
+    """A schema another schema refers to by a file URI (``$ref: ../x.yaml#/$defs/y``)."""
+    path = Path(url2pathname(urlparse(uri).path))
+    contents = dict(load_yaml(path, "schema"))
+    # without its "$schema", jsonschema keeps validating with this module's stricter types instead of
+    # switching to the dialect's own validator (for which 2.0 is an integer)
+    contents.pop("$schema", None)
+    return DRAFT202012.create_resource(contents)
+
+
+def check_schema(data: Any, schema: dict, what: str, schema_path: str | Path | None = None) -> None:
+    """Validate ``data`` against ``schema``; the error names the JSON path of the best match.
+    ``schema_path``: the file ``schema`` was read from, so that a ``$ref`` to another file (the
+    workflow schema's to the package's RL schema) resolves next to it."""
+    if schema_path is None:
+        validator = _Validator(schema)
+    else:
+        schema = {"$id": Path(schema_path).resolve().as_uri(), **schema}
+        validator = _Validator(schema, registry=Registry(retrieve=_schema_file))
     errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), str(e.absolute_path)))
     if errors:
         best = jsonschema.exceptions.best_match(errors)

@@ -28,6 +28,7 @@ LAYERS = (
     ("isoexec.gates", "isoexec.dist.fsdp"),
     ("isoexec.debug",),
     ("isoexec.bench", "isoexec.rl"),
+    ("isoexec.plan",),
     ("isoexec.cli",),
 )
 LEVEL = {name: i for i, row in enumerate(LAYERS) for name in row}

@@ -33,6 +33,16 @@ def _params(module: nn.Module, dtype, device, **shapes) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
 
+def contract_gdn_chunk(contract) -> int:
+    """The gated-delta-rule chunk ``contract`` pins on its ``gdn_core`` region (the kernel's default
+    when it pins none): the length of the open-chunk buffers of an engine state slot. The memory
+    plan (isoexec/plan/) sizes the state with it too."""
+    for e in contract.composition:
+        if "gdn_core" in e.region and "CHUNK" in e.constants:
+            return int(e.constants["CHUNK"])
+    return CHUNK
+
+
 class GatedAttentionLayer(nn.Module):
     kind = "full_attention"
 
@@ -103,11 +113,7 @@ class HybridModel(DenseModel):
         """The gated-delta-rule chunk pinned by the installed contract (its state layout)."""
         if self.contract is None:
             raise BindingRefused("no contract installed; call model.install(contract) before allocating state")
-        for e in self.contract.composition:
-            if "gdn_core" in e.region and "CHUNK" in e.constants:
-                return int(e.constants["CHUNK"])
-
-        return CHUNK
+        return contract_gdn_chunk(self.contract)
 
     def allocate_recurrent_state(self, num_slots: int, device=None) -> tuple[list, list[torch.Tensor]]:
         """(gdn_states, conv_states) for ``num_slots`` sequences: one GDNState ([S, Hv, Dk, Dv] fp32

@@ -156,6 +156,16 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(h[:5], "little")
 
 
+def engine_config(cfg: RLConfig) -> EngineConfig:
+    """The engine a run builds: room for every sequence of a step at once (one running sequence per
+    prompt x sample, KV pages for all of them at full length, as pages of 16 tokens, plus 64 spare),
+    a 2048-token step budget, and ``cfg.engine`` over these. The memory plan (isoexec/plan/) sizes
+    the engine's pools from the same settings."""
+    seqs = cfg.prompts_per_step * cfg.samples_per_prompt
+    pages = seqs * (cfg.max_prompt_tokens + cfg.max_response_tokens) // 16 + 64
+    return EngineConfig(**{"max_num_seqs": seqs, "num_pages": pages, "max_num_batched_tokens": 2048, **cfg.engine})
+
+
 # ---------------------------------------------------------------------------------- what a run reads
 # The run and the shared warm-up (`isoexec warmup`, :func:`warm_up`) both go through these, so the
 # warm-up sees exactly the problems, prompts, tokenizer and seeds the run would have used.
@@ -288,12 +298,7 @@ class RLRun:
         self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, log)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
-        pages = (cfg.prompts_per_step * cfg.samples_per_prompt * (cfg.max_prompt_tokens + cfg.max_response_tokens)
-                 // 16 + 64)
-        ecfg = {"max_num_seqs": cfg.prompts_per_step * cfg.samples_per_prompt, "num_pages": pages,
-                "max_num_batched_tokens": 2048, **cfg.engine}
-        self.engine = Engine(self.engine_model, self.contract, EngineConfig(**ecfg),
-                             trainer_contract=self.contract)
+        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg), trainer_contract=self.contract)
         wb = cfg.wandb_config
         if wb.enabled:
             try:

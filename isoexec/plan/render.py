@@ -1,0 +1,149 @@
+"""The plan as text (the terminal) or markdown (``--markdown``): the same sections, the same cells.
+
+Sections: what was read; bytes per parameter per GPU of each state; the parameter counts; the
+per-GPU table with a verdict per row; the assumptions behind the figures that are not read off an
+allocation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .activations import LOGIT_FP32_COPIES
+from .memory import MemoryPlan
+from .rows import GIB, PlanRow
+from .states import STATE_LABELS, STATES
+
+
+@dataclass(frozen=True)
+class Table:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    right: set                    # indices of right-aligned (numeric) columns
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:,.1f}"
+
+
+def _count(n: int) -> str:
+    if n >= 10**9:
+        return f"{n / 1e9:.2f} B"
+    if n >= 10**6:
+        return f"{n / 1e6:.1f} M"
+    return f"{n:,}"
+
+
+def _bytes(x: float) -> str:
+    return f"{x:g}"
+
+
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it (as a user typed it)."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def header_lines(plan: MemoryPlan) -> list[str]:
+    wf = plan.workflow
+    out = [f"Memory plan of {wf.path}: run {wf.run_name!r}, arch {wf.arch}, gpus {wf.gpus}"
+           + (f" (merged over {_shown(wf.merged_over)}, as `snakemake --configfile` does)" if wf.merged_over else "")
+           + ".",
+           f"GPU memory: {plan.gpu_gib:g} GiB per GPU ({plan.gpu_note}).",
+           f"Trainer: {'one process (isoexec.train.Trainer)' if wf.gpus == 1 else f'FSDP2 over dp = {wf.gpus} (isoexec.dist.fsdp)'}; "
+           "engine: one per GPU, its weights and pools whole (no engine tensor parallelism)."]
+    if not wf.rl_enabled:
+        out.append("rl.enabled is false: the workflow starts no RL run; the plan is of the runs its settings describe.")
+    return out
+
+
+def tables(rows: list[PlanRow]) -> list[Table]:
+    out = []
+    layouts = list(dict.fromkeys(r.per_param for r in rows))
+    for pp in layouts:
+        notes = pp.notes()
+        body = [[STATE_LABELS[s], _bytes(getattr(pp, s)), notes[s]] for s in STATES]
+        body.append(["total", _bytes(pp.total), ""])
+        out.append(Table(f"Bytes per parameter per GPU ({pp.dtype}, {pp.trainer})", ["state", "bytes", "what"],
+                         body, {1}))
+    models: dict = {}
+    for r in rows:                              # one line per model, whatever its arms
+        models.setdefault((r.shape.family, r.shape.model), r.params)
+    out.append(Table("Parameters (counted from the model config by isoexec.plan.params)",
+                     ["family", "model", "embed", "attention", "MLP", "experts", "norms", "lm_head", "total"],
+                     [[fam, model, _count(p.embed), _count(p.attention), _count(p.mlp), _count(p.experts),
+                       _count(p.norms), _count(p.lm_head) if p.lm_head else "tied", f"{p.total:,}"]
+                      for (fam, model), p in models.items()],
+                     set(range(2, 9))))
+    head = ["family", "arms", "params", "dp", *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state",
+            "activations", "total", "GPU", "verdict"]
+    body = []
+    for r in rows:
+        s = r.shape
+        body.append([s.family, ", ".join(s.arms), _count(r.params.total), str(s.dp),
+                     *[_gib(r.states[k]) for k in STATES], _gib(r.kv_pool),
+                     _gib(r.recurrent_state) if r.recurrent_state else "-", _gib(r.activations), _gib(r.total),
+                     _gib(r.capacity), r.verdict()])
+    out.append(Table("Per GPU, GiB", head, body, set(range(2, len(head) - 1))))
+    return out
+
+
+def assumptions(rows: list[PlanRow]) -> list[str]:
+    out = []
+    for r in rows:
+        s = r.shape
+        pool = (f"{s.num_pages:,} KV pages of {s.page_size} tokens" + (
+            f", {s.num_state_slots:,} + 1 GDN state slots (chunk {s.gdn_chunk})" if s.num_state_slots else ""))
+        out.append(f"{s.family} ({s.model}, {s.dtype}): {pool}; max_num_seqs {s.max_num_seqs:,}, "
+                   f"max_num_batched_tokens {s.max_num_batched_tokens:,}; largest micro-batch "
+                   f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens; activations: trainer "
+                   f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB.")
+    out += [
+        "Engine pools: the settings `isoexec run` builds its engine with (isoexec.rl.loop.engine_config: "
+        "engine.* of the config over one running sequence and full-length KV pages for every sequence of a "
+        "step), sized by the engine's own allocators; page size and GDN chunk from the arm's contract.",
+        "Peak = every state held at once + the larger of the trainer's and the engine's activations "
+        "(rollout and training alternate).",
+        "Activations are an estimate, not an allocation: every tensor a layer passes between its ops, kept "
+        "once for the backward, in the compute dtype, for the largest micro-batch (no activation "
+        f"checkpointing), plus the logits and {LOGIT_FP32_COPIES} fp32 [tokens, vocab] working tensors; "
+        "the engine: one layer's tensors for a step's tokens plus the sampled rows' logits "
+        "(isoexec/plan/activations.py).",
+        "Not counted: the CUDA context, allocator fragmentation, CUDA graph pools, "
+        "NCCL buffers, data and tokenizer.",
+        "Model dimensions come from the model YAML; a checkpoint's config.json must agree with it "
+        "(loading refuses a tensor whose shape differs).",
+    ]
+    return out
+
+
+def _text_table(t: Table) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in t.rows)) if t.rows else len(h) for i, h in enumerate(t.headers)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) if i in t.right else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join([t.title + ":", line(t.headers), line(["-" * w for w in widths]), *map(line, t.rows)])
+
+
+def _md_table(t: Table) -> str:
+    def line(cells):
+        return "| " + " | ".join(cells) + " |"
+
+    sep = ["---:" if i in t.right else "---" for i in range(len(t.headers))]
+    return "\n".join([f"**{t.title}**", "", line(t.headers), line(sep), *map(line, t.rows)])
+
+
+def render_text(plan: MemoryPlan) -> str:
+    parts = ["\n".join(header_lines(plan)), *map(_text_table, tables(plan.rows)),
+             "Assumptions:\n" + "\n".join(f"- {a}" for a in assumptions(plan.rows))]
+    return "\n\n".join(parts) + "\n"
+
+
+def render_markdown(plan: MemoryPlan, command: str) -> str:
+    parts = [f"Made by `{command}`.", *header_lines(plan), *map(_md_table, tables(plan.rows)),
+             "Assumptions:\n\n" + "\n".join(f"- {a}" for a in assumptions(plan.rows))]
+    return "\n\n".join(parts) + "\n"

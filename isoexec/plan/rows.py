@@ -1,0 +1,95 @@
+"""One row of the plan: a family's run at its parallel sizes, every state in bytes per GPU, the
+total against the GPU's memory, and the verdict.
+
+The peak is taken as everything held at once: the persistent states (trainer weights, fp32
+masters, Adam moments, the engine's weights, its KV pool and state slots) plus the gradients of a
+mini-batch, plus the larger of the two phases' activations (rollout and training alternate in the
+synchronous loop; the gradients are freed between mini-batches, so adding them to the rollout's
+activations overstates that phase a little, never the training one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .activations import engine_activation_bytes, micro_batch_tokens, trainer_activation_bytes
+from .engine_pools import kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
+from .params import ParamCount, count_parameters
+from .states import DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, bytes_per_param
+from .workflow_config import RunShape
+
+GIB = 1 << 30
+
+#: GPU memory the plan compares with when --gpu-memory-gib is not given, per contract arch.
+DEFAULT_GPU_MEMORY_GIB = {"sm90": (80.0, "an H100 80 GB; an H200 has about 140"),
+                          "cpu": (80.0, "an H100's 80 GB, for comparison: arch cpu runs in host memory")}
+
+
+def default_gpu_memory(arch: str) -> tuple[float, str]:
+    return DEFAULT_GPU_MEMORY_GIB.get(arch, (80.0, f"an H100's 80 GB: no figure for arch {arch}"))
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    shape: RunShape
+    params: ParamCount
+    per_param: BytesPerParam
+    states: dict                  # state -> bytes per GPU (STATES)
+    kv_pool: int
+    recurrent_state: int
+    trainer_activations: int
+    engine_activations: int
+    capacity: int                 # bytes of one GPU
+
+    @property
+    def activations(self) -> int:
+        return max(self.trainer_activations, self.engine_activations)
+
+    @property
+    def total(self) -> int:
+        return sum(self.states.values()) + self.kv_pool + self.recurrent_state + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def pages_that_fit(self) -> int:
+        """The most KV pages with which the row would fit, everything else as planned (may be <= 0)."""
+        s = self.shape
+        per_page = kv_bytes_per_page(s.cfg, s.page_size, s.dtype)
+        if per_page == 0:
+            return s.num_pages
+        return (self.capacity - (self.total - self.kv_pool)) // per_page
+
+    def verdict(self) -> str:
+        """fits (and what is left), or by how much not, and whether fewer KV pages would do."""
+        gib = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
+        if self.fits:
+            return f"fits, {gib(self.capacity - self.total)} free"
+        out = f"does not fit: over by {gib(self.total - self.capacity)}"
+        s = self.shape
+        rest = self.total - self.kv_pool - self.capacity       # over (> 0) or under without the KV pool
+        if not self.kv_pool or rest > 0:
+            return out + (f" ({gib(rest)} without the KV pool)" if self.kv_pool else "")
+        n, need = self.pages_that_fit(), -(-s.longest_sequence // s.page_size)
+        if n < need:
+            return out + f"; {n:,} KV pages would fit, one whole sequence needs {need:,}"
+        return out + f"; fits with engine.num_pages <= {n:,} (now {s.num_pages:,})"
+
+
+def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
+    """The memory of ``shape``'s run on one GPU."""
+    cfg, b = shape.cfg, DTYPE_BYTES[shape.dtype]
+    params = count_parameters(cfg)
+    pp = bytes_per_param(shape.dtype, shape.dp)
+    states = {s: int(params.trainable * getattr(pp, s)) for s in STATES}
+    states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
+    states["engine"] += params.frozen * FROZEN_BYTES
+    return PlanRow(
+        shape=shape, params=params, per_param=pp, states=states,
+        kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype),
+        recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype),
+        trainer_activations=trainer_activation_bytes(
+            cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b),
+        engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),
+        capacity=capacity_bytes)

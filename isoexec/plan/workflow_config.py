@@ -1,0 +1,162 @@
+"""What a workflow config asks each GPU to hold: one ``RunShape`` per family and distinct arm.
+
+The config is read as the workflow reads it, so the plan is of the runs Snakemake would start:
+
+1. the Snakefile's ``configfile: configs/config.yaml`` first, then the given file merged over it key
+   by key (Snakemake's ``update_config``: mappings merged, everything else replaced), which is what
+   ``snakemake --configfile FILE`` does; so a key the file leaves out has the embedded default's
+   value, as the configs' own comments say;
+2. checked against the workflow's schema (``workflow/schemas/config.schema.yaml``, which refers to the
+   package's RL schema for ``rl.settings``), its defaults filled in for the keys read here;
+3. per family and arm (``rl.arms``, by default one per composition), the settings a run gets
+   (``rl.settings`` with the arm's overrides, as ``workflow/rules/common.smk: rl_settings``), checked by
+   ``RLConfig.from_dict``; the engine it builds is ``rl.loop.engine_config``; the page size and GDN
+   chunk are those of the arm's contract.
+
+``gpus`` is the data-parallel size of the trainer (FSDP2). The engine has no tensor-parallel size
+to configure (the engine under TP is not built, docs/scale_out.md): its weights and pools are whole
+on every GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ..compose import build_contract, load_model_config
+from ..engine.engine import contract_page_size
+from ..errors import ConfigError, IsoExecError
+from ..model.hybrid import contract_gdn_chunk
+from ..model_config import FAMILY_CONFIGS, HybridConfig
+from ..paths import configs_dir
+from ..rl.loop import RLConfig, engine_config
+from ..rl.warmup import resolved_dtype
+from ..train.trainer import TrainConfig
+from ..yamlio import check_schema, load_yaml
+
+#: The Snakefile's own config file, the base a --configfile is merged over.
+EMBEDDED_CONFIG = "config.yaml"
+#: The workflow's schema, in the checkout this package belongs to.
+WORKFLOW_SCHEMA = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """Everything the plan of one family's run depends on."""
+
+    family: str
+    model: str                      # as configured: a name in configs/models/ or a path
+    cfg: object                     # the family's model_config class, from the model YAML
+    arms: tuple[str, ...]
+    dtype: str                      # "bfloat16" | "float32"
+    dp: int
+    num_pages: int
+    page_size: int
+    num_state_slots: int            # 0 for families without recurrent state
+    gdn_chunk: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    micro_batch_budget: int         # TrainConfig.micro_batch_tokens
+    longest_sequence: int           # max_prompt_tokens + max_response_tokens
+
+    def plan_key(self) -> tuple:
+        """Arms with equal keys get one row (their numbers are the same)."""
+        return tuple(v for k, v in self.__dict__.items() if k != "arms")
+
+
+@dataclass
+class WorkflowPlan:
+    path: str
+    run_name: str
+    arch: str
+    gpus: int
+    rl_enabled: bool
+    merged_over: str | None
+    shapes: list[RunShape] = field(default_factory=list)
+
+
+def merge_config(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``, as Snakemake's ``update_config``: mappings merged key by key,
+    any other value replaced."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = merge_config(out[k] if isinstance(out.get(k), dict) else {}, v) if isinstance(v, dict) else v
+    return out
+
+
+def _mapping(path: str, what: str) -> dict:
+    data = load_yaml(path, what)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path!r} must be a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def _default(schema: dict, *keys: str):
+    node = schema
+    for k in keys:
+        node = node["properties"][k]
+    return node.get("default")
+
+
+def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> WorkflowPlan:
+    """The run shapes of every family and arm of the workflow config at ``path`` (module docstring).
+    Refuses, with one line naming the problem, a missing or malformed file, a value of the wrong
+    type, an unknown family or model, and settings a run would refuse."""
+    what = "workflow config"
+    data = _mapping(path, what)
+    base_path = configs_dir() / EMBEDDED_CONFIG
+    merged_over = None
+    if base_path.is_file() and base_path.resolve() != Path(path).resolve():
+        data = merge_config(_mapping(str(base_path), what), data)
+        merged_over = str(base_path)
+    if not schema_path.is_file():
+        raise ConfigError(f"the workflow schema {str(schema_path)!r} is not there: `isoexec plan` reads workflow "
+                          "configs of an isoexec checkout")
+    schema = load_yaml(schema_path, "workflow schema")
+    check_schema(data, schema, f"{what} {path!r}" + (f" (over {merged_over})" if merged_over else ""), schema_path)
+
+    arch, families = data["arch"], list(data["families"])
+    gpus = int(data.get("gpus", _default(schema, "gpus")))
+    compositions = list(data.get("compositions") or _default(schema, "compositions"))
+    rl = dict(data.get("rl") or {})
+    missing = [f for f in families if f not in data["models"]]
+    if missing:
+        raise ConfigError(f"{what} {path!r}: `models` has no entry for {', '.join(missing)}")
+    arms = rl.get("arms") or {c: {"composition": c} for c in compositions}   # the workflow's default arms
+    dataset = rl.get("dataset", _default(schema, "rl", "dataset"))
+    seed = int((rl.get("seeds") or [0])[0])
+    plan = WorkflowPlan(path=path, run_name=data["run_name"], arch=arch, gpus=gpus,
+                        rl_enabled=bool(rl.get("enabled", False)), merged_over=merged_over)
+    rows: dict[tuple, RunShape] = {}
+    for family in families:
+        name = data["models"][family]
+        model = load_model_config(name)
+        if model["family"] != family:
+            raise ConfigError(f"{what} {path!r}: models.{family} is {name!r}, a {model['family']} model")
+        cfg = FAMILY_CONFIGS[family].from_hf(model["hf_config"])
+        for arm, spec in arms.items():
+            comp = spec["composition"]
+            settings = merge_config(rl.get("settings") or {}, spec.get("settings") or {})
+            where = f"{what} {path!r}: rl settings of {family} arm {arm}"
+            try:
+                run = RLConfig.from_dict({**settings, "family": family, "composition": comp, "model": name,
+                                          "arch": arch, "seed": seed, "dataset": dataset})
+                train = TrainConfig.from_dict({"seed": seed, **run.train})
+                engine = engine_config(run)
+            except IsoExecError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            contract = build_contract(family, comp, arch, name)
+            recurrent = isinstance(cfg, HybridConfig)
+            shape = RunShape(
+                family=family, model=name, cfg=cfg, arms=(arm,), dtype=resolved_dtype(run), dp=gpus,
+                num_pages=engine.num_pages, page_size=engine.page_size or contract_page_size(contract) or 16,
+                num_state_slots=(engine.num_state_slots or engine.max_num_seqs) if recurrent else 0,
+                gdn_chunk=contract_gdn_chunk(contract) if recurrent else 0, max_num_seqs=engine.max_num_seqs,
+                max_num_batched_tokens=engine.max_num_batched_tokens,
+                micro_batch_budget=train.micro_batch_tokens,
+                longest_sequence=run.max_prompt_tokens + run.max_response_tokens)
+            key = shape.plan_key()
+            rows[key] = replace(rows[key], arms=rows[key].arms + (arm,)) if key in rows else shape
+    plan.shapes = list(rows.values())
+    return plan

@@ -1,0 +1,69 @@
+"""A row's total is the sum of its parts against the GPU's memory, and the verdict says by how much
+it fits or not: a run whose KV pool exceeds the memory is reported as not fitting, with the pages
+that would fit; one whose other states alone exceed it is told that fewer pages would not help."""
+
+from dataclasses import replace
+
+import pytest
+
+from isoexec.compose import load_model_config
+from isoexec.model_config import DenseConfig, HybridConfig
+from isoexec.plan.engine_pools import kv_bytes_per_page
+from isoexec.plan.rows import GIB, plan_row
+from isoexec.plan.workflow_config import RunShape
+
+
+@pytest.fixture(scope="module")
+def dense():
+    return DenseConfig.from_hf(load_model_config("dense_tiny")["hf_config"])
+
+
+def _shape(cfg, **kw):
+    base = dict(family="dense", model="dense_tiny", cfg=cfg, arms=("isoexec",), dtype="bfloat16", dp=1,
+                num_pages=100, page_size=16, num_state_slots=0, gdn_chunk=0, max_num_seqs=8,
+                max_num_batched_tokens=256, micro_batch_budget=512, longest_sequence=40)
+    base.update(kw)
+    return RunShape(**base)
+
+
+def test_the_total_is_the_sum_of_the_parts(dense):
+    row = plan_row(_shape(dense), 80 * GIB)
+    assert row.total == sum(row.states.values()) + row.kv_pool + row.recurrent_state + row.activations
+    assert row.activations == max(row.trainer_activations, row.engine_activations)
+    assert row.fits and row.verdict().startswith("fits, ")
+
+
+def test_a_kv_pool_larger_than_the_memory_does_not_fit(dense):
+    per_page = kv_bytes_per_page(dense, 16, "bfloat16")
+    pages = 2 * GIB // per_page                     # a 2 GiB pool on a 1 GiB GPU
+    row = plan_row(_shape(dense, num_pages=pages), 1 * GIB)
+    assert row.kv_pool > row.capacity and not row.fits
+    n = row.pages_that_fit()
+    assert 0 < n < pages
+    assert plan_row(_shape(dense, num_pages=n), 1 * GIB).fits
+    assert not plan_row(_shape(dense, num_pages=n + 1), 1 * GIB).fits
+    v = row.verdict()
+    assert v.startswith("does not fit: over by ") and f"engine.num_pages <= {n:,}" in v
+
+
+def test_when_the_rest_alone_is_too_big_fewer_pages_are_not_offered(dense):
+    row = plan_row(_shape(dense), row_capacity := 1 << 20)     # 1 MiB
+    assert not row.fits and row.total - row.kv_pool > row_capacity
+    assert "without the KV pool" in row.verdict() and "num_pages" not in row.verdict()
+
+
+def test_a_hybrid_row_holds_its_state_slots():
+    cfg = HybridConfig.from_hf(load_model_config("hybrid_tiny")["hf_config"])
+    shape = _shape(cfg, family="hybrid", model="hybrid_tiny", num_state_slots=8, gdn_chunk=64)
+    row = plan_row(shape, 80 * GIB)
+    assert row.recurrent_state > 0
+    assert plan_row(replace(shape, num_state_slots=16), 80 * GIB).recurrent_state > row.recurrent_state
+
+
+def test_more_gpus_shrink_only_the_sharded_states(dense):
+    one, eight = plan_row(_shape(dense, dp=2), 80 * GIB), plan_row(_shape(dense, dp=8), 80 * GIB)
+    for state in ("master", "adam"):
+        assert abs(one.states[state] - 4 * eight.states[state]) <= 4
+    for state in ("weights", "engine"):
+        assert one.states[state] == eight.states[state]
+    assert (one.kv_pool, one.activations) == (eight.kv_pool, eight.activations)

@@ -1,0 +1,70 @@
+"""A workflow config is read as the workflow reads it: over configs/config.yaml as Snakemake merges a
+--configfile, checked by the workflow's schema, one row per family and distinct arm, the engine a run
+builds (rl.loop.engine_config), the model's own family."""
+
+import copy
+
+import pytest
+import yaml
+from snakemake.utils import update_config
+
+from isoexec.errors import ConfigError
+from isoexec.paths import configs_dir
+from isoexec.plan.workflow_config import merge_config, read_workflow_config
+
+
+def _write(tmp_path, data, name="wf.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+def tiny(**over):
+    d = {"run_name": "t", "arch": "cpu", "families": ["dense"], "models": {"dense": "dense_tiny"},
+         "rl": {"settings": {"prompts_per_step": 4, "samples_per_prompt": 2, "mini_batch_size": 2,
+                             "max_prompt_tokens": 24, "max_response_tokens": 16, "overlong_cache": 4}}}
+    d.update(over)
+    return d
+
+
+@pytest.mark.parametrize("name", ["h200.yaml", "paper.yaml"])
+def test_the_merge_is_snakemakes(name):
+    base = yaml.safe_load((configs_dir() / "config.yaml").read_text())
+    over = yaml.safe_load((configs_dir() / name).read_text())
+    want = copy.deepcopy(base)
+    update_config(want, over)
+    assert merge_config(base, over) == want
+
+
+def test_a_config_is_merged_over_the_embedded_default(tmp_path):
+    wf = read_workflow_config(_write(tmp_path, tiny()))
+    assert wf.merged_over and wf.gpus == 1 and wf.rl_enabled    # rl.enabled comes from configs/config.yaml
+    (row,) = wf.shapes
+    assert row.arms == ("isoexec", "native")                    # equal arms share a row
+    assert (row.dtype, row.max_num_seqs, row.num_pages) == ("float32", 8, 8 * 40 // 16 + 64)
+    assert row.longest_sequence == 40 and row.micro_batch_budget == 4096
+
+
+def test_an_arm_with_other_engine_settings_gets_a_row_of_its_own(tmp_path):
+    d = tiny()
+    d["rl"]["arms"] = {"iso": {"composition": "isoexec"},
+                       "small": {"composition": "native", "settings": {"engine": {"num_pages": 100}}}}
+    wf = read_workflow_config(_write(tmp_path, d))
+    assert [(s.arms, s.num_pages) for s in wf.shapes] == [(("iso",), 8 * 40 // 16 + 64), (("small",), 100)]
+
+
+def test_gpus_is_the_data_parallel_size(tmp_path):
+    (row,) = read_workflow_config(_write(tmp_path, tiny(gpus=4))).shapes
+    assert row.dp == 4
+
+
+def test_a_model_of_another_family_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="models.dense is 'hybrid_tiny', a hybrid model"):
+        read_workflow_config(_write(tmp_path, tiny(models={"dense": "hybrid_tiny"})))
+
+
+def test_settings_a_run_would_refuse_are_refused(tmp_path):
+    d = tiny()
+    d["rl"]["settings"]["mini_batch_size"] = 8
+    with pytest.raises(ConfigError, match="rl settings of dense arm isoexec: .*mini_batch_size 8"):
+        read_workflow_config(_write(tmp_path, d))
