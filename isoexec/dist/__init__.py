@@ -16,6 +16,10 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
   ``replicated_input``        the input of column-parallel work run by the caller (its backward sum)
   ``vocab_parallel_token_logprobs``  V sharded by whole vocabulary leaves of the reference schedule
   ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
+  ``expert_parallel_moe``     one MoE layer with its routed experts spread over an ep group: rows
+                              sent to their expert's owner and back by all_to_all (copies), the
+                              single-process router, experts and combine regions (expert_parallel.py)
+  ``expert_shard_range``      which experts an ep rank owns (whole contiguous ranges)
 
 The data-parallel trainer (FSDP2) is the subpackage ``isoexec.dist.fsdp``; it sits above
 ``isoexec.train`` and is not imported here. ``mesh.dp_mesh`` builds its device mesh and
@@ -24,13 +28,16 @@ parallelism is ``isoexec.model.tp_dense`` (it needs the model and the contract, 
 package).
 
 Not built yet: tensor parallelism inside the engine and the other families' model classes, expert
-parallelism, the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
+parallelism inside the model classes, the engine and the trainer (the layer is built, forward
+only), the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
 """
 
 from .column_parallel import column_parallel_linear, replicated_input
-from .partition import column_shard_range, row_shard_range, vocab_shard_range
+from .expert_parallel import expert_parallel_moe
+from .partition import column_shard_range, expert_shard_range, row_shard_range, vocab_shard_range
 from .row_parallel import row_parallel_linear
 from .vocab_parallel_logprob import vocab_parallel_token_logprobs
 
-__all__ = ["column_parallel_linear", "column_shard_range", "replicated_input", "row_parallel_linear", "row_shard_range",
+__all__ = ["column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
+           "replicated_input", "row_parallel_linear", "row_shard_range",
            "vocab_parallel_token_logprobs", "vocab_shard_range"]

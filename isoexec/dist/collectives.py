@@ -1,8 +1,9 @@
-"""The two collective steps the tensor-parallel layers use, and why no other.
+"""The collective steps the parallel layers use, and why no other.
 
-Only ``all_gather`` moves data between ranks here. It copies bytes and adds nothing, so what a rank
-receives is bit for bit what the others computed, in rank order; the sum that follows runs on every
-rank in one order the caller fixes. ``all_reduce(SUM)`` would be shorter, but it adds in an order
+Only ``all_gather`` (tensor parallelism) and ``all_to_all`` (expert parallelism: rows sent to the
+rank that owns their expert and back) move data between ranks here. Both copy bytes and add
+nothing, so what a rank receives is bit for bit what the others computed, in rank order; any sum
+that follows runs on every rank in one order the caller fixes. ``all_reduce(SUM)`` would be shorter, but it adds in an order
 chosen by the backend from the group size, the tensor size and the algorithm (ring, tree,
 halving-doubling), so its bits change with tp (tests/dist/ shows it on this CPU).
 
@@ -49,3 +50,22 @@ def sum_in_rank_order(t: torch.Tensor, group, tp: int) -> torch.Tensor:
     for r in range(1, tp):
         total.add_(parts[r])
     return total
+
+
+def all_to_all_rows(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
+                    ep: int) -> torch.Tensor:
+    """Rows exchanged between the ranks of ``group``: ``rows [sum(send_counts), *row]`` holds, in
+    rank order, ``send_counts[q]`` rows for rank q; returns ``[sum(recv_counts), *row]``, in rank
+    order, the ``recv_counts[s]`` rows rank s sent here (in the order it sent them). The counts
+    must agree pairwise (what s sends to q is what q expects from s). The rows travel as raw bytes
+    (uint8) like ``gather_in_rank_order``: no backend dtype rule touches them. A copy, no
+    arithmetic; not differentiable."""
+    shape = tuple(rows.shape[1:])
+    if ep == 1:
+        return rows
+    row_bytes = rows.element_size() * (1 if not shape else int(torch.Size(shape).numel()))
+    payload = rows.contiguous().reshape(-1).view(torch.uint8)
+    out = torch.empty(sum(recv_counts) * row_bytes, dtype=torch.uint8, device=rows.device)
+    dist.all_to_all_single(out, payload, [c * row_bytes for c in recv_counts],
+                           [c * row_bytes for c in send_counts], group=group)
+    return out.view(rows.dtype).reshape(sum(recv_counts), *shape)

@@ -1,5 +1,6 @@
-"""Which contiguous slice of a dimension each rank of a tensor-parallel group holds, and which
-sequences of a batch each data-parallel rank takes (``sequence_share``, at the end).
+"""Which contiguous slice of a dimension each rank of a tensor-parallel group holds, which experts
+each expert-parallel rank owns (``expert_shard_range``), and which sequences of a batch each
+data-parallel rank takes (``sequence_share``, at the end).
 
 Every split here cuts a dimension into the fixed units of a kernel's own schedule (64-wide K blocks
 grouped into K leaves, ``REF_LEAF_V``-wide vocabulary leaves), never into arbitrary column counts:
@@ -89,6 +90,19 @@ def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     leaf counts may differ by one between ranks."""
     return _unit_range("vocab-parallel logprob", f"vocab_size={vocab_size}", vocab_size, REF_LEAF_V,
                        f"leaf/leaves of {REF_LEAF_V} logits", "at least one whole leaf", tp, rank)
+
+
+def expert_shard_range(num_experts: int, ep: int, rank: int) -> tuple[int, int]:
+    """Experts ``[e0, e1)`` expert-parallel rank ``rank`` of ``ep`` owns: whole experts in one
+    contiguous range, part j of E over ep starting at ``j * E // ep`` (the rule above; when ep
+    does not divide E the counts differ by one: 6 over 4 is 1, 2, 1, 2). Contiguous ranges in rank order keep a token's chosen
+    experts, listed in ascending index, grouped by owner in rank order (expert_parallel.py).
+    Refuses ``ep > E``: a rank without an expert would hold no weights for the layer."""
+    if ep < 1 or num_experts < ep:
+        raise ValueError(f"expert parallelism: {num_experts} expert(s) cannot be dealt to ep={ep} rank(s); "
+                         f"every rank needs at least one whole expert (need 1 <= ep <= {num_experts})")
+    _check_rank("expert parallelism", ep, rank)
+    return _part(num_experts, ep, rank)
 
 
 def sequence_share(n_sequences: int, dp: int, rank: int) -> tuple[int, int]:
