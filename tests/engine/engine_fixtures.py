@@ -34,6 +34,17 @@ def tiny_model(composition: str = "isoexec", dtype=torch.float32, seed: int = 1)
     return m
 
 
+def cuda_tiny_model(seed: int = 1):
+    """The tiny dense model in bf16 on the GPU, installed with this GPU's IsoExec contract:
+    (model, contract). For the tests marked gpu."""
+    from isoexec.envinfo import runtime_arch
+
+    c = build_contract("dense", "isoexec", runtime_arch())
+    m = build_model("dense", TINY, dtype=torch.bfloat16, device="cuda").init_random(seed)
+    m.install(c)
+    return m, c
+
+
 def random_prompts(gen: torch.Generator, count: int, min_len: int = 1, max_len: int = 40,
                    vocab: int = TINY["vocab_size"]) -> list[list[int]]:
     out = []

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine_fixtures import contract, random_prompts, same_results, tiny_model, verify
+from engine_fixtures import contract, cuda_tiny_model, random_prompts, same_results, tiny_model, verify
 from isoexec.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -115,14 +115,7 @@ def test_lookahead_stays_off_when_the_step_reads_top_n_logprobs_on_the_host():
 @pytest.mark.gpu
 def test_lookahead_in_cuda_graphs_equals_graphs_without_it_bitwise():
     """The graph path stages a lookahead step's input tokens by a device copy. Needs CUDA."""
-    from isoexec.compose import build_contract
-    from isoexec.envinfo import runtime_arch
-    from isoexec.model import build_model
-    from engine_fixtures import TINY
-
-    c = build_contract("dense", "isoexec", runtime_arch())
-    model = build_model("dense", TINY, dtype=torch.bfloat16, device="cuda").init_random(1)
-    model.install(c)
+    model, c = cuda_tiny_model()
     prompts = random_prompts(torch.Generator().manual_seed(87), 11, 1, 40)   # 11: a padded bucket (16)
     cfg = dict(max_num_seqs=16, num_pages=256, max_num_batched_tokens=256, cuda_graphs=True)
     stop = _common_tokens(Engine(model, c, EngineConfig(**cfg)), prompts, _params(11, 88))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine_fixtures import TINY, contract, random_prompts, same_results, verify
+from engine_fixtures import contract, cuda_tiny_model, random_prompts, same_results, verify
 from isoexec.engine import Engine, EngineConfig, SamplingParams
 
 
@@ -44,13 +44,7 @@ def test_cuda_graphs_are_off_on_cpu(iso_fp32):
 @pytest.mark.gpu
 def test_decode_graph_replay_with_padded_lanes_equals_eager_bitwise():
     """docs/gates.md family 4 at engine level: graphs on (padded buckets) == graphs off. Needs CUDA."""
-    from isoexec.compose import build_contract
-    from isoexec.envinfo import runtime_arch
-    from isoexec.model import build_model
-
-    c = build_contract("dense", "isoexec", runtime_arch())
-    model = build_model("dense", TINY, dtype=torch.bfloat16, device="cuda").init_random(1)
-    model.install(c)
+    model, c = cuda_tiny_model()
     prompts = random_prompts(torch.Generator().manual_seed(5), 11, 1, 40)   # 11: a padded bucket (16)
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
     cfg = dict(max_num_seqs=16, num_pages=256, max_num_batched_tokens=256)
