@@ -20,8 +20,12 @@ a colocated engine with full weights (engine TP = 1). What a rank does in one st
   engine runs the contract handshake with the trainer contract of rank 0 (its encoded bytes,
   broadcast once and checked equal to every rank's own) and copies them in.
 
-Only rank 0 writes metrics.jsonl and logs. Every refusal here depends only on the configuration,
-which every rank reads alike, so a bad world size is refused on every rank before any collective.
+Only rank 0 writes metrics.jsonl and logs. Checkpoints (``RLRun._save_sharded``): every rank
+writes its trainer shards with ``FSDPTrainer.save`` into ``trainer_step<k>/``, then rank 0 writes
+checkpoint.pt (configuration, step, prompt stream, world size, that folder's name); a run resumes
+from it at the same world size only. Every refusal here depends only on the configuration and the
+output folder, which every rank reads alike, so a bad world size (or a checkpoint written at
+another one) is refused on every rank before any collective.
 """
 
 from __future__ import annotations

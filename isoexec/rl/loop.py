@@ -275,10 +275,7 @@ class RLRun:
         if self.world > 1:
             # refusals from the configuration and the folder alone: every rank, before any collective
             rl_dist.check_world(cfg, self.world)
-            if (self.out / "checkpoint.pt").exists():
-                raise ConfigError(f"{self.out / 'checkpoint.pt'}: a distributed run (world size {self.world}) "
-                                  "cannot resume yet (only a single-process run checkpoints); use a fresh output "
-                                  "folder or resume with one process")
+            self._check_checkpoint_world()
             if self.rank:
                 self.log = lambda s: None    # rank 0 speaks for the run
         device, dtype = run_device(cfg), run_dtype(cfg)
@@ -344,9 +341,21 @@ class RLRun:
     def ckpt_path(self) -> Path:
         return self.out / "checkpoint.pt"
 
+    def _check_checkpoint_world(self, state: Optional[dict] = None) -> None:
+        """Refuse to resume a checkpoint written at another world size (every rank reads the same
+        file, so all refuse together; a distributed run asks before any collective)."""
+        if state is None:
+            if not self.ckpt_path.exists():
+                return
+            state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+        if state.get("world_size", 1) != self.world:
+            raise ConfigError(f"{self.ckpt_path} was written by a run on {state.get('world_size', 1)} rank(s) and "
+                              f"this run has {self.world}: resume with the world size it was written at")
+
     def _resume_or_start(self) -> None:
         if self.ckpt_path.exists():
             state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            self._check_checkpoint_world(state)
             saved = dict(state.get("config") or {})
             now = asdict(self.cfg)
             for key in ("steps", "wandb"):   # a finished run may be extended; logging changes no result
@@ -356,7 +365,10 @@ class RLRun:
                 diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
                 raise ConfigError(f"{self.ckpt_path} was written by a run with another configuration "
                                   f"(differs in {', '.join(diff)}); use a fresh output folder or the same config")
-            self.trainer.load_state_dict(state["trainer"])
+            if self.world == 1:
+                self.trainer.load_state_dict(state["trainer"])
+            elif state["trainer_dcp"]:   # None: saved before the first update, a fresh trainer is that state
+                self.trainer.load(str(self.out / state["trainer_dcp"]))
             self.stream.load_state_dict(state["stream"])
             self.step = state["step"]
             self.metrics.truncate_after(self.step - 1)
@@ -373,19 +385,41 @@ class RLRun:
             from ..dist.fsdp import free_params
 
             free_params(self.trainer_model)
-            if self.cfg.checkpoint_every:
-                self.log(f"note: a distributed run (world size {self.world}) writes no checkpoint yet; "
-                         "checkpoint_every is ignored")
         self._sync_weights()
         warm_up_engine(self.engine, self.cfg.max_prompt_tokens, self.log)
 
     def _save(self) -> None:
-        if self.world > 1:     # not built yet for the sharded trainer (and refused on resume)
-            return
+        if self.world > 1:
+            return self._save_sharded()
         buf = io.BytesIO()
         torch.save({"config": asdict(self.cfg), "step": self.step, "trainer": self.trainer.state_dict(),
                     "stream": self.stream.state_dict()}, buf)
         atomic_write(self.ckpt_path, buf.getvalue())
+
+    def _save_sharded(self) -> None:
+        """A distributed run's checkpoint: the trainer's shards with ``FSDPTrainer.save`` (every rank
+        writes its own, ``torch.distributed.checkpoint``) into ``trainer_step<k>/``, then rank 0
+        writes checkpoint.pt (configuration, step, prompt stream, world size, that folder's name)
+        with a temp-file-and-rename: the checkpoint exists once checkpoint.pt names it, and an
+        older trainer folder is removed only after that."""
+        import shutil
+
+        import torch.distributed as dist
+
+        name = f"trainer_step{self.step}"
+        trained = self.trainer.optimizer.steps > 0   # before the first update a fresh trainer is the state
+        if trained:
+            self.trainer.save(str(self.out / name))
+        dist.barrier()
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save({"config": asdict(self.cfg), "step": self.step, "stream": self.stream.state_dict(),
+                        "world_size": self.world, "trainer_dcp": name if trained else None}, buf)
+            atomic_write(self.ckpt_path, buf.getvalue())
+            for old in self.out.glob("trainer_step*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
 
     def _warmup(self) -> None:
         """Supervised warm-up of a random model on solved problems so that rewards carry signal, in
@@ -447,7 +481,7 @@ class RLRun:
         """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
         if not first:
             return ""
-        if self.world > 1:
+        if self.world > 1:   # the trainer's model is sharded
             return "; the region locator runs in a single-process run only"
 
         seq_i, tok_i = first

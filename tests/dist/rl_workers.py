@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 sys.modules.setdefault("fla", None)
@@ -73,10 +74,6 @@ def _plan(job, ws, rank, out_dir) -> dict:
     # refusals, from the configuration and the folder alone: every rank, before any collective
     res["refuse/world"] = _refusal(lambda: RLRun(RLConfig.from_dict(dict(job["cfg"], prompts_per_step=3)),
                                                  out / "bad", log=lambda s: None))
-    resume = out / "resume"
-    resume.mkdir(exist_ok=True)
-    (resume / "checkpoint.pt").write_bytes(b"")
-    res["refuse/resume"] = _refusal(lambda: RLRun(RLConfig.from_dict(job["cfg"]), resume, log=lambda s: None))
     dist.barrier()    # the ranks are still paired up: no rank entered a collective the other skipped
     res["times"]["refusals"] = time.monotonic()
     run = RecordingRun(RLConfig.from_dict(job["cfg"]), out / "run", log=lambda s: None)
@@ -87,6 +84,21 @@ def _plan(job, ws, rank, out_dir) -> dict:
     res["engine_prompts"] = run.engine_prompts
     res["params"] = run.trainer.full_parameters()
     res["engine_params"] = {n: p.detach().clone() for n, p in run.engine_model.named_parameters()}
+    # checkpoint and resume: one step with a checkpoint, then a new run in that folder given two
+    cfg = dict(job["cfg"], checkpoint_every=1)
+    RecordingRun(RLConfig.from_dict(dict(cfg, steps=1)), out / "part", log=lambda s: None).run()
+    rest = RecordingRun(RLConfig.from_dict(cfg), out / "part", log=lambda s: None)
+    res["resumed"] = {"start_step": rest.step, "lines": rest.run(), "params": rest.trainer.full_parameters(),
+                      "files": sorted(p.name for p in (out / "part").iterdir())}
+    # a checkpoint written at another world size: a single-process run's (it has no world_size)
+    other = out / "other"
+    if rank == 0:
+        other.mkdir()
+        torch.save({"config": asdict(RLConfig.from_dict(cfg)), "step": 1, "trainer": {}, "stream": {}},
+                   other / "checkpoint.pt")
+    dist.barrier()
+    res["refuse/resume_world"] = _refusal(lambda: RLRun(RLConfig.from_dict(cfg), other, log=lambda s: None))
+    dist.barrier()    # refused before any collective: the ranks are still paired up
     return res
 
 

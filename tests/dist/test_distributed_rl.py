@@ -7,8 +7,10 @@ one process, two steps of the tiny dense model from one warm-up checkpoint (rl_w
 - the trained fp32 masters are BITWISE the single process's: the configuration makes the single
   process's micro-batches the ranks' shares (one sequence each, no clipping), so both add the
   same per-sequence gradients in the same order; each rank's engine holds them after the sync;
-- a world size that does not divide the groups, and a resume, are refused on every rank with one
-  line, before any collective.
+- a run checkpointed after one step (sharded trainer) and resumed in a new run is bitwise the
+  uninterrupted run (metrics but timings, fp32 masters);
+- a world size that does not divide the groups, and a checkpoint written at another world size,
+  are refused on every rank with one line, before any collective.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def test_rollouts_and_metrics_equal_the_single_process_run(world, single):
                 assert bit_report(a, b)["differing"] == 0, (rank, g["step"], g["round"])
     assert any(x.get("train_updates", 0) for x in single["lines"]), "nothing trained: the comparison is empty"
     for got, w in zip(world["ranks"][0]["lines"], single["lines"]):
+        got, w = dict(got), dict(w)
         assert got.pop("world_size") == WS and w.pop("world_size") == 1
         got.pop("live_check_differing_per_rank"), w.pop("live_check_differing_per_rank")
         assert got.keys() == w.keys()
@@ -123,9 +126,26 @@ def test_trained_weights_are_bitwise_the_single_process_run(world, single):
     assert moved > 0, "the steps left the weights where they started: the comparison is empty"
 
 
+def test_checkpointed_and_resumed_run_equals_the_uninterrupted_one(world):
+    """One step with a sharded checkpoint, then a new run in that folder resumes at step 1: its
+    step-1 metrics (but timings) and its final fp32 masters are bitwise the uninterrupted run's."""
+    untimed = lambda x: {k: v for k, v in x.items() if k not in TIMING}  # noqa: E731
+    for rank, res in enumerate(world["ranks"]):
+        r = res["resumed"]
+        assert r["start_step"] == 1, rank
+        assert "checkpoint.pt" in r["files"] and any(f.startswith("trainer_step") for f in r["files"]), r["files"]
+        assert [x["step"] for x in r["lines"]] == [1]
+        assert untimed(r["lines"][0]) == untimed(res["lines"][1]), rank
+        bad = {n: bit_report(r["params"][n], w) for n, w in res["params"].items()
+               if bit_report(r["params"][n], w)["differing"]}
+        assert not bad, f"rank {rank}: the resumed run's masters differ: {bad}"
+    metrics = read_metrics(world["out"] / "part" / "metrics.jsonl")
+    assert [x["step"] for x in metrics] == [0, 1]
+
+
 def test_bad_world_size_and_resume_are_refused_on_every_rank(world):
     for key, needle in (("refuse/world", "a world of 2 ranks must divide prompts_per_step=3"),
-                        ("refuse/resume", "a distributed run (world size 2) cannot resume yet")):
+                        ("refuse/resume_world", "was written by a run on 1 rank(s) and this run has 2")):
         msgs = [res[key] for res in world["ranks"]]
         assert msgs[0].startswith("ConfigError: ") and needle in msgs[0], msgs[0]
         assert "\n" not in msgs[0]
