@@ -328,9 +328,10 @@ class RLRun:
                 raise ConfigError("rl config: wandb.enabled is true but the wandb package is not installed "
                                   "(pip install wandb)") from None
         self.out.mkdir(parents=True, exist_ok=True)   # only once every input has been checked
-        self.metrics = rl_dist.NullMetrics() if self.rank else MetricsWriter(self.out / "metrics.jsonl", wandb=wb.enabled, wandb_project=wb.project,
-                                     wandb_mode=wb.mode, config=asdict(cfg),
-                                     run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
+        # rank 0 writes the metrics of a distributed run
+        self.metrics = rl_dist.NullMetrics() if self.rank else MetricsWriter(
+            self.out / "metrics.jsonl", wandb=wb.enabled, wandb_project=wb.project, wandb_mode=wb.mode,
+            config=asdict(cfg), run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
         self.live_check = self.contract.claims.claims_zero_tolerance if cfg.live_check is None else cfg.live_check
         self.step = 0
         kernel_compiles.install()
