@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -197,7 +198,7 @@ def cmd_run(args) -> int:
                             "checkpoint"))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     lines = run_rl(cfg, args.out, log=log)
-    if lines:
+    if lines and os.environ.get("RANK", "0") == "0":   # under torchrun rank 0 speaks for the run
         last = lines[-1]
         print(json.dumps({"steps_run": len(lines), "last_step": last["step"],
                           "logprob_abs_diff_max": max(x["logprob_abs_diff_max"] for x in lines),

@@ -102,15 +102,16 @@ def parse_stdout_json(stdout: str):
 
 
 def run_cli(args: Sequence, log: IO[str], *, accept: Iterable[int] = (EXIT_OK,), stdout: str | Path | None = None,
-            env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess:
+            env: Mapping[str, str] | None = None, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``isoexec *args``; its stderr goes to ``log`` line by line as it comes (a long job shows
     its progress live, and a job killed mid-way keeps what it printed), its stdout is collected and
     then appended to ``log`` (or written to the file ``stdout``, only on success).
 
     An exit code outside ``accept`` raises :class:`CommandFailed` naming the command, the code and
-    the error line."""
-    argv = _isoexec_argv(args)
-    shown = shlex.join(["isoexec", *map(str, args)])
+    the error line. ``launcher``, when given, is the command that stands for ``isoexec`` (e.g.
+    ``torchrun --standalone --nproc_per_node=8 -m isoexec.cli``)."""
+    argv = [*map(str, launcher), *map(str, args)] if launcher else _isoexec_argv(args)
+    shown = shlex.join(argv if launcher else ["isoexec", *map(str, args)])
     log.write(f"$ {shown}\n")
     log.flush()
     t0 = time.time()

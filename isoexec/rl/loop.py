@@ -32,7 +32,7 @@ from .. import kernel_compiles
 from ..assembly import installed_model
 from ..compose import build_contract, load_model_config
 from ..contract import check as check_contract
-from ..contract import decode
+from ..contract import decode, encode
 from ..debug import first_divergence
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.warmup import warm_up_engine
@@ -47,6 +47,7 @@ from .data import PromptStream, load_problems, problems_from_rows, synthetic_ari
 from .metrics import MetricsWriter, logprob_diff_stats, summary_line
 from .reward import reward
 from .tokenizer import CharTokenizer, HFTokenizer, prompt_for
+from . import distributed as rl_dist
 from . import warmup as shared_warmup
 
 
@@ -274,10 +275,19 @@ def warm_up(cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = pri
 
 
 class RLRun:
-    """Holds the colocated trainer and engine of one run and executes its steps."""
+    """Holds the colocated trainer and engine of one run and executes its steps. In a default
+    process group of N > 1 ranks the run is data-parallel (:mod:`isoexec.rl.distributed`): every
+    rank builds one and calls ``run`` (or ``run_step``) alike."""
 
     def __init__(self, cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print):
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
+        self.world, self.rank = rl_dist.world()
+        if self.world > 1:
+            # refusals from the configuration and the folder alone: every rank, before any collective
+            rl_dist.check_world(cfg, self.world)
+            self._check_checkpoint_world()
+            if self.rank:
+                self.log = lambda s: None    # rank 0 speaks for the run
         device, dtype = run_device(cfg), run_dtype(cfg)
         if cfg.contract:
             if not Path(cfg.contract).is_file():
@@ -295,10 +305,27 @@ class RLRun:
         # no weights of its own: the trainer's are copied in at every weight sync
         self.engine_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None,
                                             **where).model
-        self.trainer = Trainer(self.trainer_model, TrainConfig.from_dict({"seed": cfg.seed, **cfg.train}))
-        self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, log)
+        self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
+        train_cfg = TrainConfig.from_dict({"seed": cfg.seed, **cfg.train})
+        self.trainer_contract = self.contract
+        if self.world > 1:
+            if self.warmup_record is None and cfg.warmup_sft_steps and not cfg.checkpoint:
+                rl_dist.check_warmup_batch(min(cfg.warmup_batch_size, len(self.problems[:128])), self.world)
+            from ..dist.fsdp import FSDPTrainer   # the first collectives: the mesh, the sharding
+
+            self.trainer = FSDPTrainer(self.trainer_model, train_cfg)
+            # every engine handshakes with the trainer contract rank 0 holds; the ranks must agree on it
+            mine = encode(self.contract)
+            theirs = rl_dist.all_gather(mine)
+            if any(x != theirs[0] for x in theirs):
+                raise ConfigError("distributed run: the ranks built different trainer contracts (ranks "
+                                  f"{[r for r, x in enumerate(theirs) if x != theirs[0]]} differ from rank 0)")
+            self.trainer_contract = decode(rl_dist.broadcast_bytes(mine))
+        else:
+            self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
-        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg), trainer_contract=self.contract)
+        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg),
+                             trainer_contract=self.trainer_contract)
         wb = cfg.wandb_config
         if wb.enabled:
             try:
@@ -307,9 +334,10 @@ class RLRun:
                 raise ConfigError("rl config: wandb.enabled is true but the wandb package is not installed "
                                   "(pip install wandb)") from None
         self.out.mkdir(parents=True, exist_ok=True)   # only once every input has been checked
-        self.metrics = MetricsWriter(self.out / "metrics.jsonl", wandb=wb.enabled, wandb_project=wb.project,
-                                     wandb_mode=wb.mode, config=asdict(cfg),
-                                     run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
+        # rank 0 writes the metrics of a distributed run
+        self.metrics = rl_dist.NullMetrics() if self.rank else MetricsWriter(
+            self.out / "metrics.jsonl", wandb=wb.enabled, wandb_project=wb.project, wandb_mode=wb.mode,
+            config=asdict(cfg), run_name=wb.name or f"{cfg.family}-{cfg.composition}-seed{cfg.seed}")
         self.live_check = self.contract.claims.claims_zero_tolerance if cfg.live_check is None else cfg.live_check
         self.step = 0
         kernel_compiles.install()
@@ -320,9 +348,21 @@ class RLRun:
     def ckpt_path(self) -> Path:
         return self.out / "checkpoint.pt"
 
+    def _check_checkpoint_world(self, state: Optional[dict] = None) -> None:
+        """Refuse to resume a checkpoint written at another world size (every rank reads the same
+        file, so all refuse together; a distributed run asks before any collective)."""
+        if state is None:
+            if not self.ckpt_path.exists():
+                return
+            state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+        if state.get("world_size", 1) != self.world:
+            raise ConfigError(f"{self.ckpt_path} was written by a run on {state.get('world_size', 1)} rank(s) and "
+                              f"this run has {self.world}: resume with the world size it was written at")
+
     def _resume_or_start(self) -> None:
         if self.ckpt_path.exists():
             state = torch.load(self.ckpt_path, map_location="cpu", weights_only=False)
+            self._check_checkpoint_world(state)
             saved = dict(state.get("config") or {})
             now = asdict(self.cfg)
             for key in ("steps", "wandb"):   # a finished run may be extended; logging changes no result
@@ -332,7 +372,10 @@ class RLRun:
                 diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
                 raise ConfigError(f"{self.ckpt_path} was written by a run with another configuration "
                                   f"(differs in {', '.join(diff)}); use a fresh output folder or the same config")
-            self.trainer.load_state_dict(state["trainer"])
+            if self.world == 1:
+                self.trainer.load_state_dict(state["trainer"])
+            elif state["trainer_dcp"]:   # None: saved before the first update, a fresh trainer is that state
+                self.trainer.load(str(self.out / state["trainer_dcp"]))
             self.stream.load_state_dict(state["stream"])
             self.step = state["step"]
             self.metrics.truncate_after(self.step - 1)
@@ -345,14 +388,45 @@ class RLRun:
                 self._warmup()
         # compile every GEMM bucket's kernels now, not inside a timed step (a no-op on a CPU)
         warm_up_kernel_shapes(self.trainer_model, self.tok.vocab_size, self.log)
+        if self.world > 1:
+            from ..dist.fsdp import free_params
+
+            free_params(self.trainer_model)
         self._sync_weights()
         warm_up_engine(self.engine, self.cfg.max_prompt_tokens, self.log)
 
     def _save(self) -> None:
+        if self.world > 1:
+            return self._save_sharded()
         buf = io.BytesIO()
         torch.save({"config": asdict(self.cfg), "step": self.step, "trainer": self.trainer.state_dict(),
                     "stream": self.stream.state_dict()}, buf)
         atomic_write(self.ckpt_path, buf.getvalue())
+
+    def _save_sharded(self) -> None:
+        """A distributed run's checkpoint: the trainer's shards with ``FSDPTrainer.save`` (every rank
+        writes its own, ``torch.distributed.checkpoint``) into ``trainer_step<k>/``, then rank 0
+        writes checkpoint.pt (configuration, step, prompt stream, world size, that folder's name)
+        with a temp-file-and-rename: the checkpoint exists once checkpoint.pt names it, and an
+        older trainer folder is removed only after that."""
+        import shutil
+
+        import torch.distributed as dist
+
+        name = f"trainer_step{self.step}"
+        trained = self.trainer.optimizer.steps > 0   # before the first update a fresh trainer is the state
+        if trained:
+            self.trainer.save(str(self.out / name))
+        dist.barrier()
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save({"config": asdict(self.cfg), "step": self.step, "stream": self.stream.state_dict(),
+                        "world_size": self.world, "trainer_dcp": name if trained else None}, buf)
+            atomic_write(self.ckpt_path, buf.getvalue())
+            for old in self.out.glob("trainer_step*"):
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
 
     def _warmup(self) -> None:
         """Supervised warm-up of a random model on solved problems so that rewards carry signal, in
@@ -369,7 +443,12 @@ class RLRun:
 
     def _sync_weights(self) -> float:
         t0 = self._clock()
-        self.engine.update_weights(self.trainer_model, trainer_contract=self.contract)
+        if self.world > 1:
+            # the trainer's shards gathered whole (fp32 masters; the engine's copy_ rounds them to
+            # its dtype as the single-process trainer rounds its masters into its parameters)
+            self.engine.update_weights(self.trainer.full_parameters(), trainer_contract=self.trainer_contract)
+        else:
+            self.engine.update_weights(self.trainer_model, trainer_contract=self.contract)
         return self._clock() - t0
 
     def _prompt_text(self, problem) -> str:
@@ -392,13 +471,25 @@ class RLRun:
                                              max_tokens=cfg.max_response_tokens, stop_token_ids=(self.tok.eos_id,),
                                              seed=derive_seed(cfg.seed, step, round_, p.id, si)))
                 owners.append(pi)
-        results = self.engine.generate(prompts, params)
-        return results, owners
+        if self.world == 1:
+            return self.engine.generate(prompts, params), owners
+        # whole groups to each rank; a sample keeps the request id (its index in the round) and the
+        # seed the single-process run gives it, so its tokens do not depend on the world size
+        mine = rl_dist.deal(len(problems), self.world, self.rank)
+        idx = [i for i in range(len(prompts)) if owners[i] in mine]
+        results = self.engine.generate([prompts[i] for i in idx], [params[i] for i in idx], request_ids=idx) \
+            if idx else []
+        for r in results:
+            r.logprobs = r.logprobs.cpu()
+        parts = rl_dist.all_gather(results)
+        return [r for part in parts for r in part], owners
 
     def _region_hint(self, seqs, plens, first) -> str:
         """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
         if not first:
             return ""
+        if self.world > 1:   # the trainer's model is sharded
+            return "; the region locator runs in a single-process run only"
 
         seq_i, tok_i = first
         tokens = seqs[seq_i][:plens[seq_i] + tok_i + 1]
@@ -417,6 +508,7 @@ class RLRun:
         # still missing; a group is a list of indices into `generated`.
         filler = GroupFiller(cfg.prompts_per_step, max_rounds=cfg.max_refill_rounds + 1)
         generated, t_gen = [], 0.0
+        mine = []    # indices into `generated` of what this rank's engine sampled (all of it in one process)
         while not filler.full:
             problems = self.stream.next_batch(filler.deficit)
             t0 = self._clock()
@@ -430,13 +522,21 @@ class RLRun:
             # DAPO's dynamic sampling filters on accuracy: a group all right or all wrong has no signal
             keep = dynamic_sampling([float(x[1]) for x in rs], n) if cfg.dynamic_sampling else [True] * len(problems)
             base = len(generated)
+            dealt = rl_dist.deal(len(problems), self.world, self.rank)
+            mine += range(base + dealt.start * n, base + dealt.stop * n)
             generated += list(zip(results, rs))
             try:
                 filler.add([list(range(base + gi * n, base + gi * n + n)) for gi in range(len(problems))], keep)
             except TooManyRounds:
                 break
         groups = filler.kept[:cfg.prompts_per_step]
-        groups_short = filler.deficit
+        if self.world > 1 and len(groups) * n % self.world:
+            # a short step's sequences must still deal out evenly: train on fewer whole groups
+            keep = max(g for g in range(len(groups) + 1) if g * n % self.world == 0)
+            self.log(f"warning: step {step}: {len(groups)} kept group(s) of {n} do not deal out evenly over "
+                     f"{self.world} ranks; training on the first {keep}")
+            groups = groups[:keep]
+        groups_short = cfg.prompts_per_step - len(groups)
         if groups_short:
             # verl trains on what it kept once max_num_gen_batches is reached; so do we, but loudly
             self.log(f"warning: step {step}: dynamic sampling kept {len(groups)} of {cfg.prompts_per_step} groups "
@@ -450,10 +550,20 @@ class RLRun:
         all_plens = [len(r.prompt) for r, _ in generated]
         all_rollout = [r.logprobs for r, _ in generated]
         t0 = self._clock()
-        all_trainer = self.trainer.score(all_seqs, all_plens)
+        if self.world > 1:
+            # FSDPTrainer.score deals the list out evenly: pad it with copies of the last sequence
+            # (a sequence's scores do not depend on the batch around it) and drop their scores
+            pad = -len(all_seqs) % self.world
+            all_trainer = self.trainer.score(all_seqs + all_seqs[-1:] * pad, all_plens + all_plens[-1:] * pad)
+            all_trainer = all_trainer[:len(all_seqs)]
+        else:
+            all_trainer = self.trainer.score(all_seqs, all_plens)
         t_score = self._clock() - t0
         stats = logprob_diff_stats(all_rollout, all_trainer)
-        if self.live_check and stats.get("bitwise_equal_frac", 1.0) < 1.0:
+        # this rank's own engine against the trainer, bitwise; gathered, so every rank sees every count
+        own = rl_dist.differing_tokens([all_rollout[i] for i in mine], [all_trainer[i] for i in mine])
+        per_rank = rl_dist.all_gather(own) if self.world > 1 else [own]
+        if self.live_check and (stats.get("bitwise_equal_frac", 1.0) < 1.0 or any(per_rank)):
             first = stats.get("first_differing")
             raise LiveCheckFailed(
                 f"step {step}: contract claims tolerance 0 but rollout and trainer logprobs differ "
@@ -505,6 +615,8 @@ class RLRun:
             "time_step_s": self._clock() - t_step,
             # Triton kernels compiled during this step (their compile time is inside the timings)
             "kernels_compiled": kernel_compiles.count() - compiled_before,
+            # tokens each rank's engine sampled whose logprob differs from the trainer's, bitwise
+            "live_check_differing_per_rank": per_rank, "world_size": self.world,
         }
         self.metrics.write(line)
         self.log(summary_line(line))
@@ -529,6 +641,14 @@ class RLRun:
 
 
 def run_rl(cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print) -> list[dict]:
-    run = RLRun(cfg, out_dir, log)
-    return run.run()
+    """Run ``cfg`` to its last step; under torchrun (WORLD_SIZE > 1) as one rank of a data-parallel
+    run (:mod:`isoexec.rl.distributed`), which joins the process group here and leaves it at the end."""
+    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
+        and rl_dist.init_from_env(cfg.arch)
+    try:
+        run = RLRun(cfg, out_dir, log)
+        return run.run()
+    finally:
+        if joined:
+            torch.distributed.destroy_process_group()
 

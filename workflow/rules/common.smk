@@ -15,6 +15,7 @@ from snakemake.exceptions import WorkflowError
 SCRIPTS = Path(workflow.current_basedir).parent / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 import code_version as _codever  # noqa: E402 - workflow/scripts/code_version.py
+import launch as _launch  # noqa: E402 - workflow/scripts/launch.py
 
 # The software every job needs: the project's conda environment (the isoexec package and its
 # dependencies), used when Snakemake deploys software itself (--software-deployment-method conda);
@@ -30,6 +31,14 @@ GATE_SEED = int(config["gates"]["seed"])
 # GPUs per GPU job (gates, bench, rl_run): one on a GPU arch, none on cpu. Locally each such job
 # gets its own device (workflow/scripts/gpus.py); the SLURM profile turns it into --gpus.
 JOB_GPUS = 0 if ARCH == "cpu" else 1
+# An RL run (the rl_run jobs) on a GPU arch takes `gpus` GPUs: with more than one it runs under torchrun,
+# one data-parallel rank per GPU (workflow/scripts/launch.py, docs/scale_out.md); on cpu one process.
+RL_WORLD = _launch.rl_world(config)
+RL_GPUS = JOB_GPUS * RL_WORLD
+# the dry run shows the command of a multi-rank run (a script rule shows none of its own)
+RL_RUN_MESSAGE = (f"rl_run {{wildcards.family}} {{wildcards.arm}} seed {{wildcards.seed}} on {RL_WORLD} GPUs: "
+                  + " ".join(_launch.rl_launcher(RL_WORLD)) + " run --config {output}/rl_config.json --out {output}"
+                  if RL_WORLD > 1 else None)
 
 # Threads per job. On cpu a job's whole work is torch on tiny models, whose ops are too small to
 # split: a second intra-op thread only adds fork-join and spin-waits (on a 2-core Xeon the dense

@@ -63,10 +63,12 @@ rule rl_run:
         f"{LOGS}/runs/{{family}}_{{arm}}_seed{{seed}}.log",
     params:
         rl=lambda wc: rl_settings(wc),
+    message:
+        RL_RUN_MESSAGE
     priority: RL_PATH_PRIORITY
     threads: job_threads(2)
     resources:
-        gpu=JOB_GPUS,
+        gpu=RL_GPUS,
         runtime=600,
     conda:
         CONDA_ENV

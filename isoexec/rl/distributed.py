@@ -1,0 +1,142 @@
+"""The synchronous RL run on N data-parallel ranks (``torchrun --nproc_per_node=N -m isoexec.cli run``).
+
+Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = the world size) and
+a colocated engine with full weights (engine TP = 1). What a rank does in one step:
+
+- **generation.** Each generation round's prompts are dealt out in whole groups (a prompt and all
+  its samples): rank r of N takes the prompts ``[r * m / N, (r + 1) * m / N)`` of the round's m
+  (``deal``; counts may differ by one, a rank may get none in a refill round). A sample keeps the
+  request id and the seed the single-process run gives it (its index in the round, and
+  ``derive_seed(seed, step, round, prompt id, sample)``), so its tokens do not depend on N. The
+  results are gathered in rank order, which is the single-process order, so every rank then sees
+  the whole round: rewards, DAPO's dynamic sampling and the group advantages are computed by
+  every rank from all the groups, with no further communication.
+- **scoring and training.** ``FSDPTrainer.score`` and ``FSDPTrainer.train`` take the whole list
+  of sequences on every rank and deal it out themselves (``partition.sequence_share``).
+- **the live check.** Each rank also counts the tokens its own engine sampled whose logprob
+  differs (bitwise) from the trainer's score; the counts are gathered, written to the metrics as
+  ``live_check_differing_per_rank``, and any non-zero count stops every rank before the backward.
+- **weight sync.** ``full_parameters()`` gathers the fp32 masters whole on every rank; each rank's
+  engine runs the contract handshake with the trainer contract of rank 0 (its encoded bytes,
+  broadcast once and checked equal to every rank's own) and copies them in.
+
+Only rank 0 writes metrics.jsonl and logs. Checkpoints (``RLRun._save_sharded``): every rank
+writes its trainer shards with ``FSDPTrainer.save`` into ``trainer_step<k>/``, then rank 0 writes
+checkpoint.pt (configuration, step, prompt stream, world size, that folder's name); a run resumes
+from it at the same world size only. Every refusal here depends only on the configuration and the
+output folder, which every rank reads alike, so a bad world size (or a checkpoint written at
+another one) is refused on every rank before any collective.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE as torchrun sets it (1 when unset)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
+
+
+def init_from_env(arch: str) -> bool:
+    """Join the process group torchrun describes (WORLD_SIZE > 1 in the environment, the default
+    ``env://`` rendezvous): gloo for a CPU run, NCCL on CUDA (each process on device LOCAL_RANK).
+    Returns whether this process is one of several ranks; a no-op if a group already exists."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if env_world_size() <= 1:
+        return False
+    if arch == "cpu":
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return dist.get_world_size() > 1
+
+
+def world() -> tuple[int, int]:
+    """(world size, rank) of the default group; (1, 0) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def deal(n_units: int, world_size: int, rank: int) -> range:
+    """The units ``[rank * n / N, (rank + 1) * n / N)`` rank ``rank`` of ``world_size`` takes from
+    ``n_units`` (partition.py's rule: as even as possible, the larger parts last; may be empty)."""
+    return range(rank * n_units // world_size, (rank + 1) * n_units // world_size)
+
+
+def check_world(cfg, world_size: int) -> None:
+    """Refuse a world size the run cannot deal out evenly: one ``ConfigError`` line, from the
+    configuration alone (so every rank refuses, before any collective)."""
+    n = cfg.samples_per_prompt
+    mini = cfg.mini_batch_size * n
+    problems = []
+    if cfg.prompts_per_step % world_size:
+        problems.append(f"prompts_per_step={cfg.prompts_per_step} (groups are dealt to ranks whole)")
+    if mini % world_size:
+        problems.append(f"mini_batch_size x samples_per_prompt = {cfg.mini_batch_size} x {n} = {mini} sequences "
+                        "(every rank trains on the same number of each mini-batch's sequences)")
+    if problems:
+        raise ConfigError(f"rl config: a world of {world_size} ranks must divide " + " and ".join(problems)
+                          + "; pick a world size that divides them")
+
+
+def check_warmup_batch(batch: int, world_size: int) -> None:
+    if batch % world_size:
+        raise ConfigError(f"rl config: the warm-up SFT takes {batch} sequences per step, which a world of "
+                          f"{world_size} ranks does not divide; set warmup_batch_size to a multiple of "
+                          f"{world_size}, or warm up once with `isoexec warmup` and start from its folder")
+
+
+def all_gather(obj: Any) -> list:
+    """Every rank's ``obj`` (python objects, CPU tensors) in rank order."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_bytes(data: bytes) -> bytes:
+    """Rank 0's ``data`` on every rank."""
+    box = [data if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def differing_tokens(rollout: list[torch.Tensor], trainer: list[torch.Tensor]) -> int:
+    """Tokens whose fp32 logprob differs bitwise between the engine and the trainer (a length
+    mismatch counts every token of the longer one)."""
+    bad = 0
+    for a, b in zip(rollout, trainer):
+        a = a.detach().to("cpu", torch.float32).contiguous()
+        b = b.detach().to("cpu", torch.float32).contiguous()
+        if a.shape != b.shape:
+            bad += max(a.numel(), b.numel())
+        else:
+            bad += int((a.view(torch.int32) != b.view(torch.int32)).sum())
+    return bad
+
+
+class NullMetrics:
+    """The metrics writer of a rank other than 0: it writes nothing."""
+
+    def write(self, metrics):
+        return dict(metrics)
+
+    def truncate_after(self, step: int) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass

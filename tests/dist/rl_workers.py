@@ -1,0 +1,125 @@
+"""What each rank of the distributed RL run test (test_distributed_rl.py) runs.
+
+``run_world(world_size, out_dir, job)`` starts ``world_size`` gloo processes; each joins the group
+and builds ``RecordingRun`` (``RLRun`` that also keeps every generation round's rollouts) exactly
+as ``isoexec run`` under torchrun would, and saves its results to ``out_dir/rank{rank}.pt``. The
+test runs the same configuration in one process (``RecordingRun`` without a group) and compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+sys.modules.setdefault("fla", None)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from isoexec.errors import ConfigError  # noqa: E402
+from isoexec.rl.loop import RLConfig, RLRun  # noqa: E402
+
+#: two prompts of two samples per mini-batch: at dp = 2 each rank trains one sequence per update,
+#: and micro_batch_tokens = 2 gives the single process one micro-batch per sequence, so the two
+#: sum the same per-sequence gradients in the same order; no clipping (the sharded norm adds its
+#: squares in another order, which only the clip would feed into the step)
+CFG = dict(steps=2, prompts_per_step=4, samples_per_prompt=2, mini_batch_size=1, max_prompt_tokens=16,
+           max_response_tokens=16, overlong_cache=4, prompt_style="compact", warmup_sft_steps=0,
+           synthetic={"n": 40, "max_operand": 9, "min_terms": 2, "max_terms": 2, "ops": "+"},
+           train={"lr": 1e-3, "grad_clip": None, "micro_batch_tokens": 2}, checkpoint_every=0)
+#: the warm-up that makes the tiny random model answer some problems (so groups are mixed and the
+#: advantages non-zero): its own, faster train settings
+WARM = dict(CFG, warmup_sft_steps=120, warmup_batch_size=16, train={"lr": 1e-2})
+
+
+class RecordingRun(RLRun):
+    """``RLRun`` that keeps each generation round's rollouts (all ranks' results, as this rank
+    sees them) and counts the prompts its own engine was given."""
+
+    def __init__(self, *a, **kw):
+        self.rollouts, self.engine_prompts = [], 0
+        super().__init__(*a, **kw)
+        generate = self.engine.generate
+
+        def counting(prompts, *args, **kwargs):
+            self.engine_prompts += len(prompts)
+            return generate(prompts, *args, **kwargs)
+
+        self.engine.generate = counting
+
+    def _generate(self, problems, step, round_):
+        results, owners = super()._generate(problems, step, round_)
+        self.rollouts.append({"step": step, "round": round_, "prompts": [r.prompt for r in results],
+                              "ids": [r.ids for r in results], "logprobs": [r.logprobs.clone() for r in results]})
+        return results, owners
+
+
+def _refusal(fn) -> str:
+    try:
+        fn()
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+    return "accepted"
+
+
+def _plan(job, ws, rank, out_dir) -> dict:
+    out = Path(out_dir)
+    res = {"times": {"start": time.monotonic()}}
+    # refusals, from the configuration and the folder alone: every rank, before any collective
+    res["refuse/world"] = _refusal(lambda: RLRun(RLConfig.from_dict(dict(job["cfg"], prompts_per_step=3)),
+                                                 out / "bad", log=lambda s: None))
+    dist.barrier()    # the ranks are still paired up: no rank entered a collective the other skipped
+    res["times"]["refusals"] = time.monotonic()
+    run = RecordingRun(RLConfig.from_dict(job["cfg"]), out / "run", log=lambda s: None)
+    res["times"]["built"] = time.monotonic()
+    res["lines"] = run.run()
+    res["times"]["ran"] = time.monotonic()
+    res["rollouts"] = run.rollouts
+    res["engine_prompts"] = run.engine_prompts
+    res["params"] = run.trainer.full_parameters()
+    res["engine_params"] = {n: p.detach().clone() for n, p in run.engine_model.named_parameters()}
+    # checkpoint and resume: one step with a checkpoint, then a new run in that folder given two
+    cfg = dict(job["cfg"], checkpoint_every=1)
+    RecordingRun(RLConfig.from_dict(dict(cfg, steps=1)), out / "part", log=lambda s: None).run()
+    rest = RecordingRun(RLConfig.from_dict(cfg), out / "part", log=lambda s: None)
+    res["resumed"] = {"start_step": rest.step, "lines": rest.run(), "params": rest.trainer.full_parameters(),
+                      "files": sorted(p.name for p in (out / "part").iterdir())}
+    # a checkpoint written at another world size: a single-process run's (it has no world_size)
+    other = out / "other"
+    if rank == 0:
+        other.mkdir()
+        torch.save({"config": asdict(RLConfig.from_dict(cfg)), "step": 1, "trainer": {}, "stream": {}},
+                   other / "checkpoint.pt")
+    dist.barrier()
+    res["refuse/resume_world"] = _refusal(lambda: RLRun(RLConfig.from_dict(cfg), other, log=lambda s: None))
+    dist.barrier()    # refused before any collective: the ranks are still paired up
+    return res
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
+    t0 = time.monotonic()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        res = _plan(job, world_size, rank, out_dir)
+        res["times"] = {k: round(v - t0, 2) for k, v in res["times"].items()}
+    except Exception:
+        res = {"__error__": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def run_world(world_size: int, out_dir: Path, job: dict) -> list[dict]:
+    """Every rank's results of one world of ``world_size`` gloo processes."""
+    from dist_workers import _free_port
+
+    mp.spawn(_entry, args=(world_size, _free_port(), str(out_dir), job), nprocs=world_size, join=True)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
