@@ -15,19 +15,48 @@ REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 # staggered ones through the IsoExec, native and transformers engines; the format check needs only
 # every row kind, which the same code writes at any size, so the child shrinks those CPU sizes
 # (about 8 of its 22 s of CPU; the rest is start-up and model building).
-SMALLER = {"engine": ("import isoexec.bench.engine as e; "
-                      "e.SIZES['cpu'].update(requests=4, prompt_len=16, max_tokens=4); "
-                      "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4); ")}
+SMALLER = ("import isoexec.bench.engine as e; "
+           "e.SIZES['cpu'].update(requests=4, prompt_len=16, max_tokens=4); "
+           "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4)")
+NAMES = ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe"]
+# One child runs the CLI's main() for every benchmark, one after the other, as `isoexec bench NAME
+# --quick --device cpu --out FILE` would: a child per benchmark spent most of its time starting
+# (torch, the package) rather than benchmarking. Each call's exit code and stderr are kept apart.
+CHILD = """\
+import contextlib, io, json, sys, traceback
+{smaller}
+from isoexec.cli import main
+out = {{}}
+for name in sys.argv[2:]:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(["bench", name, "--quick", "--device", "cpu", "--out", f"{{sys.argv[1]}}/{{name}}.json"])
+        except SystemExit as e:
+            rc = e.code
+        except Exception:   # what the command would die of: this benchmark fails, the next still runs
+            rc = "uncaught exception"
+            traceback.print_exc()
+    out[name] = {{"returncode": rc, "stderr": err.getvalue()}}
+print("RESULTS " + json.dumps(out))
+"""
 
 
-@pytest.mark.parametrize("name", ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe"])
-def test_bench_cli_writes_result_format(tmp_path, name, ratio_of_rounded):
-    out = tmp_path / f"{name}.json"
-    cli = ["-c", SMALLER[name] + "import sys; from isoexec.cli import main; sys.exit(main())"] \
-        if name in SMALLER else ["-m", "isoexec.cli"]
-    r = subprocess.run([sys.executable, *cli, "bench", name, "--quick", "--device", "cpu",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+@pytest.fixture(scope="module")
+def bench_runs(tmp_path_factory):
+    """{name: (exit code, stderr, result file)} of every benchmark, from one child process."""
+    folder = tmp_path_factory.mktemp("bench")
+    r = subprocess.run([sys.executable, "-c", CHILD.format(smaller=SMALLER), str(folder), *NAMES],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and "RESULTS " in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.split("RESULTS ", 1)[1])
+    return {n: (got[n]["returncode"], got[n]["stderr"], folder / f"{n}.json") for n in NAMES}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bench_cli_writes_result_format(bench_runs, name, ratio_of_rounded):
+    returncode, stderr, out = bench_runs[name]
+    assert returncode == 0, stderr
     obj = json.loads(out.read_text())
     assert obj["name"] == name
     assert {"device", "torch", "triton", "transformers", "commit", "date"} <= set(obj["env"])

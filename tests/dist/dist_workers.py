@@ -1,26 +1,21 @@
-"""What each rank of the tensor-parallel tests runs, and the inputs both sides rebuild from seeds.
+"""What each rank of the tensor-parallel kernel tests runs, and the inputs both sides rebuild from
+seeds; and the helpers every file of this folder shares (``bit_report``, ``_refusal``, ``_free_port``).
 
-``run_world(world_size, out_dir)`` starts ``world_size`` processes (torch.multiprocessing, gloo on
-127.0.0.1 at a free port), each runs every case below once and saves its results to
-``out_dir/ws{world_size}_rank{rank}.pt``; the tests compare those files with each other and with
-the single-process kernels, computed in the test process from the same seeds. Every comparison is
-between two computations on the same machine: no stored bit patterns.
+``_cases(tp, rank)`` runs every case below once in a world of ``tp`` gloo processes (worlds.py
+spawns them); the tests compare the ranks' results with each other and with the single-process
+kernels, computed in the test process from the same seeds. Every comparison is between two
+computations on the same machine: no stored bit patterns.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 import socket
 import sys
-import traceback
-from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from isoexec.bits import int_view  # noqa: E402
 from isoexec.dist import (column_parallel_linear, column_shard_range, row_parallel_linear,  # noqa: E402
@@ -203,29 +198,10 @@ def _cases(tp: int, rank: int) -> dict:
     return res
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    try:
-        res = _cases(world_size, rank)
-    except Exception:
-        res = {"__error__": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(res, os.path.join(out_dir, f"ws{world_size}_rank{rank}.pt"))
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_world(world_size: int, out_dir: Path) -> list[dict]:
-    """Every rank's results of one world of ``world_size`` gloo processes."""
-    mp.spawn(_entry, args=(world_size, _free_port(), str(out_dir)), nprocs=world_size, join=True)
-    return [torch.load(out_dir / f"ws{world_size}_rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def bit_report(a: torch.Tensor, b: torch.Tensor) -> dict:

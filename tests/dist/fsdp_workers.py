@@ -1,29 +1,23 @@
 """What each rank of the FSDP2 trainer tests runs, and the inputs both sides rebuild from seeds.
 
-``run_world(world_size, out_dir, job)`` starts ``world_size`` gloo processes (the spawning of
-dist_workers.py); each builds the tiny models from the contracts and model configs the test process
-passes (so no rank imports transformers), runs ``job["plan"]`` and saves its results to
-``out_dir/ws{world_size}_rank{rank}.pt``. The tests compare them with each other and with the
+Each rank (worlds.py spawns them, gloo) builds the tiny models from the contracts and model
+configs the test process passes in the job (so no rank imports transformers) and runs the plans of
+the selected tests; the tests compare the ranks' results with each other and with the
 single-process ``Trainer``, run in the test process from the same seeds (``single_run``).
 
-Plans: "trainer" (forward bits, steps against a single process, refusals; test_fsdp_trainer.py),
-"determinism" (test_fsdp_determinism.py), "save" and "resume" (test_fsdp_checkpoint.py).
+Plans: ``plan_trainer`` (forward bits, steps against a single process, refusals;
+test_fsdp_trainer.py), ``plan_determinism`` (test_fsdp_determinism.py), ``plan_save`` and, in a
+later world, ``plan_resume`` (test_fsdp_checkpoint.py). ``CASES`` says which (family, dtype) each
+runs.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
-import time
-import traceback
-from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from dist_workers import _refusal  # noqa: E402
 from isoexec.contract import decode  # noqa: E402
@@ -31,7 +25,14 @@ from isoexec.model import FAMILY_MODELS  # noqa: E402
 from isoexec.train import PackedSequences, TrainBatch, TrainConfig, Trainer, score_logprobs  # noqa: E402
 
 WORLD_SIZES = (1, 2, 4)
+CHECKPOINT_DP = 2   # the world size of the checkpointed run and of its resume
 FAMILIES = {"dense": "dense_tiny", "hybrid": "hybrid_tiny"}
+# (family, dtype) per plan: the forward and step comparisons also run the dense model in bf16 (the
+# determinism plan adds run C in bf16 on its own: see plan_determinism)
+CASES = {"trainer": [("dense", "fp32"), ("hybrid", "fp32"), ("dense", "bf16")],
+         "determinism": [("dense", "fp32"), ("hybrid", "fp32")],
+         "save": [("dense", "fp32"), ("hybrid", "fp32")]}
+CASES["resume"] = CASES["save"]
 MODEL_SEED = 3
 N_SEQ, MINI, SEQ_LEN, PROMPT = 8, 4, 8, 3   # a train call: 8 sequences of 8 tokens, two mini-batches of 4
 SCORE_LENS = (7, 15, 9, 22, 5, 11, 16, 8)   # the scoring batch: 8 sequences of uneven lengths
@@ -117,7 +118,7 @@ def _fsdp_run(job, family, cfg, dtype=torch.float32, **kw) -> dict:
     return {"params": t.full_parameters(), "stats": stats}
 
 
-def _plan_trainer(job, ws, rank) -> dict:
+def plan_trainer(job, ws, rank) -> dict:
     """Forward bits (scoring and the training forward), one step of run A, one of the rejection
     run R, and the refusals."""
     from isoexec.dist.fsdp import FSDPTrainer, free_params
@@ -125,7 +126,7 @@ def _plan_trainer(job, ws, rank) -> dict:
 
     res = {}
     seqs, pls = score_batch()
-    for family, dtype_name in job["cases"]:
+    for family, dtype_name in CASES["trainer"]:
         dtype = DTYPES[dtype_name]
         key = f"{family}/{dtype_name}"
         t = FSDPTrainer(build_model(job, family, dtype), config("A"))
@@ -152,11 +153,11 @@ def _plan_trainer(job, ws, rank) -> dict:
     return res
 
 
-def _plan_determinism(job, ws, rank) -> dict:
+def plan_determinism(job, ws, rank) -> dict:
     """Run B (one train call, two updates) twice per family; and, for the dense model in fp32 and
     bf16, run C twice (B with one sequence per micro-batch: a rank accumulates several)."""
     res = {f"{family}/{dt}": {"B": _fsdp_run(job, family, config("B")), "B_again": _fsdp_run(job, family, config("B"))}
-           for family, dt in job["cases"]}
+           for family, dt in CASES["determinism"]}
     if ws == MINI:   # one sequence per rank and mini-batch: run C is run B
         return res
     for dt in ("fp32", "bf16"):
@@ -166,13 +167,13 @@ def _plan_determinism(job, ws, rank) -> dict:
     return res
 
 
-def _plan_save(job, ws, rank) -> dict:
+def plan_save(job, ws, rank) -> dict:
     """Per family: CALLS train calls of config B uninterrupted, and the same saving a checkpoint
     after the first call (it goes on to the second); a save before any step is refused."""
     from isoexec.dist.fsdp import FSDPTrainer
 
     res = {}
-    for family, dt in job["cases"]:
+    for family, dt in CASES["save"]:
         res[family] = {"plain": _fsdp_run(job, family, config("B"), steps=range(CALLS)),
                        "saving": _fsdp_run(job, family, config("B"), steps=range(CALLS), save_after=0,
                                            path=f"{job['path']}/{family}")}
@@ -185,13 +186,13 @@ def _plan_save(job, ws, rank) -> dict:
     return res
 
 
-def _plan_resume(job, ws, rank) -> dict:
+def plan_resume(job, ws, rank) -> dict:
     """Per family: a fresh trainer (other initial weights) loads the checkpoint and makes the
     second train call."""
     from isoexec.dist.fsdp import FSDPTrainer
 
     res = {}
-    for family, dt in job["cases"]:
+    for family, dt in CASES["resume"]:
         t = FSDPTrainer(build_model(job, family, seed=MODEL_SEED + 1), config("B"))
         t.load(f"{job['path']}/{family}")
         stats = train_steps(t, steps=range(1, CALLS))
@@ -199,52 +200,13 @@ def _plan_resume(job, ws, rank) -> dict:
     return res
 
 
-PLANS = {"trainer": _plan_trainer, "determinism": _plan_determinism, "save": _plan_save, "resume": _plan_resume}
-
-
-def _entry(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    try:
-        res = PLANS[job["plan"]](job, world_size, rank)
-    except Exception:
-        res = {"__error__": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(res, os.path.join(out_dir, f"ws{world_size}_rank{rank}.pt"))
-
-
-def run_world(world_size: int, out_dir: Path, job: dict) -> list[dict]:
-    """Every rank's results of one world of ``world_size`` gloo processes running ``job``."""
-    from dist_workers import _free_port
-
-    mp.spawn(_entry, args=(world_size, _free_port(), str(out_dir), job), nprocs=world_size, join=True)
-    return [torch.load(out_dir / f"ws{world_size}_rank{r}.pt", weights_only=False) for r in range(world_size)]
-
-
-def run_worlds(job: dict, tmp_path_factory, prefix: str) -> dict:
-    """{dp: [rank results]} of one world per dp in WORLD_SIZES running ``job``; a rank's failure
-    fails here with its traceback."""
-    out, times = {}, {}
-    for ws in WORLD_SIZES:
-        t0 = time.monotonic()
-        out[ws] = run_world(ws, tmp_path_factory.mktemp(f"{prefix}{ws}"), job)
-        times[ws] = round(time.monotonic() - t0, 1)
-        errors = [r["__error__"] for r in out[ws] if "__error__" in r]
-        assert not errors, f"dp={ws}: a rank failed:\n{errors[0]}"
-    print(f"\nworld start-up and cases, seconds per dp: {times}")
-    return out
-
-
-def make_job(plan: str, families=("dense", "hybrid"), cases=None, **extra) -> dict:
-    """The contracts (encoded) and model configs the ranks build from, read here once."""
+def make_job(path: str) -> dict:
+    """The contracts (encoded) and model configs the ranks build from, read here once; ``path``:
+    the checkpoint folder of plans save and resume."""
     from isoexec.compose import build_contract, load_model_config
     from isoexec.contract import encode
 
-    cases = cases or [(f, "fp32") for f in families]
-    fams = sorted({f for f, _ in cases})
-    return {"plan": plan, "cases": cases,
+    fams = sorted({f for cases in CASES.values() for f, _ in cases})
+    return {"path": path,
             "contracts": {f: encode(build_contract(f, "isoexec", "cpu", FAMILIES[f])) for f in fams},
-            "cfgs": {f: FAMILY_MODELS[f][1].from_hf(load_model_config(FAMILIES[f])["hf_config"]) for f in fams},
-            **extra}
+            "cfgs": {f: FAMILY_MODELS[f][1].from_hf(load_model_config(FAMILIES[f])["hf_config"]) for f in fams}}

@@ -8,7 +8,6 @@ second call."""
 from __future__ import annotations
 
 import sys
-import time
 
 sys.modules.setdefault("fla", None)
 
@@ -21,26 +20,14 @@ from dist_workers import bit_report  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-FAMILIES = ("dense", "hybrid")
-DP = 2
+FAMILIES = tuple(f for f, _ in fw.CASES["save"])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(the saving world's rank results, the resumed world's), two separate spawns."""
-    path = str(tmp_path_factory.mktemp("fsdp_ckpt"))
-    times = {}
-    out = []
-    for plan in ("save", "resume"):
-        job = fw.make_job(plan, families=FAMILIES, path=path)
-        t0 = time.monotonic()
-        ranks = fw.run_world(DP, tmp_path_factory.mktemp(f"fsdp_{plan}"), job)
-        times[plan] = round(time.monotonic() - t0, 1)
-        errors = [r["__error__"] for r in ranks if "__error__" in r]
-        assert not errors, f"{plan}: a rank failed:\n{errors[0]}"
-        out.append(ranks)
-    print(f"\nseconds per world: {times}")
-    return out
+def runs(fsdp_checkpoint_worlds):
+    """(the saving world's rank results, the resumed world's): conftest.py, the save in the world of
+    2 that the other FSDP tests share, the resume in a second world started after it."""
+    return fsdp_checkpoint_worlds
 
 
 def _differing(got: dict, want: dict) -> int:

@@ -21,7 +21,7 @@ from dist_workers import bit_report  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-FAMILIES = ("dense", "hybrid")
+FAMILIES = tuple(f for f, _ in fw.CASES["determinism"])
 # The tolerance of the sharded step against one process. Both sides add the same per-token fp32
 # gradient terms, in another association: one process sums a mini-batch's tokens inside each
 # weight-gradient reduction, dp ranks sum their own tokens and the reduce-scatter adds the dp
@@ -41,14 +41,14 @@ GRAD_NORM_REL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def job():
-    return fw.make_job("determinism", families=FAMILIES)
+def job(fsdp_job):
+    return fsdp_job
 
 
 @pytest.fixture(scope="module")
-def worlds(job, tmp_path_factory):
-    """{dp: [rank results]} for dp = 1, 2, 4 (one spawn each)."""
-    return fw.run_worlds(job, tmp_path_factory, "fsdp_det")
+def worlds(fsdp_determinism_worlds):
+    """{dp: [rank results]} for dp = 1, 2, 4 (conftest.py: one world per size for the folder)."""
+    return fsdp_determinism_worlds
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 tiny dense and hybrid models (and the dense one in bf16): the forward is bitwise (scoring and the
 training forward), and a step is bitwise the single-process step whose micro-batches are the
 ranks' shares (fsdp_workers.py builds both sides from the same seeds); the refusals come on
-every rank before any collective. One world per dp runs every case; bits compared through
-integer views."""
+every rank before any collective. One world per dp runs every case, beside the other files' cases
+(worlds.py); bits compared through integer views."""
 
 from __future__ import annotations
 
@@ -20,19 +20,18 @@ from dist_workers import bit_report  # noqa: E402
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
-CASES = [("dense", "fp32"), ("hybrid", "fp32"), ("dense", "bf16")]
-KEYS = [f"{f}/{d}" for f, d in CASES]
+KEYS = [f"{f}/{d}" for f, d in fw.CASES["trainer"]]
 
 
 @pytest.fixture(scope="module")
-def job():
-    return fw.make_job("trainer", cases=CASES)
+def job(fsdp_job):
+    return fsdp_job
 
 
 @pytest.fixture(scope="module")
-def worlds(job, tmp_path_factory):
-    """{dp: [rank results]} for dp = 1, 2, 4 (one spawn each)."""
-    return fw.run_worlds(job, tmp_path_factory, "fsdp")
+def worlds(fsdp_trainer_worlds):
+    """{dp: [rank results]} for dp = 1, 2, 4 (conftest.py: one world per size for the folder)."""
+    return fsdp_trainer_worlds
 
 
 def _differing(got: dict, want: dict) -> int:

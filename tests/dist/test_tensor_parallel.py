@@ -1,12 +1,12 @@
 """Tensor parallelism keeps the bits of one process: row-parallel linear (K leaves gathered and summed
 in leaf order), column-parallel linear, and the vocabulary-parallel token logprob, at TP = 1, 2 and
-4 on gloo (CPU), fp32 and bf16. One world per size runs every case (dist_workers.py); the single-
-process kernels run here from the same seeds. Bits compared through integer views."""
+4 on gloo (CPU), fp32 and bf16. One world per size runs every case (dist_workers.py), beside the
+other files' cases (worlds.py); the single-process kernels run here from the same seeds. Bits
+compared through integer views."""
 
 from __future__ import annotations
 
 import sys
-import time
 
 sys.modules.setdefault("fla", None)
 
@@ -22,18 +22,9 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    """{world size: [rank results]} for TP = 1, 2, 4 (one spawn each), and the seconds each took."""
-    out, times = {}, {}
-    for ws in dw.WORLD_SIZES:
-        folder = tmp_path_factory.mktemp(f"tp{ws}")
-        t0 = time.monotonic()
-        out[ws] = dw.run_world(ws, folder)
-        times[ws] = round(time.monotonic() - t0, 1)
-        errors = [r["__error__"] for r in out[ws] if "__error__" in r]
-        assert not errors, f"TP={ws}: a rank failed:\n{errors[0]}"
-    print(f"\nworld start-up and cases, seconds per TP size: {times}")
-    return out
+def worlds(tp_kernel_worlds):
+    """{world size: [rank results]} for TP = 1, 2, 4 (conftest.py: one world per size for the folder)."""
+    return tp_kernel_worlds
 
 
 def _every_rank(worlds, key, field="out"):

@@ -9,7 +9,6 @@ and a model whose heads and vocabulary tp cannot cut, on every rank before any c
 from __future__ import annotations
 
 import sys
-import time
 
 sys.modules.setdefault("fla", None)
 
@@ -20,7 +19,6 @@ import dist_workers as dw  # noqa: E402
 import tp_model_workers as tw  # noqa: E402
 from isoexec.enforce import RuntimeFacts  # noqa: E402
 from isoexec.errors import TopologyRefused  # noqa: E402
-from isoexec.model.tp_dense import TensorParallelDense  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -40,15 +38,10 @@ def single():
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory):
-    """{tp: [rank results]}: TP = 1 in this process (no group); TP = 2 (both pairs) and 4 from one
-    spawned world of 4."""
-    t0 = time.monotonic()
-    out = {1: [tw.cases(None)]}
-    t1 = time.monotonic()
-    out.update(tw.run_world(tmp_path_factory.mktemp("tpmodel")))
-    print(f"\nseconds: TP = 1 in process {t1 - t0:.1f}, world of 4 (TP = 2 and 4) {time.monotonic() - t1:.1f}")
-    return out
+def worlds(tp_model_worlds):
+    """{tp: [rank results]}: TP = 1 in this process (no group); TP = 2 (both pairs) and 4 from the
+    world of 4 (conftest.py)."""
+    return {1: [tw.cases(None)], **tp_model_worlds}
 
 
 @pytest.mark.parametrize("case", tw.CASES)

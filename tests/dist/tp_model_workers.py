@@ -1,35 +1,31 @@
 """What each rank of the tensor-parallel dense model tests runs (test_tp_dense_model.py).
 
-``run_world(out_dir)`` starts one world of 4 gloo processes (one start-up for both sizes: each
-process's imports and first contract build take most of the time on a small CPU). Every rank runs
-at TP = 4 in the whole world and at TP = 2 in its pair's group ([0, 1] or [2, 3]); each time it
-builds the same random ``dense_tp_tiny`` model from a seed, installs the ``isoexec_tp4`` contract
-(K_LEAVES = 4 on o_proj and down_proj, tp claimed 1/2/4), cuts it with ``TensorParallelDense`` and
-keeps, per dtype and trainer case, the hidden states, its vocabulary slice of the logits and the
-token logprobs, saved to ``out_dir/rank{rank}.pt`` as ``{tp: results}``. The test compares them
-with the single-process ``DenseModel`` under the same contract, computed in the test process.
+``world_cases(job, rank)`` runs in a world of 4 gloo processes (worlds.py; one start-up for both
+sizes). Every rank runs at TP = 4 in the whole world and at TP = 2 in its pair's group ([0, 1] or
+[2, 3]); each time it builds the same random ``dense_tp_tiny`` model from a seed, installs the
+``isoexec_tp4`` contract (K_LEAVES = 4 on o_proj and down_proj, tp claimed 1/2/4), cuts it with
+``TensorParallelDense`` and keeps, per dtype and trainer case, the hidden states, its vocabulary
+slice of the logits and the token logprobs, as ``{tp: results}``. The test compares them with the
+single-process ``DenseModel`` under the same contract, computed in the test process. The contracts
+and model configs come built in the job (``make_job``): reading a model config imports
+transformers, seconds per process that four ranks would otherwise spend on two cores.
 """
 
 from __future__ import annotations
 
-import datetime
 import functools
-import os
 import sys
-import traceback
-from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 import dist_workers  # noqa: E402
-from dist_workers import _free_port  # noqa: E402
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
+from isoexec.contract import decode, encode  # noqa: E402
 from isoexec.errors import TopologyRefused  # noqa: E402
-from isoexec.model import ForwardBatch, build_model  # noqa: E402
+from isoexec.model import DenseConfig, DenseModel, ForwardBatch  # noqa: E402
 from isoexec.model import tp_dense  # noqa: E402
 from isoexec_kernels.gemm import linear  # noqa: E402
 
@@ -40,18 +36,30 @@ LENGTHS = (6, 2, 5)
 SEED = 11
 
 
-@functools.lru_cache(maxsize=None)
-def _contract(composition: str, model: str):
-    return build_contract("dense", composition, "cpu", model)
+# the (composition, model) pairs the cases build: the one under test, and the two refused ones
+BUILDS = ((COMPOSITION, MODEL), ("isoexec", MODEL), ("isoexec", "dense_tiny"))
+_built: dict = {}   # (composition, model) -> (contract, DenseConfig)
+
+
+def _contract_and_config(composition: str, model: str):
+    if (composition, model) not in _built:
+        _built[composition, model] = (build_contract("dense", composition, "cpu", model),
+                                      DenseConfig.from_hf(load_model_config(model)["hf_config"]))
+    return _built[composition, model]
 
 
 def model_and_contract(dtype, composition=COMPOSITION, model=MODEL):
     """The single-process model every rank (and the test) rebuilds: random weights from SEED."""
-    contract = _contract(composition, model)
-    m = build_model("dense", load_model_config(model)["hf_config"], dtype=dtype)
+    contract, cfg = _contract_and_config(composition, model)
+    m = DenseModel(cfg, dtype=dtype)
     m.init_random(SEED)
     m.install(contract)
     return m, contract
+
+
+def make_job() -> dict:
+    """The contracts (encoded) and model configs of ``BUILDS``, built once in the test process."""
+    return {"built": {key: (encode(c), cfg) for key in BUILDS for c, cfg in [_contract_and_config(*key)]}}
 
 
 def inputs(vocab_size: int):
@@ -117,26 +125,8 @@ WORLD = 4
 PAIRS = ([0, 1], [2, 3])
 
 
-def _entry(rank: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120))
-    try:
-        pairs = [dist.new_group(p) for p in PAIRS]  # every rank creates every group
-        res = {2: cases(pairs[rank // 2]), 4: cases(None)}
-    except Exception:
-        res = {"__error__": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def run_world(out_dir: Path) -> dict[int, list[dict]]:
-    """{tp: [results of each rank of one group of that size]}: TP = 2 from both pairs (4 ranks),
-    TP = 4 from the world."""
-    mp.spawn(_entry, args=(_free_port(), str(out_dir)), nprocs=WORLD, join=True)
-    ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-    errors = [r["__error__"] for r in ranks if "__error__" in r]
-    if errors:
-        raise AssertionError(f"a rank failed:\n{errors[0]}")
-    return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+def world_cases(job: dict, rank: int) -> dict:
+    """One rank of the world of 4: {2: its pair's cases, 4: the world's}."""
+    _built.update({key: (decode(c), cfg) for key, (c, cfg) in job["built"].items()})
+    pairs = [dist.new_group(p) for p in PAIRS]  # every rank creates every group
+    return {2: cases(pairs[rank // 2]), 4: cases(None)}

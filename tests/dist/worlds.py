@@ -1,0 +1,115 @@
+"""One spawned gloo world per size for every test file of this folder (conftest.py makes them once
+per test run).
+
+Starting a world costs more than most of what the tests then compute in it: each process imports
+torch and the package, and the rendezvous waits for the slowest (on a 2-core CPU about 2 s for one
+or two processes, 4 s for four, twice that beside other tests). So every part the selected tests
+need runs in the same world of each size, one after the other, in the order of ``PARTS``:
+
+- ``tp_kernels``: the row-, column- and vocabulary-parallel kernels at TP = 1, 2, 4 (dist_workers.py;
+  test_tensor_parallel.py)
+- ``tp_model``: the tensor-parallel dense model at TP = 2 (two pairs) and 4 in the world of 4
+  (tp_model_workers.py; test_tp_dense_model.py)
+- ``fsdp_trainer``, ``fsdp_determinism``: the FSDP2 trainer at dp = 1, 2, 4 (fsdp_workers.py;
+  test_fsdp_trainer.py, test_fsdp_determinism.py)
+- ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
+  first is torn down (test_fsdp_checkpoint.py: a resume is only a resume in a new world)
+
+Each rank saves ``{part: results}`` to ``<folder>/<world>_rank<r>.pt``; a part that raises records
+its traceback as ``{"__error__": ...}`` and the others still run (a failure fails only the tests of
+its part). Every comparison is between two computations on the same machine: no stored bits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.modules.setdefault("fla", None)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+import dist_workers  # noqa: E402
+import fsdp_workers  # noqa: E402
+import tp_model_workers  # noqa: E402
+
+# part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
+# of round 1 start after every world of round 0 has ended
+PARTS = {
+    "tp_kernels": (0, dist_workers.WORLD_SIZES, lambda job, ws, rank: dist_workers._cases(ws, rank)),
+    "tp_model": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_model_workers.world_cases(job["tp_model"], rank)),
+    "fsdp_trainer": (0, fsdp_workers.WORLD_SIZES, lambda job, ws, rank: fsdp_workers.plan_trainer(job["fsdp"], ws, rank)),
+    "fsdp_determinism": (0, fsdp_workers.WORLD_SIZES,
+                         lambda job, ws, rank: fsdp_workers.plan_determinism(job["fsdp"], ws, rank)),
+    "fsdp_save": (0, (fsdp_workers.CHECKPOINT_DP,), lambda job, ws, rank: fsdp_workers.plan_save(job["fsdp"], ws, rank)),
+    "fsdp_resume": (1, (fsdp_workers.CHECKPOINT_DP,),
+                    lambda job, ws, rank: fsdp_workers.plan_resume(job["fsdp"], ws, rank)),
+}
+
+
+def _entry(rank: int, world_size: int, port: int, out_dir: str, name: str, parts: list[str], job: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    res = {}
+    try:
+        for part in parts:
+            try:
+                res[part] = PARTS[part][2](job, world_size, rank)
+            except Exception:
+                res[part] = {"__error__": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(res, os.path.join(out_dir, f"{name}_rank{rank}.pt"))
+
+
+def worlds_of(parts) -> list[tuple[str, int, list[str]]]:
+    """(world name, size, parts) of every world that ``parts`` need, in the order they run."""
+    out = []
+    for rnd in sorted({PARTS[p][0] for p in parts}):
+        mine = [p for p in PARTS if p in parts and PARTS[p][0] == rnd]
+        for ws in sorted({ws for p in mine for ws in PARTS[p][1]}):
+            out.append((f"r{rnd}_ws{ws}", ws, [p for p in mine if ws in PARTS[p][1]]))
+    return out
+
+
+def run(parts, job: dict, folder: Path) -> dict[str, float]:
+    """Spawn every world ``parts`` need, in order; seconds per world."""
+    times = {}
+    for name, ws, mine in worlds_of(parts):
+        t0 = time.monotonic()
+        try:
+            mp.spawn(_entry, args=(ws, dist_workers._free_port(), str(folder), name, mine, job), nprocs=ws, join=True)
+        except Exception:   # a rank died: its parts fail, the other worlds still run
+            error = {p: {"__error__": f"world {name} failed:\n{traceback.format_exc()}"} for p in mine}
+            for r in range(ws):
+                if not (folder / f"{name}_rank{r}.pt").exists():
+                    torch.save(error, folder / f"{name}_rank{r}.pt")
+        times[name] = round(time.monotonic() - t0, 1)
+    return times
+
+
+def load(parts, folder: Path) -> dict[str, dict[int, list[dict]]]:
+    """{part: {world size: [each rank's results of that part]}} (the world of round 1 under its
+    own part, so sizes do not collide)."""
+    out = {p: {} for p in parts}
+    for name, ws, mine in worlds_of(parts):
+        ranks = [torch.load(folder / f"{name}_rank{r}.pt", weights_only=False) for r in range(ws)]
+        for p in mine:
+            out[p][ws] = [r[p] for r in ranks]
+    return out
+
+
+def failure(part: str, by_size: dict[int, list[dict]]) -> str | None:
+    """The first rank's traceback if ``part`` failed on any rank, else None."""
+    for ws, ranks in by_size.items():
+        for rank, res in enumerate(ranks):
+            if "__error__" in res:
+                return f"{part}, world of {ws}, rank {rank} failed:\n{res['__error__']}"
+    return None
