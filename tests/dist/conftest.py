@@ -1,90 +1,109 @@
-"""The spawned worlds of this folder's tests, made once per test run (worlds.py says what runs in them).
+"""The spawned worlds of this folder's tests, made once per test run, in the background (worlds.py
+says what runs in them).
 
 Each test file asks for its part through a fixture of ``PART_FIXTURES``; the worlds run the parts
-that the selected tests ask for, all in one world per size. Under pytest-xdist (the README's
-`-n auto --dist loadfile`) the files land on different workers: the first worker to need the
-worlds claims a folder that the workers of the test run share and makes them there, and a worker
-that needs them meanwhile waits for that one instead of spawning worlds of its own.
+that the selected tests ask for, all in one world per size. They start in a subprocess as soon as
+collection shows which parts are needed, so that they run beside the other tests rather than in
+front of the first test that reads them, and the fixtures wait for them (tests/kernels/conftest.py
+runs the Triton interpreter checks the same way). Under pytest-xdist (the README's `-n auto --dist
+loadfile`) every worker collects every test: the first to claim a folder that the workers of the
+test run share starts the subprocess there, and every worker reads the results from there. This
+folder's tests are also moved to the end of the run, so that the worlds are ready when the workers
+reach them.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
-import traceback
+from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
 import pytest  # noqa: E402
 
+HERE = Path(__file__).resolve().parent
 # fixture -> the worlds.py parts it returns
 PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_model",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume")}
-WAIT_S = 1800   # a worker waiting for another's worlds gives up after this long
-_needed: set[str] = set()
+WAIT_S = 1800   # the fixtures give up on the worlds after this long
+# the output files are <folder>/run.out and run.err; run.rc appears (atomically) when it ends
+_RUN_TO_FILES = '"$@" > "$0/run.out" 2> "$0/run.err"; echo $? > "$0/run.rc.tmp"; mv "$0/run.rc.tmp" "$0/run.rc"'
+_run: dict = {}   # "parts", "folder", and "proc" where this process started the worlds
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [it for it in items if it.path.resolve().parent == HERE]
+    if mine and len(mine) < len(items):
+        items[:] = [it for it in items if it.path.resolve().parent != HERE] + mine
 
 
 def pytest_collection_finish(session):
-    # every xdist worker collects every selected test, so each computes the same set
-    for item in session.items:
-        for name in getattr(item, "fixturenames", ()):
-            _needed.update(PART_FIXTURES.get(name, ()))
+    parts = sorted({p for item in session.items for name in getattr(item, "fixturenames", ())
+                    for p in PART_FIXTURES.get(name, ())})
+    if parts and not session.config.option.collectonly:
+        _start(session.config, parts)
 
 
-def _shared_folder(tmp_path_factory, name: str):
-    """A folder every worker of this test run sees under the same name (xdist gives worker gwN the
-    base temp <run>/gwN); a fresh one without xdist."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        folder = tmp_path_factory.getbasetemp().parent / name
-        folder.mkdir(exist_ok=True)
-        return folder
-    return tmp_path_factory.mktemp(name)
+def _start(config, parts: list[str]) -> None:
+    """Start the worlds of ``parts`` unless a worker of this test run did (O_EXCL claim)."""
+    base = config._tmp_path_factory.getbasetemp()   # what the tmp_path_factory fixture uses
+    if os.environ.get("PYTEST_XDIST_WORKER"):   # xdist gives worker gwN the base temp <run>/gwN
+        base = base.parent
+    folder = base / ("dist-worlds-" + "-".join(parts))
+    folder.mkdir(parents=True, exist_ok=True)
+    _run.update(parts=parts, folder=folder, proc=None)
+    try:
+        os.close(os.open(folder / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    # a session of its own, so that a kill reaches the worlds under the shell too
+    _run["proc"] = subprocess.Popen(["sh", "-c", _RUN_TO_FILES, str(folder), sys.executable, str(HERE / "worlds.py"),
+                                     str(folder), *parts], cwd=HERE, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session):
+    proc = _run.get("proc")
+    if proc is None or proc.poll() is not None:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER") and not (session.shouldfail or session.shouldstop):
+        proc.wait(timeout=WAIT_S)   # another worker may still read it: let it finish, never orphan it
+    else:   # worlds whose tests were not reached (-x, interrupted)
+        import signal
+
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.fixture(scope="session")
-def fsdp_job(tmp_path_factory):
-    """The FSDP ranks' inputs (fsdp_workers.make_job); its checkpoint folder is shared, like the worlds."""
+def fsdp_job():
+    """The FSDP inputs the ranks got (fsdp_workers.make_job), for the single-process references."""
     import fsdp_workers
 
-    return fsdp_workers.make_job(str(_shared_folder(tmp_path_factory, "dist-checkpoint")))
+    return fsdp_workers.make_job(str(_run["folder"] / "checkpoint"))
 
 
 @pytest.fixture(scope="session")
-def dist_worlds(request, tmp_path_factory):
+def dist_worlds():
     """{part: {world size: [rank results]}} of every part the selected tests need."""
     import worlds
 
-    parts = sorted(_needed)
-    folder = _shared_folder(tmp_path_factory, "dist-worlds-" + "-".join(parts))
-    done, failed = folder / "done", folder / "failed"
-    try:   # O_EXCL: exactly one worker of the run makes the worlds
-        os.close(os.open(folder / "claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        deadline = time.monotonic() + WAIT_S
-        while not (done.exists() or failed.exists()) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        if failed.exists():
-            pytest.fail(f"the worlds failed in another worker:\n{failed.read_text()}")
-        if not done.exists():
-            pytest.fail(f"no worlds from another worker after {WAIT_S} s")
-    else:
-        try:
-            job = {}
-            if any(p.startswith("fsdp") for p in parts):
-                job["fsdp"] = request.getfixturevalue("fsdp_job")
-            if "tp_model" in parts:
-                import tp_model_workers
-
-                job["tp_model"] = tp_model_workers.make_job()
-            times = worlds.run(parts, job, folder)
-        except BaseException:
-            failed.write_text(traceback.format_exc())
-            raise
-        print(f"\nworld start-up and parts {parts}, seconds per world: {times}")
-        done.write_text("")
-    return worlds.load(parts, folder)
+    folder, proc = _run["folder"], _run["proc"]
+    rc_file, deadline = folder / "run.rc", time.monotonic() + WAIT_S
+    while not rc_file.exists() and time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None and not rc_file.exists():
+            break   # the shell itself died (killed): no rc will come
+        time.sleep(0.2)
+    read = lambda name: (folder / name).read_text() if (folder / name).exists() else ""  # noqa: E731
+    if not rc_file.exists():
+        pytest.fail(f"the worlds gave no result after {WAIT_S} s:\n{read('run.out')[-3000:]}\n{read('run.err')[-3000:]}")
+    if int(rc_file.read_text()) != 0:
+        pytest.fail(f"the worlds failed:\n{read('run.out')[-3000:]}\n{read('run.err')[-5000:]}")
+    print(read("run.out"))
+    return worlds.load(_run["parts"], folder)
 
 
 def _part(dist_worlds, part: str) -> dict:

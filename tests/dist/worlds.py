@@ -18,6 +18,9 @@ need runs in the same world of each size, one after the other, in the order of `
 Each rank saves ``{part: results}`` to ``<folder>/<world>_rank<r>.pt``; a part that raises records
 its traceback as ``{"__error__": ...}`` and the others still run (a failure fails only the tests of
 its part). Every comparison is between two computations on the same machine: no stored bits.
+
+``python worlds.py FOLDER PART...`` builds the ranks' inputs and runs the worlds (conftest.py starts
+it in the background when collection ends).
 """
 
 from __future__ import annotations
@@ -113,3 +116,18 @@ def failure(part: str, by_size: dict[int, list[dict]]) -> str | None:
             if "__error__" in res:
                 return f"{part}, world of {ws}, rank {rank} failed:\n{res['__error__']}"
     return None
+
+
+def make_job(parts, folder: Path) -> dict:
+    """The ranks' inputs for ``parts`` (contracts and model configs built here, once)."""
+    job = {}
+    if any(p.startswith("fsdp") for p in parts):
+        job["fsdp"] = fsdp_workers.make_job(str(folder / "checkpoint"))
+    if "tp_model" in parts:
+        job["tp_model"] = tp_model_workers.make_job()
+    return job
+
+
+if __name__ == "__main__":
+    out, names = Path(sys.argv[1]), sys.argv[2:]
+    print(f"world start-up and parts {names}, seconds per world: {run(names, make_job(names, out), out)}")
