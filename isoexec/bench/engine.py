@@ -17,10 +17,11 @@ Two absolute yardsticks besides the ratio:
   the step's launches returned vs until the device finished). With CUDA graphs it runs twice: at
   the engine's default prefill interval (4: prefill chunks join a step after 4 decode-only steps)
   and with prefills admitted on every step (interval 0).
-* **decode lookahead** (``EngineConfig.overlap_decode``): the IsoExec engine runs
-  the batch and staggered workloads once more (on every device; with CUDA graphs where the other
-  runs have them) with the next decode step launched before the current one's tokens are read (rows with ``overlap_decode: true``). Those staggered runs do not
-  synchronise after every step (that would undo the overlap), so they report no host share.
+* **decode lookahead** (``EngineConfig.overlap_decode``): the IsoExec engine runs the batch and
+  staggered workloads once more (on every device; with CUDA graphs where the other runs have them)
+  with the next decode step launched before the current one's tokens are read (rows with
+  ``overlap_decode: true``). Those staggered runs do not synchronise after every step (that would
+  undo the overlap), so they report no host share.
 """
 
 from __future__ import annotations

@@ -164,29 +164,19 @@ class Engine:
 
     def step(self) -> list[Result]:
         """Run one scheduled step; the requests that finished in it."""
-        live = None
         if self._ahead is not None:                 # launched during the previous call
-            batch, out = self._ahead
-            self._ahead = None
-            live = [not s.is_finished for s in batch.seqs]
-            if not all(live):       # sampled a stop token one step earlier: drop the row computed ahead
-                self.num_ahead_dropped += live.count(False)
-                batch = replace(batch, seqs=[s for s, k in zip(batch.seqs, live) if k],
-                                num_tokens=[n for n, k in zip(batch.num_tokens, live) if k])
+            batch, out = self._take_ahead()
         else:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
             out = self.runner.run(batch)
         if batch.seqs and out is not None and self._may_look_ahead(batch):
-            self._launch_ahead(batch, out, live)
+            self._launch_ahead(batch, out)
         if out is None:
             tokens, lps, tops = [], [], None
         else:
             tokens, lps, tops = out.tokens.tolist(), out.logprobs.tolist(), out.top
-            if live is not None and not all(live):
-                tokens = [t for t, k in zip(tokens, live) if k]
-                lps = [v for v, k in zip(lps, live) if k]
         finished = self.scheduler.postprocess(batch, tokens, lps, tops)
         if self._ahead is not None and all(s.is_finished for s in self._ahead[0].seqs):
             self.num_ahead_dropped += len(self._ahead[0].seqs)   # every one stopped: nothing to keep
@@ -207,17 +197,31 @@ class Engine:
         return (self.config.overlap_decode and batch.is_decode
                 and self.runner.full_rows is None and not any(s.params.logprobs for s in batch.seqs))
 
-    def _launch_ahead(self, batch, out, live) -> None:
-        """Plan and launch the decode step after ``batch`` before its tokens are read."""
+    def _take_ahead(self):
+        """The step launched ahead, without the rows of sequences that sampled a stop token in
+        the step before it (their next token was computed anyway; the rows are dropped on the
+        device, no sync)."""
+        batch, out = self._ahead
+        self._ahead = None
+        keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+        if len(keep) < len(batch.seqs):
+            self.num_ahead_dropped += len(batch.seqs) - len(keep)
+            idx = torch.tensor(keep, dtype=torch.int64).to(out.tokens.device, non_blocking=True)
+            batch = replace(batch, seqs=[batch.seqs[i] for i in keep], num_tokens=[1] * len(keep))
+            out = replace(out, tokens=out.tokens[idx], logprobs=out.logprobs[idx])
+        return batch, out
+
+    def _launch_ahead(self, batch, out) -> None:
+        """Plan and launch the decode step after ``batch`` before its tokens are read; its
+        inputs are the rows of ``out.tokens`` of the sequences that go on."""
         nxt = self.scheduler.lookahead(batch)
         if nxt is None:
             return
-        # rows of ``out`` (one per sequence of the batch as launched) that feed the next step
-        rows = [i for i, k in enumerate(live or [True] * len(out.tokens)) if k]
-        pos = {id(s): r for s, r in zip(batch.seqs, rows)}
-        pick = [pos[id(s)] for s in nxt.seqs]
-        ids = out.tokens if pick == list(range(len(out.tokens))) else \
-            out.tokens[torch.tensor(pick, dtype=torch.int64).to(out.tokens.device, non_blocking=True)]
+        ids = out.tokens
+        if len(nxt.seqs) < len(batch.seqs):      # nxt.seqs is a subsequence of batch.seqs
+            row = {id(s): i for i, s in enumerate(batch.seqs)}
+            pick = torch.tensor([row[id(s)] for s in nxt.seqs], dtype=torch.int64)
+            ids = out.tokens[pick.to(out.tokens.device, non_blocking=True)]
         self._ahead = (nxt, self.runner.run(nxt, ahead_ids=ids))
         self.num_ahead_steps += 1
 

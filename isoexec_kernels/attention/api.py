@@ -220,6 +220,7 @@ def _decode_cu_seqlens(batch: int, device: torch.device) -> torch.Tensor:
     graph's private memory pool)."""
     kept = _DECODE_CU.get(device)
     if kept is None or kept.numel() < batch + 1:
+        # room for 256 sequences at once, so the kept tensor is rarely regrown
         fresh = torch.arange(max(batch + 1, 257), dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return fresh[:batch + 1]

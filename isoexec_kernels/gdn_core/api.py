@@ -64,8 +64,8 @@ Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
   ``tl.dot``); ``_gdn_recurrent_kernel`` (the per-token step over a segment of tokens, one
   program per (segment, head, Dv tile); ``tl.sum`` over Dk). Every fp32 ``tl.dot`` of the prep
   and state kernels uses ``input_precision="tf32x3"`` (three TF32 tensor-core products per dot,
-  about fp32 accuracy, the same instruction sequence in every case); exp is ``tl.exp``; tiles and warps are fixed constants
-  that depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same
+  about fp32 accuracy, the same instruction sequence in every case); exp is ``tl.exp``; tiles
+  and warps are fixed constants that depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same
   prep/state kernels for all lanes; a lane whose chunk is not complete has a chunk count of 0
   on device and its programs store nothing, so decode has no host sync and no data-dependent
   Python control flow (CUDA-graph capturable). Only the loop trip counts and base addresses
