@@ -31,8 +31,9 @@ class EngineConfig:
     # plan and launch the next decode step before reading this one's tokens (engine.py, "Decode
     # lookahead"): the host's scheduling and staging then overlap the device's work. Scheduling
     # only: the tokens and logprobs are those of a run without it (the kernels are batch
-    # invariant), tested on CPU; off until its speed is measured on a GPU
-    overlap_decode: bool = False
+    # invariant), tested on CPU and inside CUDA graphs on the H200, where it raised decode from
+    # 22.3% to 24.9% of the HBM roofline and staggered arrivals from 3,620 to 6,420 tok/s
+    overlap_decode: bool = True
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"
