@@ -9,7 +9,9 @@ shapes on a CPU or with ``--quick``):
   token logprob over the vocabulary. Rows follow docs/benchmarks.md: ``baseline`` is the stock path,
   ``speed_ratio = baseline_ms / ours_ms``.
 * **model.trainer_step**: the whole trainer step (forward with autograd, token logprobs,
-  backward to every parameter) under the native and the IsoExec composition.
+  backward to every parameter) under the native and the IsoExec composition, each timed in a
+  fresh process of its own (two rounds in alternating order on a GPU; :func:`_fresh_process`
+  says why).
 * **profile**: one trainer step of each composition under ``torch.profiler``: the step's host
   (wall) time, the device time, and the kernels that took the most device time (name, calls,
   total ms), so the next regression is found in one run (returned as the result's ``profile``).
@@ -17,6 +19,10 @@ shapes on a CPU or with ``--quick``):
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -41,6 +47,7 @@ _LINEARS = {"qkv": (1024, 4096), "o": (2048, 1024), "gate_up": (1024, 6144), "do
             "lm_head": (1024, 151936)}
 _TINY_LINEARS = {"qkv": (64, 128), "o": (64, 64), "lm_head": (64, 512)}
 _TOP_KERNELS = 15
+_RESULT = "TRAINER_STEP_RESULT "   # prefix of the one stdout line a step process prints
 
 
 def bench_train_regions(device: str, quick: bool, log=print) -> list[dict]:
@@ -183,24 +190,52 @@ def profile_step(step, device: str, top: int = _TOP_KERNELS, warmup: bool = True
     }
 
 
+def _time_and_profile(comp: str, device: str, quick: bool) -> dict:
+    """Build one composition's trainer step, time it and profile one step (in this process)."""
+    _, _, _, make = _model_steps(device, quick)
+    step = make(comp)
+    # quick runs are format checks: one timed step (the CPU reference path is slow)
+    ms = time_ms(step, device, warmup_ms=200, rep_ms=0 if quick else 1000, min_reps=1 if quick else 5)
+    return {"ms": ms, "profile": profile_step(step, device, warmup=False)}  # time_ms warmed it up
+
+
+def _fresh_process(comp: str, device: str, quick: bool) -> dict:
+    """:func:`_time_and_profile` in a new Python process. Each composition gets a process of its
+    own because on the H200 the composition timed second in one process came out slower whichever
+    it was (isoexec 76 ms first, 139 ms second; native 88 first, 115 second): the step is
+    host-bound, and the host state the first one leaves behind is not what a training run, one
+    composition per process, sees."""
+    cmd = [sys.executable, "-m", "isoexec.bench.train", "--step", comp, "--device", device] + (["--quick"] if quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT)]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the {comp} trainer-step process exited {proc.returncode}: {tail}")
+    return json.loads(lines[-1][len(_RESULT):])
+
+
 def bench_train_model(device: str, quick: bool, log=print) -> tuple[list[dict], dict]:
     """The whole trainer step (forward with autograd, token logprobs, backward to every parameter),
-    timed and profiled under each composition."""
-    name, T, seqs, make = _model_steps(device, quick)
-    times, profiles = {}, {}
-    for comp in ("native", "isoexec"):
-        step = make(comp)
-        # quick runs are format checks: one timed step (the CPU reference path is slow)
-        times[comp] = time_ms(step, device, warmup_ms=200, rep_ms=0 if quick else 1000, min_reps=1 if quick else 5)
-        profiles[comp] = profile_step(step, device, warmup=False)  # time_ms warmed it up
-        p = profiles[comp]
-        log(f"profile {comp}: host {p['host_ms']:.1f} ms, wall {p['wall_ms']:.1f} ms"
-            + (f", device {p['device_ms']:.1f} ms in {p['kernel_launches']} launches" if p["device_ms"] is not None else ""))
-        for k in p["top"][:5]:
-            log(f"    {k['total_ms']:9.3f} ms  x{k['calls']:<6} {k['name'][:90]}")
-        del step
+    timed and profiled under each composition, each in a fresh process, in alternating order over
+    rounds (two on a GPU); the row's time is the median over rounds, and ``rounds_ms`` keeps each."""
+    name, T, seqs, _ = _model_steps(device, quick)
+    rounds = 1 if quick else 2
+    times: dict[str, list[float]] = {"native": [], "isoexec": []}
+    profiles = {}
+    for r in range(rounds):
+        for comp in (("native", "isoexec") if r % 2 == 0 else ("isoexec", "native")):
+            res = _fresh_process(comp, device, quick)
+            times[comp].append(res["ms"])
+            profiles[comp] = res["profile"]
+            p = res["profile"]
+            log(f"round {r} {comp}: {res['ms']:.1f} ms; profile: host {p['host_ms']:.1f} ms, wall {p['wall_ms']:.1f} ms"
+                + (f", device {p['device_ms']:.1f} ms in {p['kernel_launches']} launches" if p["device_ms"] is not None else ""))
+            for k in p["top"][:5]:
+                log(f"    {k['total_ms']:9.3f} ms  x{k['calls']:<6} {k['name'][:90]}")
     r = row({"stage": "model.trainer_step", "pass": "fwd+bwd", "model": name, "T": T, "seqs": seqs},
-            "native_composition", times["native"], times["isoexec"])
+            "native_composition", statistics.median(times["native"]), statistics.median(times["isoexec"]))
+    r["rounds_ms"] = {c: [round(t, 6) for t in v] for c, v in times.items()}
+    r["timing"] = "one fresh process per composition and round, alternating order"
     print_rows([r], ["stage", "model", "T"], log)
     return [r], {"model": name, "T": T, "compositions": profiles}
 
@@ -210,3 +245,20 @@ def bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict]
     rows = bench_train_regions(device, quick, log)
     model_rows, prof = bench_train_model(device, quick, log)
     return rows + model_rows, {"profile": prof}
+
+
+def _main(argv=None) -> int:
+    """One composition's trainer step in this process (the worker of :func:`_fresh_process`)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m isoexec.bench.train")
+    ap.add_argument("--step", choices=["native", "isoexec"], required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    print(_RESULT + json.dumps(_time_and_profile(a.step, a.device, a.quick)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -22,6 +22,8 @@ def test_bench_train_quick_cpu_rows_cover_every_region_and_profile_each_composit
         assert r["baseline_ms"] > 0 and r["ours_ms"] > 0 and r["speed_ratio"] > 0
     model = next(r for r in rows if r["stage"] == "model.trainer_step")
     assert model["baseline"] == "native_composition" and model["T"] > 0
+    # each composition timed in its own process: the row's times are those rounds' medians
+    assert model["rounds_ms"]["native"] == [model["baseline_ms"]] and model["rounds_ms"]["isoexec"] == [model["ours_ms"]]
     prof = res["profile"]
     assert prof["model"] == model["model"] and set(prof["compositions"]) == {"native", "isoexec"}
     for p in prof["compositions"].values():
