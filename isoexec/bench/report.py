@@ -31,6 +31,10 @@ def load(path: str | Path) -> dict:
 def _fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, dict):   # e.g. bench train's rounds_ms: "native 103.8, 112.6; isoexec 78.19, 85.35"
+        return "; ".join(f"{k} {_fmt(x)}" for k, x in v.items())
+    if isinstance(v, list):
+        return ", ".join(_fmt(x) for x in v)
     return str(v)
 
 
@@ -87,7 +91,9 @@ def write_bench_report(paths: Iterable[str | Path], md_out: str | Path, csv_out:
     for o in objs:
         lines += section(o)
         for r in o["rows"]:
-            w.writerow({"name": o["name"], "device": o["env"].get("device", ""), **r})
+            # nested values (bench train's rounds_ms) as JSON, which a CSV reader can parse back
+            w.writerow({"name": o["name"], "device": o["env"].get("device", ""),
+                        **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()}})
     atomic_write(md_out, "\n".join(lines))
     atomic_write(csv_out, buf.getvalue())
     return sum(len(o["rows"]) for o in objs)

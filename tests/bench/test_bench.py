@@ -108,6 +108,21 @@ def test_report_renders_every_row(tmp_path):
     assert len((tmp_path / "k.csv").read_text().strip().splitlines()) == 3
 
 
+def test_report_writes_per_round_times_as_text_not_a_python_repr(tmp_path):
+    res = {"name": "train", "env": {"device": "cpu", "torch": "2", "triton": "3", "transformers": "5", "commit": "c",
+                                    "date": "d"},
+           "rows": [{"stage": "model.trainer_step", "rounds_ms": {"native": [2.0, 2.5], "isoexec": [1.0, 1.25]},
+                     "baseline": "native_composition", "baseline_ms": 2.25, "ours_ms": 1.125, "speed_ratio": 2.0}]}
+    p = tmp_path / "train.json"
+    p.write_text(json.dumps(res))
+    write_bench_report([p], tmp_path / "k.md", tmp_path / "k.csv", "h200")
+    md = (tmp_path / "k.md").read_text()
+    assert "| native 2, 2.5; isoexec 1, 1.25 |" in md and "{" not in md.split("## train")[1]
+    import csv
+    (got,) = csv.DictReader((tmp_path / "k.csv").open())
+    assert json.loads(got["rounds_ms"]) == res["rows"][0]["rounds_ms"]
+
+
 def test_report_refuses_a_non_result(tmp_path):
     p = tmp_path / "x.json"
     p.write_text("{}")
