@@ -270,6 +270,8 @@ class Engine:
             raise ValueError("update_weights: no trainer contract to handshake with; pass trainer_contract")
         result = self.handshake(remote)                  # refuses before anything changes
         src = dict(weights.named_parameters()) if isinstance(weights, nn.Module) else dict(weights)
+        if hasattr(self.model, "shard_weights"):         # a tensor-parallel model: its rank's shards
+            src = self.model.shard_weights(src)
         params = dict(self.model.named_parameters())
         missing, extra = sorted(set(params) - set(src)), sorted(set(src) - set(params))
         if missing or extra:

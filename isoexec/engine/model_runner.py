@@ -44,9 +44,11 @@ class ModelRunner:
         cfg = model.cfg
         self.device = model.embed.device
         self.page_size = page_size
-        # one KV cache per attention layer (hybrid families have fewer than num_layers)
+        # one KV cache per attention layer (hybrid families have fewer than num_layers), of the kv
+        # heads this process computes (a tensor-parallel model's ``kv_cache_heads``: its share)
         self.kv = KVCache.allocate(getattr(cfg, "num_kv_layers", cfg.num_layers), num_pages, page_size,
-                                   cfg.num_kv_heads, cfg.head_dim, model.embed.dtype, self.device)
+                                   getattr(model, "kv_cache_heads", cfg.num_kv_heads), cfg.head_dim,
+                                   model.embed.dtype, self.device)
         # Recurrent families: per-layer state slots, plus one scratch slot (index num_state_slots)
         # that the padded lanes of a decode graph read and write, so real slots stay untouched.
         self.recurrent = hasattr(model, "allocate_recurrent_state")

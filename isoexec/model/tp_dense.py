@@ -31,8 +31,17 @@ does not claim, a tp that does not divide the row-parallel regions' ``K_LEAVES``
 kernels other than the ones whose schedule the tensor-parallel layers reproduce. Every rank sees
 the same sizes, so every rank refuses and none waits in a collective.
 
-Trainer cases only (``trainer_fwd``, ``trainer_score``); the engine under TP (its KV pages hold the
-rank's kv heads) is not built. The backward is deterministic for a given tp, not tp-invariant
+The engine runs on it too (``engine_prefill``, ``engine_decode``, when the contract declares them):
+``Engine(TensorParallelDense(model, group), contract)`` on every rank of the group. A rank's KV
+cache holds its own ``num_kv_heads / tp`` kv heads (``kv_cache_heads``, which ``ModelRunner``
+allocates), attention over the paged cache runs per head as in one process, and for an engine case
+``logits`` returns the whole rows: the vocabulary slices gathered in rank order (a copy), so every
+rank's sampler sees the one-process logits, draws the same tokens from the same seeds, and computes
+their logprobs by the contract's ``logprob`` region on whole rows, the one-process bits. The ranks
+run the same scheduler on the same requests, in step. ``shard_weights`` cuts a full state dict
+(the trainer's ``full_parameters()``) into this rank's shards; ``Engine.update_weights`` applies it
+(tests/dist/test_tp_engine.py: TP = 2 and 4 engines give the one-process engine's tokens and
+logprobs, which the one-process trainer recomputes, bit for bit). The backward is deterministic for a given tp, not tp-invariant
 (only forward bits must match): the replicated inputs of column-parallel work get the ranks'
 gradients summed in rank order, the row-parallel and logprob backward need no communication. With
 tied embeddings the embedding's gradient on a rank holds the lm_head contribution of its own
@@ -49,7 +58,7 @@ from isoexec_kernels.gemm import k_leaves_for
 from ..contract import K_LEAVES
 from ..dist import (column_shard_range, replicated_input, row_parallel_linear,
                     vocab_parallel_token_logprobs, vocab_shard_range)
-from ..dist.collectives import group_size_rank
+from ..dist.collectives import gather_in_rank_order, group_size_rank
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
@@ -57,31 +66,45 @@ from .batch import ForwardBatch
 from .dense import DenseModel
 
 TRAINER_CASES = ("trainer_fwd", "trainer_score")
+ENGINE_CASES = ("engine_prefill", "engine_decode")
 UNIT = 64  # gate/up column unit: one K block of down_proj
 
 
+def _layer_cut(cfg, tp: int, rank: int, unit: int):
+    """How rank ``rank`` cuts a full ``DenseLayer`` tensor: ``cut(name, full) -> shard`` (the
+    replicated norms unchanged), and the local (q, k, v) and gate/up widths."""
+    hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    q0, q1 = rank * nh // tp * hd, (rank + 1) * nh // tp * hd
+    k0, k1 = rank * nkv // tp * hd, (rank + 1) * nkv // tp * hd
+    qs, ks = cfg.q_size, cfg.kv_size
+    rows = torch.cat([torch.arange(q0, q1), qs + torch.arange(k0, k1), qs + ks + torch.arange(k0, k1)])
+    inter = cfg.intermediate_size
+    i0, i1 = column_shard_range(inter, tp, rank, unit)
+
+    def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+        if name in ("qkv_weight", "qkv_bias"):
+            return full[rows.to(full.device)]
+        if name == "o_weight":
+            return full[:, q0:q1]
+        if name == "gate_up_weight":
+            return torch.cat([full[i0:i1], full[inter + i0:inter + i1]])
+        if name == "down_weight":
+            return full[:, i0:i1]
+        return full   # attn_norm, q_norm, k_norm, mlp_norm: replicated
+
+    return cut, (q1 - q0, k1 - k0, k1 - k0), i1 - i0
+
+
 class _LayerShard(nn.Module):
+    NAMES = ("attn_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "mlp_norm",
+             "gate_up_weight", "down_weight")
+
     def __init__(self, layer, cfg, tp: int, rank: int, unit: int):
         super().__init__()
-        hd, nh, nkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-        q0, q1 = rank * nh // tp * hd, (rank + 1) * nh // tp * hd
-        k0, k1 = rank * nkv // tp * hd, (rank + 1) * nkv // tp * hd
-        qs, ks = cfg.q_size, cfg.kv_size
-        rows = torch.cat([torch.arange(q0, q1), qs + torch.arange(k0, k1), qs + ks + torch.arange(k0, k1)])
-        p = lambda t: nn.Parameter(t.detach().clone())  # noqa: E731
-        self.sizes = (q1 - q0, k1 - k0, k1 - k0)
-        self.attn_norm = p(layer.attn_norm)
-        self.qkv_weight = p(layer.qkv_weight[rows])
-        self.qkv_bias = None if layer.qkv_bias is None else p(layer.qkv_bias[rows])
-        self.q_norm = None if layer.q_norm is None else p(layer.q_norm)
-        self.k_norm = None if layer.k_norm is None else p(layer.k_norm)
-        self.o_weight = p(layer.o_weight[:, q0:q1])
-        self.mlp_norm = p(layer.mlp_norm)
-        inter = cfg.intermediate_size
-        i0, i1 = column_shard_range(inter, tp, rank, unit)
-        self.inter = i1 - i0
-        self.gate_up_weight = p(torch.cat([layer.gate_up_weight[i0:i1], layer.gate_up_weight[inter + i0:inter + i1]]))
-        self.down_weight = p(layer.down_weight[:, i0:i1])
+        cut, self.sizes, self.inter = _layer_cut(cfg, tp, rank, unit)
+        for name in self.NAMES:
+            full = getattr(layer, name)
+            setattr(self, name, None if full is None else nn.Parameter(cut(name, full.detach()).clone()))
 
 
 class TensorParallelDense(nn.Module):
@@ -100,7 +123,10 @@ class TensorParallelDense(nn.Module):
         # every rank refuses here, before any weight is cut or any collective is entered
         check_topology(contract, RuntimeFacts(arch=arch, tp=tp), model.tp_problems(contract, tp))
         self.cfg, self.contract, self.group, self.tp, self.rank = cfg, contract, group, tp, rank
-        self.plans: dict[str, ExecutionPlan] = {c: model.plans[c] for c in TRAINER_CASES if c in model.plans}
+        self.plans: dict[str, ExecutionPlan] = {c: model.plans[c] for c in TRAINER_CASES + ENGINE_CASES
+                                                if c in model.plans}
+        self.family = model.family
+        self.kv_cache_heads = cfg.num_kv_heads // tp   # the kv heads this rank's engine caches
         self.vocab_range = vocab_shard_range(cfg.vocab_size, tp, rank)
         v0, v1 = self.vocab_range
         self.embed = nn.Parameter(model.embed.detach().clone())
@@ -112,10 +138,31 @@ class TensorParallelDense(nn.Module):
     # ------------------------------------------------------------------------------ schedule
     def _plan(self, case: str) -> ExecutionPlan:
         if case not in self.plans:
-            raise BindingRefused(f"tensor-parallel dense model: case {case!r} is not served (trainer cases "
-                                 f"{', '.join(TRAINER_CASES)} that the contract declares; the engine under TP is "
-                                 "not built)")
+            raise BindingRefused(f"tensor-parallel dense model: case {case!r} is not served (the contract "
+                                 f"declares {', '.join(sorted(self.plans)) or 'no case'})")
         return self.plans[case]
+
+    def rope_table(self) -> torch.Tensor:
+        return self._rope
+
+    def shard_weights(self, full) -> dict:
+        """This rank's shards of a full state dict (``DenseModel`` names, e.g. the trainer's
+        ``full_parameters()``), under this model's names; names this model does not hold pass
+        through unchanged (so ``Engine.update_weights`` reports them)."""
+        cfg, v0, v1 = self.cfg, *self.vocab_range
+        cut, _, _ = _layer_cut(cfg, self.tp, self.rank, UNIT)
+        own = dict(self.named_parameters())
+        out = {}
+        for name, t in full.items():
+            if name not in own:
+                out[name] = t
+            elif name == "lm_head":
+                out[name] = t[v0:v1]
+            elif name.startswith("layers."):
+                out[name] = cut(name.rsplit(".", 1)[1], t)
+            else:
+                out[name] = t    # embed, final_norm: replicated
+        return out
 
     @staticmethod
     def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int:
@@ -147,9 +194,8 @@ class TensorParallelDense(nn.Module):
     # ------------------------------------------------------------------------------ forward
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank:
-        the bits of ``DenseModel.hidden_states`` under the same contract."""
-        if batch.is_engine:
-            raise BindingRefused("tensor-parallel dense model: engine batches are not served (trainer cases only)")
+        the bits of ``DenseModel.hidden_states`` under the same contract. An engine batch's KV
+        cache holds this rank's kv heads."""
         cfg, plan, tp = self.cfg, self._plan(batch.case), self.tp
         T = ids.shape[0]
         hd, eps = cfg.head_dim, cfg.rms_norm_eps
@@ -158,7 +204,7 @@ class TensorParallelDense(nn.Module):
         L_o = self._leaves(plan, "o_proj", cfg.hidden_size, cfg.q_size)
         L_d = self._leaves(plan, "down_proj", cfg.hidden_size, cfg.intermediate_size)
         x = plan["embed"](ids, self.embed)
-        for L in self.layers:
+        for i, L in enumerate(self.layers):
             n = replicated_input(plan["attn_norm"](x, L.attn_norm, eps), self.group)
             qkv = self._column(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight, full_qkv, L.sizes, L.qkv_bias)
             q, k, v = qkv.split(L.sizes, dim=-1)
@@ -169,7 +215,8 @@ class TensorParallelDense(nn.Module):
             q = plan["rope"](q, batch.positions, self._rope, theta=cfg.rope_theta)
             k = plan["rope"](k, batch.positions, self._rope, theta=cfg.rope_theta)
             v = v.reshape(T, nkv, hd)
-            a = plan["attn_core"](q, k, v, batch.cu_seqlens, batch.max_seqlen, hd ** -0.5)
+            # the one-process attention step (packed, or the paged cache of this rank's heads)
+            a = DenseModel._attention(self, plan, i, q, k, v, batch)
             x = x + row_parallel_linear(a.reshape(T, nh * hd), L.o_weight, None, in_features=cfg.q_size,
                                         leaves=L_o, group=self.group)
             n = replicated_input(plan["mlp_norm"](x, L.mlp_norm, eps), self.group)
@@ -188,18 +235,41 @@ class TensorParallelDense(nn.Module):
         return self.embed[v0:v1] if self.lm_head is None else self.lm_head
 
     def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:
-        """This rank's logits [T, v1 - v0] (``self.vocab_range``): those columns of the
-        single-process logits."""
+        """Trainer cases: this rank's logits [T, v1 - v0] (``self.vocab_range``), those columns of
+        the single-process logits. Engine cases: the whole rows [T, V], every rank's slice gathered
+        in rank order (a copy), for the sampler."""
         plan = self._plan(case)
-        v0, v1 = self.vocab_range
         leaves = self._leaves(plan, "lm_head", self.cfg.vocab_size, hidden.shape[-1])
-        return plan["lm_head"](replicated_input(hidden, self.group), self.lm_head_weight, leaves=leaves)
+        part = plan["lm_head"](replicated_input(hidden, self.group), self.lm_head_weight, leaves=leaves)
+        if case not in ENGINE_CASES or self.tp == 1:
+            return part
+        # slices differ by up to one vocabulary leaf: pad to the widest, gather, cut each back
+        ranges = [vocab_shard_range(self.cfg.vocab_size, self.tp, r) for r in range(self.tp)]
+        width = max(b - a for a, b in ranges)
+        padded = part.new_zeros(part.shape[0], width)
+        padded[:, :part.shape[1]] = part
+        parts = gather_in_rank_order(padded, self.group, self.tp)
+        return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(ranges)], dim=-1)
+
+    def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 token logprobs of ``logits`` as :meth:`logits` returns them for ``case``: whole
+        rows (engine cases) through the contract's ``logprob`` region, as one process computes them;
+        vocabulary slices (trainer cases) through ``vocab_parallel_token_logprobs``."""
+        if case in ENGINE_CASES:
+            return self._plan(case)["logprob"](logits, targets)
+        return vocab_parallel_token_logprobs(logits, targets, vocab_size=self.cfg.vocab_size, group=self.group)
+
+    def log_softmax_from_logits(self, logits: torch.Tensor, case: str) -> torch.Tensor:
+        """fp32 log-softmax of whole rows (an engine case's :meth:`logits`), as one process."""
+        if case not in ENGINE_CASES:
+            raise BindingRefused("tensor-parallel dense model: whole log-softmax rows are served for engine "
+                                 f"cases only, not {case!r}")
+        return DenseModel.log_softmax_from_logits(self, logits, case)
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 log p(targets[t] | row t) [T], the same on every rank: the bits of
         ``DenseModel.token_logprobs`` on the CPU (the logprob region's reference schedule)."""
-        return vocab_parallel_token_logprobs(self.logits(hidden, case), targets, vocab_size=self.cfg.vocab_size,
-                                             group=self.group)
+        return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 
-__all__ = ["TensorParallelDense", "TRAINER_CASES"]
+__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES"]

@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # fixture -> the worlds.py parts it returns
 PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_model",),
+                 "tp_engine_worlds": ("tp_engine",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume")}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
@@ -127,6 +128,15 @@ def tp_model_worlds(dist_worlds):
     import tp_model_workers
 
     ranks = _part(dist_worlds, "tp_model")[tp_model_workers.WORLD]
+    return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+
+
+@pytest.fixture(scope="session")
+def tp_engine_worlds(dist_worlds):
+    """{TP: [results of each rank of a group of that size]} of the tensor-parallel engine."""
+    import tp_model_workers
+
+    ranks = _part(dist_worlds, "tp_engine")[tp_model_workers.WORLD]
     return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
 
 

@@ -10,6 +10,8 @@ need runs in the same world of each size, one after the other, in the order of `
   test_tensor_parallel.py)
 - ``tp_model``: the tensor-parallel dense model at TP = 2 (two pairs) and 4 in the world of 4
   (tp_model_workers.py; test_tp_dense_model.py)
+- ``tp_engine``: the engine on that model's shards, the same sizes in the same world
+  (tp_engine_workers.py; test_tp_engine.py)
 - ``fsdp_trainer``, ``fsdp_determinism``: the FSDP2 trainer at dp = 1, 2, 4 (fsdp_workers.py;
   test_fsdp_trainer.py, test_fsdp_determinism.py)
 - ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
@@ -40,6 +42,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import dist_workers  # noqa: E402
 import fsdp_workers  # noqa: E402
+import tp_engine_workers  # noqa: E402
 import tp_model_workers  # noqa: E402
 
 # part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
@@ -47,6 +50,7 @@ import tp_model_workers  # noqa: E402
 PARTS = {
     "tp_kernels": (0, dist_workers.WORLD_SIZES, lambda job, ws, rank: dist_workers._cases(ws, rank)),
     "tp_model": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_model_workers.world_cases(job["tp_model"], rank)),
+    "tp_engine": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_engine_workers.world_cases(job["tp_model"], rank)),
     "fsdp_trainer": (0, fsdp_workers.WORLD_SIZES, lambda job, ws, rank: fsdp_workers.plan_trainer(job["fsdp"], ws, rank)),
     "fsdp_determinism": (0, fsdp_workers.WORLD_SIZES,
                          lambda job, ws, rank: fsdp_workers.plan_determinism(job["fsdp"], ws, rank)),
@@ -123,7 +127,7 @@ def make_job(parts, folder: Path) -> dict:
     job = {}
     if any(p.startswith("fsdp") for p in parts):
         job["fsdp"] = fsdp_workers.make_job(str(folder / "checkpoint"))
-    if "tp_model" in parts:
+    if "tp_model" in parts or "tp_engine" in parts:
         job["tp_model"] = tp_model_workers.make_job()
     return job
 
