@@ -1,14 +1,18 @@
 """The synchronous RL run on N data-parallel ranks (``torchrun --nproc_per_node=N -m isoexec.cli run``).
 
 Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = the world size) and
-a colocated engine with full weights (engine TP = 1). What a rank does in one step:
+a colocated engine: with full weights (``engine_tp: 1``, the default), or, with ``engine_tp: t``
+(dense family), a ``TensorParallelDense`` engine sharded over its engine group, the t consecutive
+ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 
 - **generation.** Each generation round's prompts are dealt out in whole groups (a prompt and all
-  its samples): rank r of N takes the prompts ``[r * m / N, (r + 1) * m / N)`` of the round's m
-  (``deal``; counts may differ by one, a rank may get none in a refill round). A sample keeps the
+  its samples) to the N / t engine groups: group g takes the prompts ``[g * m / G, (g + 1) * m / G)``
+  of the round's m (``deal``; counts may differ by one, a group may get none in a refill round), and
+  every rank of the group serves them in step on its shards. A sample keeps the
   request id and the seed the single-process run gives it (its index in the round, and
   ``derive_seed(seed, step, round, prompt id, sample)``), so its tokens do not depend on N. The
-  results are gathered in rank order, which is the single-process order, so every rank then sees
+  results are gathered in rank order and one copy per engine group is kept (its first rank's), which
+  is the single-process order, so every rank then sees
   the whole round: rewards, DAPO's dynamic sampling and the group advantages are computed by
   every rank from all the groups, with no further communication.
 - **scoring and training.** ``FSDPTrainer.score`` and ``FSDPTrainer.train`` take the whole list
@@ -92,6 +96,24 @@ def check_world(cfg, world_size: int) -> None:
     if problems:
         raise ConfigError(f"rl config: a world of {world_size} ranks must divide " + " and ".join(problems)
                           + "; pick a world size that divides them")
+
+
+def check_engine_tp(cfg, world_size: int) -> None:
+    """Refuse an engine tp the world cannot hold: it must divide the world size (one ``ConfigError``
+    line, from the configuration and the world size alone, on every rank)."""
+    tp = cfg.engine_tp
+    if tp > 1 and world_size == 1:
+        raise ConfigError(f"rl config: engine_tp={tp} shards the engine over {tp} ranks, and this run is one "
+                          f"process: start it under torchrun with a multiple of {tp} processes, or set engine_tp: 1")
+    if world_size % tp:
+        raise ConfigError(f"rl config: engine_tp={tp} does not divide the world of {world_size} ranks (engine "
+                          "groups are whole runs of consecutive ranks); pick an engine_tp that divides it")
+
+
+def engine_groups(world_size: int, tp: int) -> list:
+    """The process groups of the engine: ranks ``[g * tp, (g + 1) * tp)`` for each g, created on every
+    rank in the same order (``new_group`` must be called by all ranks alike)."""
+    return [dist.new_group(list(range(g * tp, (g + 1) * tp))) for g in range(world_size // tp)]
 
 
 def check_warmup_batch(batch: int, world_size: int) -> None:

@@ -104,6 +104,7 @@ class RLConfig:
     top_p: float = 1.0
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
+    engine_tp: int = 1                      # engine tensor-parallel size in a distributed run (dense)
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
     checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
@@ -135,6 +136,9 @@ class RLConfig:
                 f"sequences, as verl's ppo_mini_batch_size) and exceeds prompts_per_step {self.prompts_per_step}")
         if self.overlong_cache >= self.max_response_tokens:
             bad("overlong_cache must be smaller than max_response_tokens")
+        if self.engine_tp > 1 and self.family != "dense":
+            bad(f"engine_tp={self.engine_tp}: the engine under tensor parallelism is built for the dense family "
+                f"only, not {self.family}")
         TrainConfig.from_dict({"seed": self.seed, **self.train})   # e.g. rs_kind needs rs_threshold
         try:
             EngineConfig(**self.engine)
@@ -282,6 +286,7 @@ class RLRun:
     def __init__(self, cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print):
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.world, self.rank = rl_dist.world()
+        rl_dist.check_engine_tp(cfg, self.world)
         if self.world > 1:
             # refusals from the configuration and the folder alone: every rank, before any collective
             rl_dist.check_world(cfg, self.world)
@@ -324,6 +329,14 @@ class RLRun:
         else:
             self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
+        # engine groups: ranks [g * tp, (g + 1) * tp) share one engine sharded over them (a whole
+        # engine per rank at tp = 1); group g serves its deal of each round's prompts
+        self.engine_groups, self.engine_group = max(self.world // cfg.engine_tp, 1), self.rank // cfg.engine_tp
+        if cfg.engine_tp > 1:
+            from ..model.tp_dense import TensorParallelDense
+
+            groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
+            self.engine_model = TensorParallelDense(self.engine_model, groups[self.engine_group])
         self.engine = Engine(self.engine_model, self.contract, engine_config(cfg),
                              trainer_contract=self.trainer_contract)
         wb = cfg.wandb_config
@@ -473,16 +486,22 @@ class RLRun:
                 owners.append(pi)
         if self.world == 1:
             return self.engine.generate(prompts, params), owners
-        # whole groups to each rank; a sample keeps the request id (its index in the round) and the
-        # seed the single-process run gives it, so its tokens do not depend on the world size
-        mine = rl_dist.deal(len(problems), self.world, self.rank)
+        # whole groups to each engine group; a sample keeps the request id (its index in the round)
+        # and the seed the single-process run gives it, so its tokens do not depend on the world
+        # size or the engine's tp (every rank of an engine group serves the same requests in step)
+        mine = self._engine_share(len(problems))
         idx = [i for i in range(len(prompts)) if owners[i] in mine]
         results = self.engine.generate([prompts[i] for i in idx], [params[i] for i in idx], request_ids=idx) \
             if idx else []
         for r in results:
             r.logprobs = r.logprobs.cpu()
         parts = rl_dist.all_gather(results)
-        return [r for part in parts for r in part], owners
+        # one copy per engine group (its first rank's), in group order: the single-process order
+        return [r for part in parts[::self.cfg.engine_tp] for r in part], owners
+
+    def _engine_share(self, n_prompts: int) -> range:
+        """The prompts of a round of ``n_prompts`` this rank's engine group serves."""
+        return rl_dist.deal(n_prompts, self.engine_groups, self.engine_group)
 
     def _region_hint(self, seqs, plens, first) -> str:
         """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
@@ -522,7 +541,7 @@ class RLRun:
             # DAPO's dynamic sampling filters on accuracy: a group all right or all wrong has no signal
             keep = dynamic_sampling([float(x[1]) for x in rs], n) if cfg.dynamic_sampling else [True] * len(problems)
             base = len(generated)
-            dealt = rl_dist.deal(len(problems), self.world, self.rank)
+            dealt = self._engine_share(len(problems))
             mine += range(base + dealt.start * n, base + dealt.stop * n)
             generated += list(zip(results, rs))
             try:

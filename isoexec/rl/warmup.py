@@ -49,7 +49,7 @@ WARMUP_TRAIN_KEYS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_b
 #: other, a test checks it): a new field must be placed, or a changed value could be missed.
 NOT_WARMUP_KEYS = ("composition", "contract", "checkpoint", "model", "dataset", "synthetic", "steps",
                    "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_response_tokens",
-                   "overlong_cache", "temperature", "top_p", "dynamic_sampling", "max_refill_rounds",
+                   "overlong_cache", "temperature", "top_p", "dynamic_sampling", "max_refill_rounds", "engine_tp",
                    "checkpoint_every", "live_check", "train", "engine", "wandb")
 NOT_WARMUP_TRAIN_KEYS = ("loss", "clip_low", "clip_high", "kl_coef", "pi_old", "tis_threshold", "rs_kind",
                          "rs_threshold", "clip_ratio_c", "lr_warmup_steps")

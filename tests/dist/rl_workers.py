@@ -60,6 +60,44 @@ class RecordingRun(RLRun):
         return results, owners
 
 
+#: the metrics that are timings (not compared between runs)
+TIMING = ("time_generation_s", "time_scoring_s", "time_training_s", "time_weight_sync_s", "time_step_s",
+          "time_generation_per_1k_tokens_s")
+
+
+def same_metrics(lines, want, world_size: int) -> None:
+    """A distributed run's metrics lines against the one-process run's: equal but the timings, the
+    world size and the per-rank live check, and the gradient norm within 1e-6 relative (the sharded
+    norm adds the same squares in another order)."""
+    import pytest
+
+    assert len(lines) == len(want)
+    for got, w in zip(lines, want):
+        got, w = dict(got), dict(w)
+        assert got.pop("world_size") == world_size and w.pop("world_size") == 1
+        got.pop("live_check_differing_per_rank"), w.pop("live_check_differing_per_rank")
+        assert got.keys() == w.keys()
+        for k in w:
+            if k in TIMING:
+                continue
+            if k.startswith("train_grad_norm"):
+                assert got[k] == pytest.approx(w[k], rel=1e-6), k
+            else:
+                assert got[k] == w[k], (got["step"], k, got[k], w[k])
+
+
+def same_rollouts(got, want, rank: int) -> None:
+    """Every generation round of a rank (``RecordingRun.rollouts``) against the one-process run's:
+    the same rounds, prompts and tokens, and bitwise the same engine logprobs."""
+    from dist_workers import bit_report
+
+    assert [(r["step"], r["round"]) for r in got] == [(r["step"], r["round"]) for r in want]
+    for g, w in zip(got, want):
+        assert g["prompts"] == w["prompts"] and g["ids"] == w["ids"], (rank, g["step"], g["round"])
+        for a, b in zip(g["logprobs"], w["logprobs"]):
+            assert bit_report(a, b)["differing"] == 0, (rank, g["step"], g["round"])
+
+
 def _refusal(fn) -> str:
     try:
         fn()
@@ -102,13 +140,36 @@ def _plan(job, ws, rank, out_dir) -> dict:
     return res
 
 
+#: the same run on the model and contract the engine can be sharded with (4 kv heads, 5 vocabulary
+#: leaves, tp claimed 1/2/4): the engine at tp = 2 over the world of 2
+TP_CFG = dict(CFG, model="dense_tp_tiny", composition="isoexec_tp4")
+TP_WARM = dict(WARM, model="dense_tp_tiny", composition="isoexec_tp4")
+
+
+def _plan_engine_tp(job, ws, rank, out_dir) -> dict:
+    """The run with one engine sharded over the whole world (``engine_tp`` = the world size)."""
+    out = Path(out_dir)
+    res = {"times": {"start": time.monotonic()}}
+    res["refuse/engine_tp"] = _refusal(lambda: RLRun(RLConfig.from_dict(dict(job["cfg"], engine_tp=3)),
+                                                     out / "bad", log=lambda s: None))
+    dist.barrier()    # refused before any collective: the ranks are still paired up
+    run = RecordingRun(RLConfig.from_dict(dict(job["cfg"], engine_tp=ws)), out / "run", log=lambda s: None)
+    res["times"]["built"] = time.monotonic()
+    res["lines"] = run.run()
+    res["times"]["ran"] = time.monotonic()
+    res["rollouts"] = run.rollouts
+    res["engine_prompts"] = run.engine_prompts
+    res["engine_kv_heads"] = run.engine.runner.kv.k[0].shape[2]
+    return res
+
+
 def _entry(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
     t0 = time.monotonic()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        res = _plan(job, world_size, rank, out_dir)
+        res = (_plan_engine_tp if job.get("engine_tp") else _plan)(job, world_size, rank, out_dir)
         res["times"] = {k: round(v - t0, 2) for k, v in res["times"].items()}
     except Exception:
         res = {"__error__": traceback.format_exc()}

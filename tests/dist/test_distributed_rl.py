@@ -33,8 +33,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="torch.distributed with gloo is not available")
 
 WS = 2
-TIMING = ("time_generation_s", "time_scoring_s", "time_training_s", "time_weight_sync_s", "time_step_s",
-          "time_generation_per_1k_tokens_s")
+TIMING = rw.TIMING
 
 
 @pytest.fixture(scope="module")
@@ -91,25 +90,9 @@ def test_rollouts_and_metrics_equal_the_single_process_run(world, single):
     want = single["rollouts"]
     assert len(want) > 2, "no refill round: the uneven deal of a round is not exercised"
     for rank, res in enumerate(world["ranks"]):
-        got = res["rollouts"]
-        assert [(r["step"], r["round"]) for r in got] == [(r["step"], r["round"]) for r in want]
-        for g, w in zip(got, want):
-            assert g["prompts"] == w["prompts"] and g["ids"] == w["ids"], (rank, g["step"], g["round"])
-            for a, b in zip(g["logprobs"], w["logprobs"]):
-                assert bit_report(a, b)["differing"] == 0, (rank, g["step"], g["round"])
+        rw.same_rollouts(res["rollouts"], want, rank)
     assert any(x.get("train_updates", 0) for x in single["lines"]), "nothing trained: the comparison is empty"
-    for got, w in zip(world["ranks"][0]["lines"], single["lines"]):
-        got, w = dict(got), dict(w)
-        assert got.pop("world_size") == WS and w.pop("world_size") == 1
-        got.pop("live_check_differing_per_rank"), w.pop("live_check_differing_per_rank")
-        assert got.keys() == w.keys()
-        for k in w:
-            if k in TIMING:
-                continue
-            if k.startswith("train_grad_norm"):    # the sharded norm adds the same squares in another order
-                assert got[k] == pytest.approx(w[k], rel=1e-6), k
-            else:
-                assert got[k] == w[k], (got["step"], k, got[k], w[k])
+    rw.same_metrics(world["ranks"][0]["lines"], single["lines"], WS)
 
 
 def test_trained_weights_are_bitwise_the_single_process_run(world, single):
