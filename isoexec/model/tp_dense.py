@@ -95,6 +95,22 @@ def _layer_cut(cfg, tp: int, rank: int, unit: int):
     return cut, (q1 - q0, k1 - k0, k1 - k0), i1 - i0
 
 
+def cut_parameter(cfg, tp: int, rank: int, name: str, full: torch.Tensor) -> torch.Tensor:
+    """Rank ``rank``'s shard of the full ``DenseModel`` parameter ``name`` (works on the ``meta``
+    device: the memory plan counts a rank's engine weights with it)."""
+    if name == "lm_head":
+        v0, v1 = vocab_shard_range(cfg.vocab_size, tp, rank)
+        return full[v0:v1]
+    if name.startswith("layers."):
+        return _layer_cut(cfg, tp, rank, UNIT)[0](name.rsplit(".", 1)[1], full)
+    return full    # embed, final_norm: replicated
+
+
+def rank_parameter_count(model: DenseModel, tp: int, rank: int) -> int:
+    """Elements of the parameters rank ``rank`` of ``tp`` holds of ``model`` (meta is enough)."""
+    return sum(cut_parameter(model.cfg, tp, rank, n, p).numel() for n, p in model.named_parameters())
+
+
 class _LayerShard(nn.Module):
     NAMES = ("attn_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "mlp_norm",
              "gate_up_weight", "down_weight")
@@ -149,20 +165,9 @@ class TensorParallelDense(nn.Module):
         """This rank's shards of a full state dict (``DenseModel`` names, e.g. the trainer's
         ``full_parameters()``), under this model's names; names this model does not hold pass
         through unchanged (so ``Engine.update_weights`` reports them)."""
-        cfg, v0, v1 = self.cfg, *self.vocab_range
-        cut, _, _ = _layer_cut(cfg, self.tp, self.rank, UNIT)
         own = dict(self.named_parameters())
-        out = {}
-        for name, t in full.items():
-            if name not in own:
-                out[name] = t
-            elif name == "lm_head":
-                out[name] = t[v0:v1]
-            elif name.startswith("layers."):
-                out[name] = cut(name.rsplit(".", 1)[1], t)
-            else:
-                out[name] = t    # embed, final_norm: replicated
-        return out
+        return {name: cut_parameter(self.cfg, self.tp, self.rank, name, t) if name in own else t
+                for name, t in full.items()}
 
     @staticmethod
     def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int:
@@ -272,4 +277,4 @@ class TensorParallelDense(nn.Module):
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 
-__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES"]
+__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "cut_parameter", "rank_parameter_count"]

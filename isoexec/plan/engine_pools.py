@@ -29,18 +29,30 @@ from ..model_config import HybridConfig
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def kv_pool_bytes(cfg, num_pages: int, page_size: int, dtype: str) -> int:
-    """Bytes of the engine's KV cache: every attention layer's K and V pages."""
+def kv_pool_bytes(cfg, num_pages: int, page_size: int, dtype: str, engine_tp: int = 1) -> int:
+    """Bytes of the engine's KV cache on one GPU: every attention layer's K and V pages, of the
+    ``num_kv_heads / engine_tp`` heads a tensor-parallel engine's rank caches."""
     n_layers = getattr(cfg, "num_kv_layers", cfg.num_layers)
     if n_layers == 0:
         return 0
-    kv = KVCache.allocate(n_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, TORCH_DTYPES[dtype], "meta")
+    kv = KVCache.allocate(n_layers, num_pages, page_size, cfg.num_kv_heads // engine_tp, cfg.head_dim,
+                          TORCH_DTYPES[dtype], "meta")
     return sum(t.nbytes for t in kv.k + kv.v)
 
 
-def kv_bytes_per_page(cfg, page_size: int, dtype: str) -> int:
+def kv_bytes_per_page(cfg, page_size: int, dtype: str, engine_tp: int = 1) -> int:
     """What one more KV page costs (all layers): the unit in which a pool can be shrunk."""
-    return kv_pool_bytes(cfg, 1, page_size, dtype)
+    return kv_pool_bytes(cfg, 1, page_size, dtype, engine_tp)
+
+
+def engine_weight_elements(cfg, engine_tp: int) -> int:
+    """Parameter elements of the engine on one GPU: the model's, or with ``engine_tp > 1`` (dense)
+    the largest rank's shards, cut by ``tp_dense`` itself on the ``meta`` device."""
+    from ..model import DenseModel
+    from ..model.tp_dense import rank_parameter_count
+
+    model = DenseModel(cfg, device="meta")
+    return max(rank_parameter_count(model, engine_tp, r) for r in range(engine_tp))
 
 
 def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str) -> int:

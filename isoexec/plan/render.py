@@ -46,6 +46,14 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
+def _engine_line(rows) -> str:
+    tps = sorted({r.shape.engine_tp for r in rows})
+    if tps == [1]:
+        return "engine: one per GPU, its weights and pools whole (engine_tp 1)."
+    return ("engine: sharded over engine_tp GPUs where a row's `engine TP` says so (its weights the largest "
+            "rank's shards, its KV pages the rank's kv heads), else whole on every GPU.")
+
+
 def header_lines(plan: MemoryPlan) -> list[str]:
     wf = plan.workflow
     out = [f"Memory plan of {wf.path}: run {wf.run_name!r}, arch {wf.arch}, gpus {wf.gpus}"
@@ -53,7 +61,7 @@ def header_lines(plan: MemoryPlan) -> list[str]:
            + ".",
            f"GPU memory: {plan.gpu_gib:g} GiB per GPU ({plan.gpu_note}).",
            f"Trainer: {'one process (isoexec.train.Trainer)' if wf.gpus == 1 else f'FSDP2 over dp = {wf.gpus} (isoexec.dist.fsdp)'}; "
-           "engine: one per GPU, its weights and pools whole (no engine tensor parallelism)."]
+           + _engine_line(plan.rows)]
     if not wf.rl_enabled:
         out.append("rl.enabled is false: the workflow starts no RL run; the plan is of the runs its settings describe.")
     return out
@@ -77,12 +85,12 @@ def tables(rows: list[PlanRow]) -> list[Table]:
                        _count(p.norms), _count(p.lm_head) if p.lm_head else "tied", f"{p.total:,}"]
                       for (fam, model), p in models.items()],
                      set(range(2, 9))))
-    head = ["family", "arms", "params", "dp", *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state",
+    head = ["family", "arms", "params", "dp", "engine TP", *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state",
             "activations", "total", "GPU", "verdict"]
     body = []
     for r in rows:
         s = r.shape
-        body.append([s.family, ", ".join(s.arms), _count(r.params.total), str(s.dp),
+        body.append([s.family, ", ".join(s.arms), _count(r.params.total), str(s.dp), str(s.engine_tp),
                      *[_gib(r.states[k]) for k in STATES], _gib(r.kv_pool),
                      _gib(r.recurrent_state) if r.recurrent_state else "-", _gib(r.activations), _gib(r.total),
                      _gib(r.capacity), r.verdict()])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .activations import engine_activation_bytes, micro_batch_tokens, trainer_activation_bytes
-from .engine_pools import kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
+from .engine_pools import engine_weight_elements, kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
 from .params import ParamCount, count_parameters
 from .states import DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, bytes_per_param
 from .workflow_config import RunShape
@@ -56,7 +56,7 @@ class PlanRow:
     def pages_that_fit(self) -> int:
         """The most KV pages with which the row would fit, everything else as planned (may be <= 0)."""
         s = self.shape
-        per_page = kv_bytes_per_page(s.cfg, s.page_size, s.dtype)
+        per_page = kv_bytes_per_page(s.cfg, s.page_size, s.dtype, s.engine_tp)
         if per_page == 0:
             return s.num_pages
         return (self.capacity - (self.total - self.kv_pool)) // per_page
@@ -85,9 +85,11 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
     states = {s: int(params.trainable * getattr(pp, s)) for s in STATES}
     states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
     states["engine"] += params.frozen * FROZEN_BYTES
+    if shape.engine_tp > 1:     # a tensor-parallel engine (dense): this GPU's shards, not the whole model
+        states["engine"] = engine_weight_elements(cfg, shape.engine_tp) * b
     return PlanRow(
         shape=shape, params=params, per_param=pp, states=states,
-        kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype),
+        kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype, shape.engine_tp),
         recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype),
         trainer_activations=trainer_activation_bytes(
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b),

@@ -13,8 +13,8 @@ Read off what the trainer and the engine keep (not a rule of thumb):
   backward, docs/scale_out.md) and its unsharded gradient is accumulated in fp32 (FSDP2 keeps the
   accumulated gradient in ``reduce_dtype`` when a rank packs several micro-batches: 4, whole),
   then reduce-scattered into an fp32 sharded gradient (4/dp). 2 + 4/dp + 8/dp + (4 + 4/dp).
-- the engine (``RLRun.engine_model``): a second model in the compute dtype, whole on every GPU
-  (the engine has no tensor parallelism yet, docs/scale_out.md).
+- the engine (``RLRun.engine_model``): a second model in the compute dtype, whole on every GPU (a
+  tensor-parallel engine's shards are counted in ``rows.plan_row``, not per parameter here).
 
 Frozen parameters (``requires_grad=False``: mla_moe's fp32 router correction bias) are fp32 in
 both models and have no master, moments or gradient.

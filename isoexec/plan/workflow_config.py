@@ -13,9 +13,9 @@ The config is read as the workflow reads it, so the plan is of the runs Snakemak
    ``RLConfig.from_dict``; the engine it builds is ``rl.loop.engine_config``; the page size and GDN
    chunk are those of the arm's contract.
 
-``gpus`` is the data-parallel size of the trainer (FSDP2). The engine has no tensor-parallel size
-to configure (the engine under TP is not built, docs/scale_out.md): its weights and pools are whole
-on every GPU.
+``gpus`` is the data-parallel size of the trainer (FSDP2). The engine is whole on every GPU, or,
+with ``rl.settings.engine_tp: t`` (dense family), sharded over t GPUs: its weights are the largest
+rank's shards (``tp_dense.rank_parameter_count``) and its KV pages hold ``num_kv_heads / t`` heads.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class RunShape:
     arms: tuple[str, ...]
     dtype: str                      # "bfloat16" | "float32"
     dp: int
+    engine_tp: int                  # the engine's tensor-parallel size (1: whole on every GPU)
     num_pages: int
     page_size: int
     num_state_slots: int            # 0 for families without recurrent state
@@ -150,6 +151,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
             recurrent = isinstance(cfg, HybridConfig)
             shape = RunShape(
                 family=family, model=name, cfg=cfg, arms=(arm,), dtype=resolved_dtype(run), dp=gpus,
+                engine_tp=run.engine_tp,
                 num_pages=engine.num_pages, page_size=engine.page_size or contract_page_size(contract) or 16,
                 num_state_slots=(engine.num_state_slots or engine.max_num_seqs) if recurrent else 0,
                 gdn_chunk=contract_gdn_chunk(contract) if recurrent else 0, max_num_seqs=engine.max_num_seqs,

@@ -19,7 +19,7 @@ def dense():
 
 
 def _shape(cfg, **kw):
-    base = dict(family="dense", model="dense_tiny", cfg=cfg, arms=("isoexec",), dtype="bfloat16", dp=1,
+    base = dict(family="dense", model="dense_tiny", cfg=cfg, arms=("isoexec",), dtype="bfloat16", dp=1, engine_tp=1,
                 num_pages=100, page_size=16, num_state_slots=0, gdn_chunk=0, max_num_seqs=8,
                 max_num_batched_tokens=256, micro_batch_budget=512, longest_sequence=40)
     base.update(kw)
@@ -67,3 +67,23 @@ def test_more_gpus_shrink_only_the_sharded_states(dense):
     for state in ("weights", "engine"):
         assert one.states[state] == eight.states[state]
     assert (one.kv_pool, one.activations) == (eight.kv_pool, eight.activations)
+
+
+def test_a_tensor_parallel_engine_holds_its_rank_s_shards_and_kv_heads():
+    """engine_tp: the engine column is the largest rank's shards as tp_dense cuts them (every
+    sharded element on exactly one rank, the replicated ones on each), the KV pool the rank's heads."""
+    from isoexec.model import DenseModel
+    from isoexec.model.tp_dense import rank_parameter_count
+    from isoexec.plan.params import count_parameters
+
+    cfg = DenseConfig.from_hf(load_model_config("dense_tp_tiny")["hf_config"])
+    whole, half = plan_row(_shape(cfg), 80 * GIB), plan_row(_shape(cfg, engine_tp=2), 80 * GIB)
+    model = DenseModel(cfg, device="meta")
+    counts = [rank_parameter_count(model, 2, r) for r in range(2)]
+    p = count_parameters(cfg)
+    replicated = p.embed + p.norms                 # tied embedding: no lm_head of its own
+    assert sum(counts) == p.total + replicated
+    assert half.states["engine"] == max(counts) * 2 < whole.states["engine"]
+    assert half.kv_pool * 2 == whole.kv_pool
+    assert {k: v for k, v in half.states.items() if k != "engine"} == \
+        {k: v for k, v in whole.states.items() if k != "engine"}
