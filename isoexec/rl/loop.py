@@ -310,6 +310,16 @@ class RLRun:
         # no weights of its own: the trainer's are copied in at every weight sync
         self.engine_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None,
                                             **where).model
+        # engine groups: ranks [g * tp, (g + 1) * tp) share one engine sharded over them (a whole
+        # engine per rank at tp = 1); group g serves its deal of each round's prompts. Cut here,
+        # before the trainer's first collective: a tp the contract does not claim is refused on
+        # every rank alike (TopologyRefused)
+        self.engine_groups, self.engine_group = max(self.world // cfg.engine_tp, 1), self.rank // cfg.engine_tp
+        if cfg.engine_tp > 1:
+            from ..model.tp_dense import TensorParallelDense
+
+            groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
+            self.engine_model = TensorParallelDense(self.engine_model, groups[self.engine_group])
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
         train_cfg = TrainConfig.from_dict({"seed": cfg.seed, **cfg.train})
         self.trainer_contract = self.contract
@@ -329,14 +339,6 @@ class RLRun:
         else:
             self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
-        # engine groups: ranks [g * tp, (g + 1) * tp) share one engine sharded over them (a whole
-        # engine per rank at tp = 1); group g serves its deal of each round's prompts
-        self.engine_groups, self.engine_group = max(self.world // cfg.engine_tp, 1), self.rank // cfg.engine_tp
-        if cfg.engine_tp > 1:
-            from ..model.tp_dense import TensorParallelDense
-
-            groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
-            self.engine_model = TensorParallelDense(self.engine_model, groups[self.engine_group])
         self.engine = Engine(self.engine_model, self.contract, engine_config(cfg),
                              trainer_contract=self.trainer_contract)
         wb = cfg.wandb_config

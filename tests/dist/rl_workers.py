@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from isoexec.errors import ConfigError  # noqa: E402
+from isoexec.errors import ConfigError, TopologyRefused  # noqa: E402
 from isoexec.rl.loop import RLConfig, RLRun  # noqa: E402
 
 #: two prompts of two samples per mini-batch: at dp = 2 each rank trains one sequence per update,
@@ -101,8 +101,8 @@ def same_rollouts(got, want, rank: int) -> None:
 def _refusal(fn) -> str:
     try:
         fn()
-    except ConfigError as e:
-        return f"ConfigError: {e}"
+    except (ConfigError, TopologyRefused) as e:
+        return f"{type(e).__name__}: {e}"
     return "accepted"
 
 
@@ -152,6 +152,10 @@ def _plan_engine_tp(job, ws, rank, out_dir) -> dict:
     res = {"times": {"start": time.monotonic()}}
     res["refuse/engine_tp"] = _refusal(lambda: RLRun(RLConfig.from_dict(dict(job["cfg"], engine_tp=3)),
                                                      out / "bad", log=lambda s: None))
+    # the isoexec contract claims tp 1 only: refused when the engine is cut, before the trainer's
+    # first collective, on every rank
+    res["refuse/engine_tp_unclaimed"] = _refusal(lambda: RLRun(
+        RLConfig.from_dict(dict(job["cfg"], composition="isoexec", engine_tp=ws)), out / "bad2", log=lambda s: None))
     dist.barrier()    # refused before any collective: the ranks are still paired up
     run = RecordingRun(RLConfig.from_dict(dict(job["cfg"], engine_tp=ws)), out / "run", log=lambda s: None)
     res["times"]["built"] = time.monotonic()

@@ -71,6 +71,8 @@ def test_an_engine_tp_the_world_cannot_hold_is_refused_with_one_line(world, tmp_
     msgs = [r["refuse/engine_tp"] for r in world]
     assert msgs == [msgs[0]] * WS and "\n" not in msgs[0]
     assert "engine_tp=3 does not divide the world of 2 ranks" in msgs[0], msgs[0]
+    msgs = [r["refuse/engine_tp_unclaimed"] for r in world]
+    assert msgs == [msgs[0]] * WS and msgs[0].startswith("TopologyRefused: ") and "\n" not in msgs[0], msgs[0]
     with pytest.raises(ConfigError, match="engine_tp=2 shards the engine over 2 ranks, and this run is one process"):
         RLRun(RLConfig.from_dict(dict(rw.TP_CFG, engine_tp=2)), tmp_path, log=lambda s: None)
     with pytest.raises(ConfigError, match="built for the dense family only, not hybrid"):
