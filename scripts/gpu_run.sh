@@ -13,6 +13,9 @@
 #   gates    the gate runs named in GATE_RUNS ("family:model ...", e.g. "hybrid_moe:hybrid_moe_qwen3p5_35b_a3b_dims"),
 #            each under its own time limit and packed into gates_<family>.tgz as soon as it ends
 #            (GATES_ONLY: a comma list passed to `gates run --only`, e.g. the gates a cut-short run left)
+#   tp       on a machine of TP_GPUS GPUs (default: all it has; the nvidia-h200-x2 kind): the engine under
+#            tensor parallelism over NCCL against one process (scripts/tp_engine_check.py: trainer
+#            logits, engine tokens and logprobs, generate-then-verify, the all-reduce control, tok/s)
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -71,6 +74,14 @@ if [ "$MODE" = speed ]; then
       > "$WORK/attention_sweep.log" 2>&1
     echo "attention sweep rc=$? (${SECONDS}s)"; cp "$WORK/attention_sweep.log" "$OUT/"; tail -40 "$WORK/attention_sweep.log"
   fi
+fi
+if [ "$MODE" = tp ]; then
+  SECONDS=0
+  n=${TP_GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+  timeout ${TP_TIMEOUT:-480} torchrun --standalone --nproc_per_node=$n scripts/tp_engine_check.py \
+    --out "$OUT/tp_engine_check.json" ${TP_ARGS:-} > "$WORK/tp_engine_check.log" 2>&1
+  echo "tp engine check on $n GPUs rc=$? (${SECONDS}s)"; grep -v "^W[0-9]" "$WORK/tp_engine_check.log" | tail -15
+  cp "$WORK/tp_engine_check.log" "$OUT/"
 fi
 if [ "$MODE" = gates ]; then
   for run in ${GATE_RUNS:-}; do
