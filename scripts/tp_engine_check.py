@@ -39,13 +39,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
-def _bits(a: torch.Tensor) -> torch.Tensor:
-    return a.contiguous().view({4: torch.int32, 2: torch.int16}[a.element_size()]).long()
-
-
 def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, b.shape, a.dtype, b.dtype)
-    return int((_bits(a.cpu()) != _bits(b.cpu())).sum())
+    from isoexec.gates.compare import compare_bits
+
+    return compare_bits(a.cpu(), b.cpu()).differing
 
 
 def _requests(vocab: int, n: int, max_prompt: int, max_tokens: int, seed: int):
@@ -158,16 +155,10 @@ def main(argv=None) -> int:
     res["throughput"] = {"one_process": t_one, f"tp{tp}": t_tp}
 
     # 3. negative control: the stock all-reduce of each rank's row-parallel partial
-    def stock_row_parallel(x, weight, bias, *, in_features, leaves, group=None):
-        from isoexec_kernels.gemm import linear
-
-        out = linear(x.reshape(-1, x.shape[-1]), weight, None, out_dtype=torch.float32)
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        out = out if bias is None else out + bias.float()
-        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    from isoexec.dist import all_reduce_row_parallel_linear
 
     real = tp_dense.row_parallel_linear
-    tp_dense.row_parallel_linear = stock_row_parallel
+    tp_dense.row_parallel_linear = all_reduce_row_parallel_linear
     try:
         ctrl, _ = _serve(tpm, contract, EngineConfig(**{**engine_cfg.__dict__, "cuda_graphs": False}),
                          prompts, params, device)

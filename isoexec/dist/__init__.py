@@ -35,9 +35,9 @@ only), the launcher, and the vocabulary-parallel form of the Triton logprob kern
 from .column_parallel import column_parallel_linear, replicated_input
 from .expert_parallel import expert_parallel_moe
 from .partition import column_shard_range, expert_shard_range, row_shard_range, vocab_shard_range
-from .row_parallel import row_parallel_linear
+from .row_parallel import all_reduce_row_parallel_linear, row_parallel_linear
 from .vocab_parallel_logprob import vocab_parallel_token_logprobs
 
-__all__ = ["column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
+__all__ = ["all_reduce_row_parallel_linear", "column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
            "replicated_input", "row_parallel_linear", "row_shard_range",
            "vocab_parallel_token_logprobs", "vocab_shard_range"]

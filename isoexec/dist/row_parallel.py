@@ -107,3 +107,16 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                                    out_dtype=torch.float32, leaves=1) for a, b in mine])
     out = _LeafSumFn.apply(partials, bias, group, tp, x.dtype)
     return out.reshape(*x.shape[:-1], N)
+
+
+def all_reduce_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                   in_features: int, leaves: int, group=None) -> torch.Tensor:
+    """The stock row-parallel linear, for negative controls (same signature as
+    :func:`row_parallel_linear`): this rank's whole K shard as one fp32 partial (one K loop over
+    the shard), ``all_reduce(SUM)``, then the bias and one rounding. Its bits depend on tp."""
+    import torch.distributed as dist
+
+    part = linear(x.reshape(-1, x.shape[-1]), weight, None, out_dtype=torch.float32)
+    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
+    out = part if bias is None else part + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -158,9 +158,6 @@ class TensorParallelDense(nn.Module):
                                  f"declares {', '.join(sorted(self.plans)) or 'no case'})")
         return self.plans[case]
 
-    def rope_table(self) -> torch.Tensor:
-        return self._rope
-
     def shard_weights(self, full) -> dict:
         """This rank's shards of a full state dict (``DenseModel`` names, e.g. the trainer's
         ``full_parameters()``), under this model's names; names this model does not hold pass

@@ -314,7 +314,7 @@ class RLRun:
         # engine per rank at tp = 1); group g serves its deal of each round's prompts. Cut here,
         # before the trainer's first collective: a tp the contract does not claim is refused on
         # every rank alike (TopologyRefused)
-        self.engine_groups, self.engine_group = max(self.world // cfg.engine_tp, 1), self.rank // cfg.engine_tp
+        self.engine_groups, self.engine_group = self.world // cfg.engine_tp, self.rank // cfg.engine_tp
         if cfg.engine_tp > 1:
             from ..model.tp_dense import TensorParallelDense
 

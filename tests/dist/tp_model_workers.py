@@ -24,10 +24,10 @@ import torch.distributed as dist  # noqa: E402
 import dist_workers  # noqa: E402
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
 from isoexec.contract import decode, encode  # noqa: E402
+from isoexec.dist import all_reduce_row_parallel_linear  # noqa: E402
 from isoexec.errors import TopologyRefused  # noqa: E402
 from isoexec.model import DenseConfig, DenseModel, ForwardBatch  # noqa: E402
 from isoexec.model import tp_dense  # noqa: E402
-from isoexec_kernels.gemm import linear  # noqa: E402
 
 MODEL, COMPOSITION = "dense_tp_tiny", "isoexec_tp4"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -82,13 +82,8 @@ def forward(model, case: str) -> dict:
     return {"hidden": h.detach(), "logits": logits.detach(), "logprobs": lp.detach()}
 
 
-def _stock_row_parallel(x, weight, bias, *, in_features, leaves, group=None):
-    """Negative control, the usual row-parallel linear: this rank's K shard as one fp32 partial
-    (one K loop over the shard), ``all_reduce(SUM)``, one rounding."""
-    part = linear(x.reshape(-1, x.shape[-1]), weight, None, out_dtype=torch.float32)
-    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
-    out = part if bias is None else part + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+#: negative control, the usual row-parallel linear (one K loop over the shard, all-reduced)
+_stock_row_parallel = all_reduce_row_parallel_linear
 
 
 _refusal = functools.partial(dist_workers._refusal, errors=(TopologyRefused,))
