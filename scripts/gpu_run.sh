@@ -59,7 +59,7 @@ if [ "$MODE" = speed ]; then
   done
   if [ "${SWEEP:-0}" = 1 ]; then
     SECONDS=0
-    python3 scripts/gemm_tile_sweep.py ${SWEEP_ARGS:-} --out "$OUT/gemm_sweep.json" > "$WORK/sweep.log" 2>&1
+    timeout ${SWEEP_TIMEOUT:-400} python3 scripts/gemm_tile_sweep.py ${SWEEP_ARGS:-} --out "$OUT/gemm_sweep.json" > "$WORK/sweep.log" 2>&1
     echo "gemm sweep rc=$? (${SECONDS}s)"; cp "$WORK/sweep.log" "$OUT/"; grep -v "^ " "$WORK/sweep.log" | tail -50
   fi
   if [ "${ENGINE_PROFILE:-0}" = 1 ]; then
