@@ -107,36 +107,24 @@ LEAF_M = [1, 64, 256, 2048, 8192]
 LEAF_SMALL = [_cfg("split", bm, bn, 4, 4) for bm, bn in ((16, 32), (16, 64), (64, 32), (64, 64), (64, 128))]
 LEAF_LARGE = [_cfg("tma", 128, 128, 8, 4), _cfg("tma", 64, 128, 4, 4), _cfg("tma", 128, 128, 4, 4),
               _cfg("tma", 128, 256, 8, 3)]
-# --spill: the leaf walk with the running sum parked in an fp32 slot per program (one register
-# tile, so the one-leaf kernel's large tiles), on the shapes whose small M wants leaves
-SPILL_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("0.6b.gate_up", 1024, 6144),
-                ("8b.o", 4096, 4096)]
-SPILL_LARGE = [dict(c, spill=True) for c in (_cfg("tma", 128, 256, 8, 3), _cfg("tma", 128, 128, 4, 4),
-                                             _cfg("tma", 128, 128, 8, 4), _cfg("tma", 64, 256, 8, 4))]
-SPILL_M = [1, 64, 256, 2048, 8192]
-SPILL_COUNTS = (1, 2, 4)
 
 
-def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
+def sweep_leaves(log):
     out = []
-    for name, K, N in shapes:
+    for name, K, N in LEAF_SHAPES:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        for M in ms:
+        for M in LEAF_M:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             nxt = _cycle(xs)
 
             with torch.no_grad():
                 cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
-                for leaves in counts:
+                for leaves in LEAF_COUNTS:
                     walk = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
                     ref = linear_triton(xs[0], w, impl="tma", tile=walk, leaves=leaves)
-                    cands = ((LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE
-                             + (list(extra_large) if M > 256 and leaves > 1 else []))
+                    cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE
                     if M <= 256:
                         cands = cands + [dict(tile_for_m(M, torch.bfloat16, 1, 1), path="pointer")]
-                        if leaves == 1:  # the shape's own entry of the tile table
-                            cur = tile_for_m(M, torch.bfloat16, N, K)
-                            cands = cands + [cur] if cur["path"] in ("tma", "pointer") else cands
                     rows = []
                     for c in cands:
                         tile = {k: v for k, v in c.items() if k != "path"}
@@ -159,8 +147,8 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
                         f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages')} if best else ''}"
                         f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
     summary = {}
-    for name, K, N in shapes:
-        for leaves in counts:
+    for name, K, N in LEAF_SHAPES:
+        for leaves in LEAF_COUNTS:
             r = [o["best"]["ratio"] for o in out if o["shape"] == name and o["leaves"] == leaves and o["best"]]
             summary[f"{name} leaves={leaves}"] = {"worst": min(r), "by_M": r} if r else None
             log(f"summary {name:<10} leaves={leaves}: worst {min(r) if r else float('nan'):.3f} by M {r}")
@@ -173,15 +161,12 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--leaves", action="store_true")
-    ap.add_argument("--spill", action="store_true")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves or a.spill)
+    both = not (a.small or a.large or a.leaves)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
-    if a.spill:
-        res["spill"], res["spill_summary"] = sweep_leaves(print, SPILL_SHAPES, SPILL_M, SPILL_COUNTS, SPILL_LARGE)
     if a.large or both:
         res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print)
     if a.small or both:

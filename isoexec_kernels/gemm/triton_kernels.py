@@ -119,14 +119,10 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee", SPILL: tl.constexpr = False, spill_ptr=None,
+    PRECISION: tl.constexpr = "ieee",
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
-    # SPILL (several leaves): the sum of the leaves so far waits in this program's own fp32 slot
-    # of ``spill_ptr`` ([NUM_PROGRAMS, BLOCK_M, BLOCK_N], L2-resident) instead of a second
-    # register tile, so the leaf walk keeps the one-leaf kernel's large tiles. Same additions in
-    # the same order (sum so far + leaf), so the same bits as the register walk.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -147,9 +143,6 @@ def _gemm_tma_persistent_kernel(
         tm = first_m + (tile % rows_in_group)
         tn = (tile % group_span) // rows_in_group
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SPILL:
-            slot = (spill_ptr + pid.to(tl.int64) * BLOCK_M * BLOCK_N
-                    + tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :])
         for leaf in tl.static_range(LEAVES):
             # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
             # as the split-K kernels below compute them
@@ -160,16 +153,7 @@ def _gemm_tma_persistent_kernel(
                 a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
                 b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
                 part = tl.dot(a, b.T, part, input_precision=PRECISION)
-            if SPILL:
-                if leaf == 0:
-                    acc = part
-                else:
-                    tl.debug_barrier()  # every thread's slot store visible before the reload
-                    acc = tl.load(slot) + part
-                if leaf < LEAVES - 1:
-                    tl.debug_barrier()  # the previous tile's reload done before it is overwritten
-                    tl.store(slot, acc)
-            elif leaf == 0:
+            if leaf == 0:
                 acc = part
             else:
                 acc = acc + part
@@ -324,18 +308,13 @@ def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -
 def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs):
     M, K = x2.shape
     N = w.shape[0]
-    spill = bool(cfg.get("spill", False)) and leaves > 1
-    # the spill slots are read back by other threads of the program after a barrier, which warp
-    # specialisation's partitions would not share
-    ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting() and not spill
+    ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
     flatten = cfg.get("flatten", not ws)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    slots = (torch.empty((programs, bm, bn), dtype=torch.float32, device=x2.device) if spill else None)
     _gemm_tma_persistent_kernel[(programs,)](
         x2, w, out, bias_arg, M, N, K,
-        HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M,
+        HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-        SPILL=spill, spill_ptr=slots, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -419,7 +398,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
-    num_warps, num_stages, warp_specialize, flatten, spill; BLOCK_K cannot be overridden; ``path``
+    num_warps, num_stages, warp_specialize, flatten; BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
     the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one
