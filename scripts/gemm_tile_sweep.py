@@ -96,7 +96,7 @@ def sweep(shapes, ms, candidates, log):
                             "all_same_bits": all(r["same_bits"] for r in ok)})
                 log(f"{name:<13} M={M:<5} cublas {cublas * 1000:7.1f} us  current "
                     f"{(cur['ratio'] if cur else float('nan')):.3f}  best {best['ratio'] if best else float('nan'):.3f} "
-                    f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages', 'warp_specialize')} if best else ''}"
+                    f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages', 'warp_specialize', 'programs_per_sm') if k in best} if best else ''}"
                     f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
     return out
 
@@ -107,6 +107,17 @@ LEAF_M = [1, 64, 256, 2048, 8192]
 LEAF_SMALL = [_cfg("split", bm, bn, 4, 4) for bm, bn in ((16, 32), (16, 64), (64, 32), (64, 64), (64, 128))]
 LEAF_LARGE = [_cfg("tma", 128, 128, 8, 4), _cfg("tma", 64, 128, 4, 4), _cfg("tma", 128, 128, 4, 4),
               _cfg("tma", 128, 256, 8, 3)]
+
+
+# --occupancy: the persistent TMA kernel with 2 or 3 programs per SM (small tiles sharing an SM),
+# against the table's entry, at the sizes where one program per SM leaves cuBLAS ahead
+OCC_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("0.6b.gate_up", 1024, 6144),
+              ("0.6b.qkv", 1024, 4096), ("8b.o", 4096, 4096)]
+OCC_M = [64, 256, 2048]
+OCC_CANDIDATES = [dict(_cfg("tma", bm, bn, w, s), programs_per_sm=k)
+                  for bm, bn, w, s in ((64, 32, 4, 8), (64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4),
+                                       (128, 128, 4, 4), (128, 128, 8, 4))
+                  for k in (1, 2, 3)]
 
 
 def sweep_leaves(log):
@@ -161,12 +172,15 @@ def main():
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--leaves", action="store_true")
+    ap.add_argument("--occupancy", action="store_true")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves)
+    both = not (a.small or a.large or a.leaves or a.occupancy)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
+    if a.occupancy:
+        res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:
         res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print)
     if a.small or both:

@@ -355,7 +355,9 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # always one program per SM (those past the last tile find no work): the grid size is a
         # compile-time constant, and min(SMs, tiles) would compile a new kernel for every tile
         # count below the SM count, i.e. for almost every small M
-        programs = num_sms(x2.device)
+        # ``programs_per_sm`` > 1 lets small tiles share an SM (scheduling only: each tile is still
+        # one program's K loop)
+        programs = num_sms(x2.device) * int(cfg.get("programs_per_sm", 1))
         head = tail_rows_split(M, N, K, x2.dtype, programs) if tile is None else None
         if head is None:
             _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
@@ -398,7 +400,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
-    num_warps, num_stages, warp_specialize, flatten; BLOCK_K cannot be overridden; ``path``
+    num_warps, num_stages, warp_specialize, flatten, programs_per_sm; BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
     the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one

@@ -523,3 +523,20 @@ def test_linear_cuda_split_k_equals_one_program_leaf_walk_bitwise(kb, leaves):
         walk = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
                                                                   num_stages=4), leaves=leaves)
         kb.assert_bitwise(split, walk, f"{leaves} leaves M={m}: split vs walk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(1024, 2048), (6144, 1024)])
+def test_linear_cuda_programs_per_sm_never_changes_bits(kb, N, K):
+    # 2 or 3 persistent programs per SM only change which program runs a tile, never its K loop
+    g = torch.Generator().manual_seed(65)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    for m in (64, 256, 2048):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        for bm, bn, warps in ((64, 64, 4), (128, 128, 8)):
+            tile = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=4)
+            one = gemm.linear_triton(x, w, impl="tma", tile=tile)
+            for k in (2, 3):
+                kb.assert_bitwise(gemm.linear_triton(x, w, impl="tma", tile=dict(tile, programs_per_sm=k)), one,
+                                  f"N={N} K={K} M={m} {bm}x{bn}: {k} programs per SM")
+        kb.assert_bitwise(one, gemm.linear(x, w), f"N={N} K={K} M={m}: tile vs the table")
