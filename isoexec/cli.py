@@ -157,11 +157,16 @@ def cmd_gates_run(args) -> int:
                                f"{', '.join(sorted(gate_names()))}")
     arch = args.arch or ("sm90" if runtime_arch() == "sm90" else "cpu")
     log = (lambda s: print(s, file=sys.stderr)) if args.json else print
+    # under torchrun every rank runs the gates (the topology gates need the whole group); rank 0
+    # writes the artifacts and reports, the others only return their exit code
+    lead = os.environ.get("RANK", "0") == "0"
+    if not lead:
+        log = lambda s: None  # noqa: E731
     skipped: list[dict] = []
     results = run_gates(args.family, args.composition, arch, args.out, seed=args.seed, model=args.model, log=log,
                         skipped=skipped, only=only)
     ok = bool(results) and all(r.ok for r in results)
-    if args.json:
+    if args.json and lead:
         print(json.dumps({"passed": ok, "skipped": skipped, "gates": [{"id": r.id, "family": r.family, "region": r.region,
                                                    "impl": r.impl, "dtype": r.dtype, "verdict": r.verdict,
                                                    "expect": r.expect, "differing": r.differing,

@@ -15,7 +15,9 @@
 #            (GATES_ONLY: a comma list passed to `gates run --only`, e.g. the gates a cut-short run left)
 #   tp       on a machine of TP_GPUS GPUs (default: all it has; the nvidia-h200-x2 kind): the engine under
 #            tensor parallelism over NCCL against one process (scripts/tp_engine_check.py: trainer
-#            logits, engine tokens and logprobs, generate-then-verify, the all-reduce control, tok/s)
+#            logits, engine tokens and logprobs, generate-then-verify, the all-reduce control, tok/s);
+#            (TP_CHECK=0 skips it); TP_GATES=1 then runs the topology gates under torchrun on those GPUs (gates_tp<n>.tgz);
+#            TP_GPUS=1 is the world-size-1 NCCL path on one GPU
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -78,10 +80,23 @@ fi
 if [ "$MODE" = tp ]; then
   SECONDS=0
   n=${TP_GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
-  timeout ${TP_TIMEOUT:-480} torchrun --standalone --nproc_per_node=$n scripts/tp_engine_check.py \
-    --out "$OUT/tp_engine_check.json" ${TP_ARGS:-} > "$WORK/tp_engine_check.log" 2>&1
-  echo "tp engine check on $n GPUs rc=$? (${SECONDS}s)"; grep -v "^W[0-9]" "$WORK/tp_engine_check.log" | tail -15
-  cp "$WORK/tp_engine_check.log" "$OUT/"
+  if [ "${TP_CHECK:-1}" = 1 ]; then
+    timeout ${TP_TIMEOUT:-480} torchrun --standalone --nproc_per_node=$n scripts/tp_engine_check.py \
+      --out "$OUT/tp_engine_check.json" ${TP_ARGS:-} > "$WORK/tp_engine_check.log" 2>&1
+    echo "tp engine check on $n GPUs rc=$? (${SECONDS}s)"; grep -v "^W[0-9]" "$WORK/tp_engine_check.log" | tail -15
+    cp "$WORK/tp_engine_check.log" "$OUT/"
+  fi
+  if [ "${TP_GATES:-0}" = 1 ]; then
+    # the topology gates (tp_trainer_logits, tp_engine_generate_verify + the all-reduce control)
+    # at tp = the number of GPUs, artifacts under gates_tp$n
+    SECONDS=0; mkdir -p "$WORK/gates_tp$n"
+    timeout ${TP_GATES_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$n -m isoexec.cli gates run --family dense \
+      --composition isoexec_tp4 --arch sm90 --model ${TP_GATES_MODEL:-dense_qwen3_0p6b} \
+      --only tp_trainer_logits,tp_engine_generate_verify --out "$WORK/gates_tp$n" --json \
+      > "$WORK/gates_tp${n}_summary.json" 2> "$WORK/gates_tp$n.log"
+    echo "topology gates on $n GPUs rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed" "$WORK/gates_tp$n.log"
+    tar -C "$WORK" -czf "$OUT/gates_tp$n.tgz" "gates_tp$n" "gates_tp${n}_summary.json" "gates_tp$n.log"
+  fi
 fi
 if [ "$MODE" = gates ]; then
   for run in ${GATE_RUNS:-}; do

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from .. import registry
 from ..assembly import installed_model
@@ -21,13 +22,15 @@ from ..compose import build_contract, default_model_name, load_model_config
 from ..contract import Entry, ImplRef
 from ..enforce import bind
 from ..envinfo import env_info
-from .artifacts import write_artifact
+from .artifacts import artifact_id, write_artifact
 from .compare import merge
 from .engine_gates import ENGINE_GATES, GPU_ONLY_GATES
 from .engine_gates import sizes as engine_sizes
 from .kernel_gates import GateOutcome, entry_with_impl
 from .kinds import KINDS, NEGATIVE_CONTROLS, kernel_gate_names
 from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
+from .topology_gates import (TOPOLOGY_GATES, claims_tp, gathered, group_info, process_group,
+                             tp_engine_generate_verify, tp_trainer_logits)
 
 BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
@@ -42,7 +45,7 @@ MODEL_FAMILIES = ("dense", "hybrid", "mla_moe", "hybrid_moe")
 # logprob hides a logit difference that moves neither the token's logit nor the rounded lse), but
 # a row differs only if its logits do, and the CPU draw has few rows (26): measured in bf16, dense
 # 5, mla_moe 6 and hybrid_moe 1 of 26 rows differ, so a draw with none is chance, not a defect.
-INCONCLUSIVE_CONTROLS = frozenset({"engine_generate_verify", "engine_full_vocab"})
+INCONCLUSIVE_CONTROLS = frozenset({"engine_generate_verify", "engine_full_vocab", "tp_engine_generate_verify"})
 # Whole-model gate sizes: CPU runs the fixed-order torch twins (slow), so sequences are short.
 MODEL_GATE_SIZES = {"cpu": dict(batch_sizes=(1, 4, 17, 64), max_len=40),
                     "sm90": dict(batch_sizes=(1, 8, 64), max_len=128)}
@@ -75,7 +78,8 @@ MODEL_GATE_NAMES = ("model_case_parity", "model_batch_invariance", "backward_det
 def gate_names() -> frozenset:
     """Every gate name ``--only`` accepts: kernel gate families, model and engine gates, and
     ``negative_control``."""
-    return frozenset(kernel_gate_names() | set(MODEL_GATE_NAMES) | set(ENGINE_GATES) | {"negative_control"})
+    return frozenset(kernel_gate_names() | set(MODEL_GATE_NAMES) | set(ENGINE_GATES) | set(TOPOLOGY_GATES)
+                     | {"negative_control"})
 
 
 def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
@@ -122,10 +126,47 @@ def run_model_gates(family: str, composition: str, arch: str, out_dir, seed: int
     return results
 
 
+def run_topology_gates(family: str, composition: str, arch: str, out_dir, seed: int, model: str | None,
+                       log: Callable[[str], None], only: frozenset | None = None) -> list[GateResult]:
+    """The tensor-parallel model and engine against one process (topology_gates.py), at the size
+    of the process group this runs in (a group of one when not under torchrun), plus the stock
+    all-reduce as negative control. Every rank runs them; rank 0 writes the artifacts and logs."""
+    results = []
+    with process_group(arch):
+        rank = dist.get_rank()
+        contract = build_contract(family, composition, arch, model)
+        where = group_info(arch)
+        for dtype in DTYPES[arch]:
+            m = installed_model(family, composition, arch, model, dtype=dtype, device=DEVICE[arch], seed=seed,
+                                contract=contract).model
+            gates = [(name, "invariant", None) for name in TOPOLOGY_GATES if not only or name in only]
+            if not only or only & {"negative_control", "tp_engine_generate_verify"}:
+                # the engine gate's control comes with it (a stock run that must differ)
+                gates.append(("negative_control", "variant", "tp_engine_generate_verify"))
+            for name, expect, of in gates:
+                t0 = time.time()
+                gen = torch.Generator().manual_seed(seed + 1)
+                if name == "tp_trainer_logits":
+                    reports, info = tp_trainer_logits(m, contract, gen, arch)
+                else:
+                    reports, info = tp_engine_generate_verify(m, contract, gen, arch, stock_all_reduce=of is not None)
+                body = _model_body(contract, composition, name, gathered(reports), {**info, **where}, dtype, seed,
+                                   arch, expect, of)
+                # every rank holds every rank's counts, so every rank returns the same verdicts
+                gid, path = write_artifact(out_dir, body) if rank == 0 else (artifact_id(body), None)
+                c = body["counts"]
+                r = GateResult(gid, path, name, "model", f"composition:{composition}",
+                               str(dtype).replace("torch.", ""), body["verdict"], expect, c["differing"], c["compared"])
+                results.append(r)
+                if rank == 0:
+                    log(r.line() + f"  (tp={where['tp']}, {where['backend']}, {time.time() - t0:.1f}s)")
+    return results
+
+
 @dataclass
 class GateResult:
     id: str
-    path: Path
+    path: Path | None   # None on the ranks other than 0 of a topology gate (rank 0 writes)
     family: str
     region: str
     impl: str
@@ -237,6 +278,9 @@ def run_gates(family: str, composition: str, arch: str, out_dir: str | Path, see
                     log(r.line())
     if family in MODEL_FAMILIES:
         results += run_model_gates(family, composition, arch, out_dir, seed, model, log, only)
+    if family in MODEL_FAMILIES and claims_tp(contract) and (
+            not only or only & {*TOPOLOGY_GATES, "negative_control"}):
+        results += run_topology_gates(family, composition, arch, out_dir, seed, model, log, only)
     n_inc = sum(r.verdict == "inconclusive" for r in results)
     log(f"{sum(r.verdict == 'pass' for r in results)}/{len(results)} gates passed"
         + (f", {n_inc} negative control(s) inconclusive" if n_inc else "") + f"  in {time.time() - t0:.1f}s "

@@ -1,0 +1,63 @@
+"""The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense
+model under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and at tp = 2 under
+torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
+for bit, and the stock all-reduce control differs (fp32)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from isoexec.gates.artifacts import load_artifacts
+from isoexec.gates.runner import run_gates
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+ONLY = frozenset({"tp_trainer_logits", "tp_engine_generate_verify"})
+
+
+def _by_gate(arts: dict) -> dict:
+    return {(a["gate"]["family"], a["gate"]["dtype"]): a for a in arts.values()}
+
+
+def test_topology_gates_pass_at_tp1_in_a_group_of_their_own_and_the_all_reduce_control_differs(tmp_path):
+    lines: list[str] = []
+    results = run_gates("dense", "isoexec_tp4", "cpu", tmp_path, model="dense_tp_tiny", log=lines.append, only=ONLY)
+    assert not dist.is_initialized()          # the group made for the gates is gone again
+    assert {r.family for r in results} == {"tp_trainer_logits", "tp_engine_generate_verify", "negative_control"}
+    assert all(r.ok for r in results), lines
+    arts = _by_gate(load_artifacts(tmp_path))
+    for dtype in ("float32", "bfloat16"):
+        for name in ("tp_trainer_logits", "tp_engine_generate_verify"):
+            a = arts[(name, dtype)]
+            assert a["verdict"] == "pass" and a["counts"]["compared"] > 0 and a["counts"]["differing"] == 0
+            assert a["gate"]["shapes"]["tp"] == 1 and a["gate"]["shapes"]["backend"] == "gloo"
+    ctrl = arts[("negative_control", "float32")]
+    assert ctrl["gate"]["of"] == "tp_engine_generate_verify" and ctrl["counts"]["differing"] > 0
+
+
+def test_topology_gates_under_torchrun_at_tp2_every_rank_agrees_and_rank0_writes(tmp_path):
+    out = tmp_path / "gates"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "isoexec.cli", "gates", "run", "--family", "dense", "--composition", "isoexec_tp4",
+                           "--arch", "cpu", "--model", "dense_tp_tiny", "--only", ",".join(sorted(ONLY)),
+                           "--out", str(out), "--json"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout)        # one report, from rank 0
+    assert summary["passed"] and len(summary["gates"]) == 6
+    arts = _by_gate(load_artifacts(out))
+    assert len(arts) == 6
+    for (name, dtype), a in arts.items():
+        assert a["gate"]["shapes"]["tp"] == 2
+        if name != "negative_control":
+            assert a["counts"]["differing"] == 0 and a["counts"]["compared"] > 0
+    assert arts[("negative_control", "float32")]["counts"]["differing"] > 0
