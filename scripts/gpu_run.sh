@@ -138,7 +138,10 @@ yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_h200_{fam}.yaml", "w"))
 PY
     for comp in ${RL_COMPS:-native isoexec}; do
       SECONDS=0
-      timeout ${RL_TIMEOUT:-1800} python3 -m isoexec.cli run --config /tmp/step2/rl_h200_$fam.yaml --composition $comp \
+      # RL_NPROC=n: the run under `torchrun --nproc_per_node=n` (n = 1: the distributed code path,
+      # FSDP2 trainer and NCCL collectives, on one GPU)
+      timeout ${RL_TIMEOUT:-1800} ${RL_NPROC:+torchrun --standalone --nproc_per_node=$RL_NPROC} \
+        $([ -n "${RL_NPROC:-}" ] || echo python3) -m isoexec.cli run --config /tmp/step2/rl_h200_$fam.yaml --composition $comp \
         --out "$WORK/runs/$fam/$comp/seed0" > "$WORK/rl_${fam}_$comp.log" 2>&1; echo "rl $fam $comp rc=$? (${SECONDS}s)"
       tail -4 "$WORK/rl_${fam}_$comp.log"
       tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs $(cd "$WORK" && ls rl_*.log)

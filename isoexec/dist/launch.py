@@ -19,13 +19,20 @@ def env_world_size() -> int:
         raise ConfigError(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not an integer") from None
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun started this process (it names the run in every worker's environment)."""
+    return bool(os.environ.get("TORCHELASTIC_RUN_ID"))
+
+
 def init_from_env(arch: str) -> bool:
-    """Join the process group torchrun describes (WORLD_SIZE > 1 in the environment, the default
-    ``env://`` rendezvous): gloo for a CPU run, NCCL on CUDA (each process on device LOCAL_RANK).
-    Returns whether this process is one of several ranks; a no-op if a group already exists."""
+    """Join the process group torchrun describes (the default ``env://`` rendezvous): gloo for a
+    CPU run, NCCL on CUDA (each process on device LOCAL_RANK). Under torchrun a world of one rank
+    joins too, so ``torchrun --nproc_per_node=1`` runs the distributed code path on one device.
+    Returns whether this call joined a group (the caller then leaves it); False if a group already
+    exists or this process is not one of torchrun's (WORLD_SIZE unset or 1)."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() > 1
-    if env_world_size() <= 1:
+        return False
+    if env_world_size() <= 1 and not launched_by_torchrun():
         return False
     if arch == "cpu":
         backend = "gloo"
@@ -33,4 +40,4 @@ def init_from_env(arch: str) -> bool:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         backend = "nccl"
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    return dist.get_world_size() > 1
+    return True

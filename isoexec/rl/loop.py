@@ -286,8 +286,10 @@ class RLRun:
     def __init__(self, cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print):
         self.cfg, self.out, self.log = cfg, Path(out_dir), log
         self.world, self.rank = rl_dist.world()
+        # in a process group (torchrun, even of one rank): the sharded trainer and the collectives
+        self.distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rl_dist.check_engine_tp(cfg, self.world)
-        if self.world > 1:
+        if self.distributed:
             # refusals from the configuration and the folder alone: every rank, before any collective
             rl_dist.check_world(cfg, self.world)
             self._check_checkpoint_world()
@@ -323,7 +325,7 @@ class RLRun:
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
         train_cfg = TrainConfig.from_dict({"seed": cfg.seed, **cfg.train})
         self.trainer_contract = self.contract
-        if self.world > 1:
+        if self.distributed:
             if self.warmup_record is None and cfg.warmup_sft_steps and not cfg.checkpoint:
                 rl_dist.check_warmup_batch(min(cfg.warmup_batch_size, len(self.problems[:128])), self.world)
             from ..dist.fsdp import FSDPTrainer   # the first collectives: the mesh, the sharding
@@ -373,6 +375,12 @@ class RLRun:
         if state.get("world_size", 1) != self.world:
             raise ConfigError(f"{self.ckpt_path} was written by a run on {state.get('world_size', 1)} rank(s) and "
                               f"this run has {self.world}: resume with the world size it was written at")
+        # one rank under torchrun writes sharded trainer state, a plain process one file
+        if ("trainer_dcp" in state) != self.distributed:
+            made, now = (("under torchrun", "in a plain process") if "trainer_dcp" in state
+                         else ("in a plain process", "under torchrun"))
+            raise ConfigError(f"{self.ckpt_path} was written by a run {made} and this run is {now}: "
+                              "resume it the way it was started")
 
     def _resume_or_start(self) -> None:
         if self.ckpt_path.exists():
@@ -387,7 +395,7 @@ class RLRun:
                 diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
                 raise ConfigError(f"{self.ckpt_path} was written by a run with another configuration "
                                   f"(differs in {', '.join(diff)}); use a fresh output folder or the same config")
-            if self.world == 1:
+            if not self.distributed:
                 self.trainer.load_state_dict(state["trainer"])
             elif state["trainer_dcp"]:   # None: saved before the first update, a fresh trainer is that state
                 self.trainer.load(str(self.out / state["trainer_dcp"]))
@@ -403,7 +411,7 @@ class RLRun:
                 self._warmup()
         # compile every GEMM bucket's kernels now, not inside a timed step (a no-op on a CPU)
         warm_up_kernel_shapes(self.trainer_model, self.tok.vocab_size, self.log)
-        if self.world > 1:
+        if self.distributed:
             from ..dist.fsdp import free_params
 
             free_params(self.trainer_model)
@@ -411,7 +419,7 @@ class RLRun:
         warm_up_engine(self.engine, self.cfg.max_prompt_tokens, self.log)
 
     def _save(self) -> None:
-        if self.world > 1:
+        if self.distributed:
             return self._save_sharded()
         buf = io.BytesIO()
         torch.save({"config": asdict(self.cfg), "step": self.step, "trainer": self.trainer.state_dict(),
@@ -458,7 +466,7 @@ class RLRun:
 
     def _sync_weights(self) -> float:
         t0 = self._clock()
-        if self.world > 1:
+        if self.distributed:
             # the trainer's shards gathered whole (fp32 masters; the engine's copy_ rounds them to
             # its dtype as the single-process trainer rounds its masters into its parameters)
             self.engine.update_weights(self.trainer.full_parameters(), trainer_contract=self.trainer_contract)
@@ -486,7 +494,7 @@ class RLRun:
                                              max_tokens=cfg.max_response_tokens, stop_token_ids=(self.tok.eos_id,),
                                              seed=derive_seed(cfg.seed, step, round_, p.id, si)))
                 owners.append(pi)
-        if self.world == 1:
+        if not self.distributed:
             return self.engine.generate(prompts, params), owners
         # whole groups to each engine group; a sample keeps the request id (its index in the round)
         # and the seed the single-process run gives it, so its tokens do not depend on the world
@@ -509,7 +517,7 @@ class RLRun:
         """Where the first differing logprob is born (isoexec.debug): trainer vs engine model."""
         if not first:
             return ""
-        if self.world > 1:   # the trainer's model is sharded
+        if self.distributed:   # the trainer's model is sharded
             return "; the region locator runs in a single-process run only"
 
         seq_i, tok_i = first
@@ -551,7 +559,7 @@ class RLRun:
             except TooManyRounds:
                 break
         groups = filler.kept[:cfg.prompts_per_step]
-        if self.world > 1 and len(groups) * n % self.world:
+        if self.distributed and len(groups) * n % self.world:
             # a short step's sequences must still deal out evenly: train on fewer whole groups
             keep = max(g for g in range(len(groups) + 1) if g * n % self.world == 0)
             self.log(f"warning: step {step}: {len(groups)} kept group(s) of {n} do not deal out evenly over "
@@ -571,7 +579,7 @@ class RLRun:
         all_plens = [len(r.prompt) for r, _ in generated]
         all_rollout = [r.logprobs for r, _ in generated]
         t0 = self._clock()
-        if self.world > 1:
+        if self.distributed:
             # FSDPTrainer.score deals the list out evenly: pad it with copies of the last sequence
             # (a sequence's scores do not depend on the batch around it) and drop their scores
             pad = -len(all_seqs) % self.world
@@ -583,7 +591,7 @@ class RLRun:
         stats = logprob_diff_stats(all_rollout, all_trainer)
         # this rank's own engine against the trainer, bitwise; gathered, so every rank sees every count
         own = rl_dist.differing_tokens([all_rollout[i] for i in mine], [all_trainer[i] for i in mine])
-        per_rank = rl_dist.all_gather(own) if self.world > 1 else [own]
+        per_rank = rl_dist.all_gather(own) if self.distributed else [own]
         if self.live_check and (stats.get("bitwise_equal_frac", 1.0) < 1.0 or any(per_rank)):
             first = stats.get("first_differing")
             raise LiveCheckFailed(
@@ -662,10 +670,10 @@ class RLRun:
 
 
 def run_rl(cfg: RLConfig, out_dir: str | Path, log: Callable[[str], None] = print) -> list[dict]:
-    """Run ``cfg`` to its last step; under torchrun (WORLD_SIZE > 1) as one rank of a data-parallel
-    run (:mod:`isoexec.rl.distributed`), which joins the process group here and leaves it at the end."""
-    joined = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-        and rl_dist.init_from_env(cfg.arch)
+    """Run ``cfg`` to its last step; under torchrun (any world size, one rank included) as one rank
+    of a data-parallel run (:mod:`isoexec.rl.distributed`), which joins the process group here and
+    leaves it at the end."""
+    joined = rl_dist.init_from_env(cfg.arch)
     try:
         run = RLRun(cfg, out_dir, log)
         return run.run()

@@ -140,6 +140,20 @@ def _plan(job, ws, rank, out_dir) -> dict:
     return res
 
 
+def _plan_run_only(job, ws, rank, out_dir) -> dict:
+    """Just the run (a world of one rank: the sharded trainer's code path on one process)."""
+    res = {"times": {"start": time.monotonic()}}
+    run = RecordingRun(RLConfig.from_dict(job["cfg"]), Path(out_dir) / "run", log=lambda s: None)
+    res["trainer_class"] = type(run.trainer).__name__
+    res["lines"] = run.run()
+    res["times"]["ran"] = time.monotonic()
+    res["rollouts"] = run.rollouts
+    res["params"] = run.trainer.full_parameters()
+    res["engine_params"] = {n: p.detach().clone() for n, p in run.engine_model.named_parameters()}
+    res["files"] = sorted(p.name for p in (Path(out_dir) / "run").iterdir())
+    return res
+
+
 #: the same run on the model and contract the engine can be sharded with (4 kv heads, 5 vocabulary
 #: leaves, tp claimed 1/2/4): the engine at tp = 2 over the world of 2
 TP_CFG = dict(CFG, model="dense_tp_tiny", composition="isoexec_tp4")
@@ -173,7 +187,8 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> No
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=120))
     try:
-        res = (_plan_engine_tp if job.get("engine_tp") else _plan)(job, world_size, rank, out_dir)
+        plan = _plan_engine_tp if job.get("engine_tp") else _plan_run_only if job.get("run_only") else _plan
+        res = plan(job, world_size, rank, out_dir)
         res["times"] = {k: round(v - t0, 2) for k, v in res["times"].items()}
     except Exception:
         res = {"__error__": traceback.format_exc()}

@@ -71,6 +71,29 @@ def world(job, tmp_path_factory):
     return {"ranks": ranks, "out": out}
 
 
+@pytest.fixture(scope="module")
+def world_of_one(job, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist1")
+    ranks = rw.run_world(1, out, dict(job, run_only=True))
+    errors = [r["__error__"] for r in ranks if "__error__" in r]
+    assert not errors, f"the rank failed:\n{errors[0]}"
+    return ranks[0]
+
+
+def test_a_world_of_one_rank_takes_the_sharded_path_and_equals_the_single_process_run(world_of_one, single):
+    """In a process group of one rank (``torchrun --nproc_per_node=1``, the H200's NCCL path) the
+    run takes the distributed code path, FSDP2 trainer and collectives included, and gives the
+    single process's metrics and bitwise its fp32 masters."""
+    res = world_of_one
+    assert res["trainer_class"] == "FSDPTrainer"
+    rw.same_rollouts(res["rollouts"], single["rollouts"], 0)
+    rw.same_metrics(res["lines"], single["lines"], 1)
+    bad = {n: bit_report(res["params"][n], w)["differing"] for n, w in single["params"].items()
+           if bit_report(res["params"][n], w)["differing"]}
+    assert not bad, f"fp32 masters differ: {bad}"
+    assert all(bit_report(p, res["params"][n])["differing"] == 0 for n, p in res["engine_params"].items())
+
+
 def test_live_check_is_zero_on_every_rank_at_every_step(world):
     for rank, res in enumerate(world["ranks"]):
         assert [x["step"] for x in res["lines"]] == [0, 1]
