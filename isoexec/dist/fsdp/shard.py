@@ -86,7 +86,14 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_custom_reduce_scatter(RankOrderReduceScatter())
-    model.set_reduce_scatter_unused_params(True)
+    if hasattr(model, "set_reduce_scatter_unused_params"):
+        model.set_reduce_scatter_unused_params(True)
+    elif getattr(model, "family", "dense") in ("mla_moe", "hybrid_moe"):
+        # an expert no token of this rank routed to has no gradient here; without the switch the
+        # ranks would reduce-scatter different parameter lists (torch 2.11 lacks it; 2.13 has it)
+        raise ValueError(f"shard_model: the {model.family} family needs FSDP2's "
+                         f"set_reduce_scatter_unused_params (an expert may get no gradient on a rank), "
+                         f"which torch {torch.__version__} does not have")
 
     run = model.hidden_states
 
