@@ -16,7 +16,8 @@
 #   tp       on a machine of TP_GPUS GPUs (default: all it has; the nvidia-h200-x2 kind): the engine under
 #            tensor parallelism over NCCL against one process (scripts/tp_engine_check.py: trainer
 #            logits, engine tokens and logprobs, generate-then-verify, the all-reduce control, tok/s);
-#            (TP_CHECK=0 skips it); TP_GATES=1 then runs the topology gates under torchrun on those GPUs (gates_tp<n>.tgz);
+#            (TP_CHECK=0 skips it); TP_GATES=1 then runs the topology gates under torchrun on those GPUs
+#            for each family:model of TP_GATE_RUNS (gates_<family>_tp<n>.tgz);
 #            TP_GPUS=1 is the world-size-1 NCCL path on one GPU
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
@@ -88,14 +89,17 @@ if [ "$MODE" = tp ]; then
   fi
   if [ "${TP_GATES:-0}" = 1 ]; then
     # the topology gates (tp_trainer_logits, tp_engine_generate_verify + the all-reduce control)
-    # at tp = the number of GPUs, artifacts under gates_tp$n
-    SECONDS=0; mkdir -p "$WORK/gates_tp$n"
-    timeout ${TP_GATES_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$n -m isoexec.cli gates run --family dense \
-      --composition isoexec_tp4 --arch sm90 --model ${TP_GATES_MODEL:-dense_qwen3_0p6b} \
-      --only tp_trainer_logits,tp_engine_generate_verify --out "$WORK/gates_tp$n" --json \
-      > "$WORK/gates_tp${n}_summary.json" 2> "$WORK/gates_tp$n.log"
-    echo "topology gates on $n GPUs rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed" "$WORK/gates_tp$n.log"
-    tar -C "$WORK" -czf "$OUT/gates_tp$n.tgz" "gates_tp$n" "gates_tp${n}_summary.json" "gates_tp$n.log"
+    # at tp = the number of GPUs, for each family:model of TP_GATE_RUNS, artifacts under
+    # gates_<family>_tp$n
+    for run in ${TP_GATE_RUNS:-dense:dense_qwen3_0p6b}; do
+      fam=${run%%:*}; model=${run#*:}; d="gates_${fam}_tp$n"; SECONDS=0; mkdir -p "$WORK/$d"
+      timeout ${TP_GATES_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$n -m isoexec.cli gates run --family "$fam" \
+        --composition isoexec_tp4 --arch sm90 --model "$model" \
+        --only tp_trainer_logits,tp_engine_generate_verify --out "$WORK/$d" --json \
+        > "$WORK/${d}_summary.json" 2> "$WORK/$d.log"
+      echo "topology gates $fam ($model) on $n GPUs rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed|Error" "$WORK/$d.log"
+      tar -C "$WORK" -czf "$OUT/$d.tgz" "$d" "${d}_summary.json" "$d.log"
+    done
   fi
 fi
 if [ "$MODE" = gates ]; then

@@ -24,11 +24,12 @@ DISCHARGE_KINDS = ("gate", "equivalence_proof", "neutrality_proof")
 TOPOLOGY_AXES = ("tp", "ep", "sp", "pp", "dp", "cp")
 TOPOLOGY_KINDS = ("invariant", "pinned")
 
-ROW_PARALLEL_OPS = ("o_proj", "down_proj")
+ROW_PARALLEL_OPS = ("o_proj", "down_proj", "gdn_out_proj")
 """The ops a tensor-parallel model runs row-parallel (K cut between ranks, the ranks' partial sums
 added): a contract claiming a tp size above 1 must pin ``K_LEAVES`` (L, the K leaves of that sum,
 the same at every tp) on their regions, divisible by every claimed size (docs/scale_out.md). The
-dense family's: the other families have no tensor-parallel model yet."""
+dense family's o_proj and down_proj, and the hybrid family's Gated DeltaNet out_proj besides; the
+MoE families have no tensor-parallel model yet."""
 K_LEAVES = "K_LEAVES"
 
 ConstantValue = Union[int, str, bool]

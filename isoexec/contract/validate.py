@@ -127,7 +127,7 @@ def validate(c: ExecutionContract, required_ops: frozenset[str] | None = None) -
 
 def tp_leaf_problems(c: ExecutionContract, sizes) -> list[str]:
     """Why ``c`` cannot serve the tensor-parallel ``sizes``: a row-parallel region (o_proj,
-    down_proj) must pin its K leaf count L (``K_LEAVES``) and every size above 1 must divide it, so
+    down_proj, gdn_out_proj: ``ROW_PARALLEL_OPS``) must pin its K leaf count L (``K_LEAVES``) and every size above 1 must divide it, so
     that each rank holds L/tp whole leaves and every size adds the same L partials in one order."""
     out = []
     big = sorted(s for s in set(sizes) if s > 1)

@@ -18,26 +18,29 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
   ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
   ``expert_parallel_moe``     one MoE layer with its routed experts spread over an ep group: rows
                               sent to their expert's owner and back by all_to_all (copies), the
-                              single-process router, experts and combine regions (expert_parallel.py)
+                              single-process router, experts and combine regions, and its backward
+                              (expert_parallel.py); ``ExpertParallelGroup`` names the group for the
+                              MoE model classes (``isoexec.model.ep_moe.ExpertParallelMoe``)
   ``expert_shard_range``      which experts an ep rank owns (whole contiguous ranges)
 
 The data-parallel trainer (FSDP2) is the subpackage ``isoexec.dist.fsdp``; it sits above
 ``isoexec.train`` and is not imported here. ``mesh.dp_mesh`` builds its device mesh and
-``partition.sequence_share`` deals out its sequences. The dense model's trainer forward under tensor
-parallelism is ``isoexec.model.tp_dense`` (it needs the model and the contract, which sit above this
-package).
+``partition.sequence_share`` deals out its sequences. The dense and hybrid models under tensor
+parallelism are ``isoexec.model.tp_dense`` and ``isoexec.model.tp_hybrid`` (they need the model and
+the contract, which sit above this package).
 
-Not built yet: tensor parallelism inside the engine and the other families' model classes, expert
-parallelism inside the model classes, the engine and the trainer (the layer is built, forward
-only), the launcher, and the vocabulary-parallel form of the Triton logprob kernel.
+Not built yet: tensor parallelism in the MoE families' model classes, expert parallelism in the
+engine and in a trainer (the MoE models' trainer forward and backward under EP are built:
+``isoexec.model.ep_moe``), the launcher, and the vocabulary-parallel form of the Triton logprob
+kernel.
 """
 
 from .column_parallel import column_parallel_linear, replicated_input
-from .expert_parallel import expert_parallel_moe
+from .expert_parallel import ExpertParallelGroup, expert_parallel_moe
 from .partition import column_shard_range, expert_shard_range, row_shard_range, vocab_shard_range
 from .row_parallel import all_reduce_row_parallel_linear, row_parallel_linear
 from .vocab_parallel_logprob import vocab_parallel_token_logprobs
 
-__all__ = ["all_reduce_row_parallel_linear", "column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
+__all__ = ["ExpertParallelGroup", "all_reduce_row_parallel_linear", "column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
            "replicated_input", "row_parallel_linear", "row_shard_range",
            "vocab_parallel_token_logprobs", "vocab_shard_range"]

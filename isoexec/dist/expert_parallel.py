@@ -39,16 +39,25 @@ adds a token's k terms in a grouping set by the expert ranges, ``(a + b) + (c + 
 ``((a + b) + c) + d``, so its bits follow ep (the test's negative control). With k = 2 and no
 term before the shared expert that grouping cannot show (a two-term sum has no order).
 
+The backward (``_ExpertExchange``: steps 2-4 are one autograd node) runs the exchange in reverse:
+the output rows' gradients to the owners, the experts region's own backward there (an expert's
+weight gradient is the sum over every rank's rows it received, kept on its owner), the input
+rows' gradients back to their ranks; router, shared expert and combine differentiate locally. Only
+forward bits must match (docs/variance_sources.md): the backward is correct and fixed run to run,
+and equals one process's within rounding (tests/dist/test_ep_model.py measures it).
+
 Refusals, on every rank before any collective (the ranks see the same sizes): an ep the expert
-count cannot be dealt to (``ep > E``), expert weights that are not this rank's range, and a
-forward that autograd would record (the raw-byte all-to-all has no backward: backward under EP is
-not built). Forward only, CPU (gloo) tested; on CUDA the regions are the Triton ones and the
+count cannot be dealt to (``ep > E``) and expert weights that are not this rank's range. The
+model classes call this layer through ``isoexec.model.ep_moe.ExpertParallelMoe``, which also
+checks the contract's ep claim. CPU (gloo) tested; on CUDA the regions are the Triton ones and the
 collectives would be NCCL's, untested.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
@@ -58,7 +67,17 @@ from .collectives import all_to_all_rows, gather_in_rank_order, group_size_rank
 from .partition import expert_shard_range
 
 
-def _refuse(x, router_weight, gate_up, down, others, num_experts: int, ep: int, rank: int, e0: int, e1: int):
+@dataclass(frozen=True)
+class ExpertParallelGroup:
+    """The expert-parallel group a model's MoE layers run over (``moe_ep`` of the MoE model
+    classes, set by ``isoexec.model.ep_moe.ExpertParallelMoe``): ``group`` is the torch process
+    group, or None for the default group (one process when none is initialised). A model whose
+    ``moe_ep`` is None holds every expert and runs the single-process layer."""
+
+    group: Any = None
+
+
+def _refuse(x, router_weight, gate_up, down, num_experts: int, ep: int, rank: int, e0: int, e1: int):
     what = f"expert parallelism: rank {rank} of ep={ep}"
     if router_weight.dim() != 2 or router_weight.shape[0] != num_experts:
         raise ValueError(f"{what}: the router weight must be the whole [E={num_experts}, H] (replicated), "
@@ -68,10 +87,6 @@ def _refuse(x, router_weight, gate_up, down, others, num_experts: int, ep: int, 
     if gate_up.dim() != 3 or gate_up.shape[0] != e1 - e0 or down.dim() != 3 or down.shape[0] != e1 - e0:
         raise ValueError(f"{what} owns experts [{e0}, {e1}) of {num_experts}; gate_up and down must hold "
                          f"those {e1 - e0}, got shapes {tuple(gate_up.shape)} and {tuple(down.shape)}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (x, router_weight, gate_up, down, *others)):
-        raise ValueError(f"{what}: the expert-parallel MoE forward has no backward (its all-to-all copies raw "
-                         "bytes); run it under torch.no_grad() or with tensors that do not require grad")
 
 
 def _owner_order(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
@@ -95,6 +110,53 @@ def _owner_order(recv_counts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     return torch.tensor(order, dtype=torch.long), offsets
 
 
+class _ExpertExchange(torch.autograd.Function):
+    """Steps 2-4 as one autograd node: ``rows`` (this rank's dispatch-order rows, one run per
+    owner) to their experts' owners, the ``experts`` region on what this rank received (with the
+    ``local`` dispatch: expert-major, source-ascending), the output rows back to their ranks.
+
+    Its backward is the same exchange reversed: the output rows' gradients go to the owners
+    (``all_to_all``), the owner runs the experts region's own backward on the graph it kept (so the
+    gradients of its expert weights are the sum over every rank's rows it received, and stay
+    there), and the input rows' gradients go back to their ranks (``all_to_all``). Copies again,
+    so the gradients are those of the same arithmetic as one process's expert loop, and fixed run
+    to run. Every rank of the group takes part in both exchanges of every layer's backward, rows
+    or not (one node per layer, whose output feeds the combine on every rank); the ranks must
+    agree on whether the forward is recorded (the same parameters requiring grad)."""
+
+    @staticmethod
+    def forward(ctx, rows, gate_up, down, experts, local, send, recv, group, ep):
+        inbox = all_to_all_rows(rows, send, recv, group, ep)
+        record = any(ctx.needs_input_grad[:3])
+        with torch.enable_grad() if record else contextlib.nullcontext():
+            # the graph of the experts region alone, on detached inputs; backward() walks it
+            leaves = [t.detach().requires_grad_(record and t.is_floating_point()) for t in (inbox, gate_up, down)]
+            out_rows = experts(leaves[0], local, leaves[1], leaves[2])
+            outbox = out_rows[local.row_of_pair]   # back to arrival order: a copy
+        if record:
+            ctx.graph = (outbox, leaves)
+        ctx.exchange = (send, recv, group, ep)
+        return all_to_all_rows(outbox.detach(), recv, send, group, ep)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, group, ep = ctx.exchange
+        outbox, leaves = ctx.graph
+        del ctx.graph
+        g_out = all_to_all_rows(grad.contiguous(), send, recv, group, ep)   # to the owners
+        if outbox.requires_grad:   # else this rank received no row: no expert ran here
+            g_inbox, g_gate_up, g_down = torch.autograd.grad(outbox, leaves, g_out, allow_unused=True)
+        else:
+            g_inbox = g_gate_up = g_down = None
+        # zeros, not None, where this rank ran no expert: one process's stacked expert weights get a
+        # whole gradient (zeros for its idle experts) whenever any token ran, and an optimizer treats
+        # an unset gradient otherwise (no decay, no moment update)
+        g_inbox, g_gate_up, g_down = (torch.zeros_like(t) if g is None else g
+                                      for g, t in zip((g_inbox, g_gate_up, g_down), leaves))
+        g_rows = all_to_all_rows(g_inbox.contiguous(), recv, send, group, ep)   # back to the rows' ranks
+        return g_rows, g_gate_up, g_down, None, None, None, None, None, None
+
+
 def expert_parallel_moe(x: torch.Tensor, regions: Mapping, spec: RouterSpec, *, num_experts: int,
                         router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                         correction_bias: torch.Tensor | None = None, shared_gate: torch.Tensor | None = None,
@@ -112,10 +174,12 @@ def expert_parallel_moe(x: torch.Tensor, regions: Mapping, spec: RouterSpec, *, 
     ``expert_shard_range(E, ep, rank)`` only; shared: the shared expert's rows ``[T, H]`` on these
     tokens (replicated weights, computed by the caller as the single-process layer does) or None;
     group: the expert-parallel process group (None: the default group, or one process if none is
-    initialised). A rank may hold no tokens (T = 0). Forward only."""
+    initialised). A rank may hold no tokens (T = 0); every rank of the group must call it
+    together. Differentiable (``_ExpertExchange``); the ranks must agree on whether autograd
+    records it."""
     ep, rank = group_size_rank(group)
     e0, e1 = expert_shard_range(num_experts, ep, rank)
-    _refuse(x, router_weight, gate_up, down, (correction_bias, shared_gate, shared), num_experts, ep, rank, e0, e1)
+    _refuse(x, router_weight, gate_up, down, num_experts, ep, rank, e0, e1)
 
     # 1. the single process's router and dispatch, on this rank's tokens
     routing = regions["router"](x, router_weight, spec, correction_bias, shared_gate)
@@ -127,20 +191,15 @@ def expert_parallel_moe(x: torch.Tensor, regions: Mapping, spec: RouterSpec, *, 
     per_owner = torch.stack([counts[:, a:b].sum(dim=1) for a, b in bounds], dim=1)  # [src, dst]
     send = per_owner[rank].tolist()   # this rank's dispatch-order rows, one run per owner
     recv = per_owner[:, rank].tolist()
-    inbox = all_to_all_rows(x[disp.token], send, recv, group, ep)
 
-    # 3. this rank's experts on the rows it received, expert-major, then back to arrival order
+    # 3. this rank's experts on the rows it received, expert-major; 4. the rows back to their
+    # tokens' rank (rank order = this rank's dispatch order). One autograd node for 2-4.
     order, offsets = _owner_order(counts[:, e0:e1])
     n = order.numel()
     local = Dispatch(token=order.to(x.device), offsets=torch.tensor(offsets, dtype=torch.long, device=x.device),
                      row_of_pair=torch.empty_like(order).scatter_(0, order, torch.arange(n)).to(x.device),
                      num_tokens=n, top_k=1)
-    out_rows = regions["experts"](inbox, local, gate_up, down)
-    outbox = torch.empty_like(out_rows)
-    outbox[local.token] = out_rows
-
-    # 4. the rows back to their tokens' rank: rank order = this rank's dispatch order
-    rows = all_to_all_rows(outbox, recv, send, group, ep)
+    rows = _ExpertExchange.apply(x[disp.token], gate_up, down, regions["experts"], local, send, recv, group, ep)
 
     # 5. the single process's combine, unchanged
     return regions["combine"](rows, disp, routing, shared, out_dtype=x.dtype)

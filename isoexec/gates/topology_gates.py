@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..dist import all_reduce_row_parallel_linear
 from ..dist.launch import init_from_env
-from ..model import ForwardBatch, tp_dense
+from ..model import ForwardBatch, tp_dense, tp_hybrid
 from .compare import BitReport, compare_bits
 from .engine_gates import _generate, _results_reports, verify_engine_logprobs
 
@@ -68,10 +68,16 @@ def process_group(arch: str):
             dist.destroy_process_group()
 
 
+TENSOR_PARALLEL = {"dense": tp_dense.TensorParallelDense, "hybrid": tp_hybrid.TensorParallelHybrid}
+# the modules whose row-parallel linear the negative control replaces (the hybrid model's attention
+# and Gated DeltaNet layers call tp_hybrid's, every MLP tp_dense's)
+_ROW_PARALLEL_USERS = (tp_dense, tp_hybrid)
+
+
 def tensor_parallel(model):
     """The family's tensor-parallel model over the default group (checks the topology first)."""
-    if model.family == "dense":
-        return tp_dense.TensorParallelDense(model, None)
+    if model.family in TENSOR_PARALLEL:
+        return TENSOR_PARALLEL[model.family](model, None)
     raise ValueError(f"the {model.family} family has no tensor-parallel model")
 
 
@@ -97,15 +103,17 @@ def tp_engine_generate_verify(model, contract, gen: torch.Generator, arch: str, 
     _, want = _generate(model, contract, gen, **sizes)
     gen.set_state(state)   # the same prompts, parameters and arrivals for the TP engine
     tpm = tensor_parallel(model)
-    real = tp_dense.row_parallel_linear
+    real = [m.row_parallel_linear for m in _ROW_PARALLEL_USERS]
     if stock_all_reduce:
-        tp_dense.row_parallel_linear = all_reduce_row_parallel_linear
+        for m in _ROW_PARALLEL_USERS:
+            m.row_parallel_linear = all_reduce_row_parallel_linear
     try:
         # the control runs eagerly: the patched module function is what a captured graph would
         # have frozen otherwise
         _, got = _generate(tpm, contract, gen, **sizes, **({"cuda_graphs": False} if stock_all_reduce else {}))
     finally:
-        tp_dense.row_parallel_linear = real
+        for m, fn in zip(_ROW_PARALLEL_USERS, real):
+            m.row_parallel_linear = fn
     reports = _results_reports(want, got) + [verify_engine_logprobs(model, got)]
     return reports, {**sizes, "tokens": sum(len(r.ids) for r in got)}
 

@@ -97,14 +97,40 @@ class DenseModel(nn.Module):
         return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": cfg.q_size, "gate_proj": h, "up_proj": h,
                 "down_proj": cfg.intermediate_size, "lm_head": h}
 
+    # the families with a tensor-parallel model (isoexec/model/tp_dense.py, tp_hybrid.py)
+    TP_FAMILIES = ("dense", "hybrid")
+
+    def tp_head_problems(self, tp: int) -> list[str]:
+        """Heads ``tp`` cannot deal out whole (the hybrid family adds its Gated DeltaNet heads)."""
+        nh, nkv = self.cfg.num_heads, self.cfg.num_kv_heads
+        if nh % tp or nkv % tp:
+            return [f"tp={tp} does not divide the {nh} query heads and {nkv} kv heads (each rank holds "
+                    "whole heads of both)"]
+        return []
+
+    def tp_row_parallel(self) -> dict[str, tuple[int, int | None]]:
+        """{row-parallel op: (K, the heads whose outputs its K columns are, or None for down_proj,
+        whose K columns are gate/up's 64-column units)} of the tensor-parallel model."""
+        cfg = self.cfg
+        return {"o_proj": (cfg.q_size, cfg.num_heads), "down_proj": (cfg.intermediate_size, None)}
+
+    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+        """{op: (impl, arch or None for any)}: the kernels whose schedule the tensor-parallel
+        layers reproduce (a linear's columns, the vocabulary-parallel logprob)."""
+        want: dict[str, tuple[str, str | None]] = {o: ("gemm_fixed_k", None) for o in self.linear_k()}
+        want["logprob"] = ("logprob_fixed", "cpu")
+        return want
+
     def tp_problems(self, contract: ExecutionContract, tp: int) -> list[str]:
         """Why this model cannot run ``contract`` at tensor-parallel size ``tp`` (empty: it can),
         from its own shape: a pinned ``K_LEAVES`` larger than a region's K blocks (at any tp), and
-        at tp > 1 the cuts of ``TensorParallelDense`` (isoexec/model/tp_dense.py): whole query and
-        kv heads per rank, o_proj's K leaves on head boundaries, gate/up 64-column units on
-        down_proj's leaves, a whole vocabulary leaf per rank, and kernels whose schedule the
-        tensor-parallel layers reproduce. ``check_topology`` reports them with its own."""
-        if self.family != "dense":  # the subclasses' shapes differ; none has a tensor-parallel model yet
+        at tp > 1 the cuts of the tensor-parallel model (``TensorParallelDense``,
+        isoexec/model/tp_dense.py; ``TensorParallelHybrid``, tp_hybrid.py): whole heads per rank
+        (``tp_head_problems``), each row-parallel layer's K leaves on the ranks' head boundaries
+        (``tp_row_parallel``), gate/up 64-column units on down_proj's leaves, a whole vocabulary
+        leaf per rank, and kernels whose schedule the tensor-parallel layers reproduce
+        (``tp_impls``). ``check_topology`` reports them with its own."""
+        if self.family not in self.TP_FAMILIES:  # the MoE families have no tensor-parallel model yet
             return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
         cfg, out = self.cfg, []
         ks = self.linear_k()
@@ -123,32 +149,29 @@ class DenseModel(nn.Module):
                                    f"{num_k_blocks(ks[o])} K block(s) of {o} (K={ks[o]})")
         if tp == 1:
             return out
-        nh, nkv = cfg.num_heads, cfg.num_kv_heads
-        if nh % tp or nkv % tp:
-            out.append(f"tp={tp} does not divide the {nh} query heads and {nkv} kv heads (each rank holds "
-                       "whole heads of both)")
-        for o in ("o_proj", "down_proj"):
+        out += self.tp_head_problems(tp)
+        rows = self.tp_row_parallel()
+        for o in rows:
             if len(leaves.get(o, ())) > 1:
                 out.append(f"{o} pins different {K_LEAVES} in different cases ({sorted(map(str, leaves[o]))})")
-        L_o, L_d = (next(iter(leaves.get(o) or {None})) for o in ("o_proj", "down_proj"))
-        if nh % tp == 0 and L_o is not None and L_o % tp == 0 and L_o <= num_k_blocks(cfg.q_size):
-            heads = [(r * cfg.q_size // tp, (r + 1) * cfg.q_size // tp) for r in range(tp)]
-            leafs = [row_shard_range(cfg.q_size, L_o, tp, r) for r in range(tp)]
-            if heads != leafs:
-                out.append(f"o_proj's K leaves ({K_LEAVES}={L_o} over K={cfg.q_size}) give the ranks input columns "
-                           f"{leafs}, not their heads' {heads}: each rank's heads must span whole K leaves")
-        I = cfg.intermediate_size
-        if L_d is not None and L_d % tp == 0 and L_d <= num_k_blocks(I):
-            units = [column_shard_range(I, tp, r, 64) for r in range(tp)]
-            if units != [row_shard_range(I, L_d, tp, r) for r in range(tp)]:
-                out.append(f"gate/up's 64-column units do not meet down_proj's {K_LEAVES}={L_d} leaves at tp={tp}")
+        for o, (K, heads) in rows.items():
+            L = next(iter(leaves.get(o) or {None}))
+            if L is None or L % tp or L > num_k_blocks(K):
+                continue   # reported above, or by the contract's own tp check
+            leafs = [row_shard_range(K, L, tp, r) for r in range(tp)]
+            if heads is None:   # K columns from gate/up, cut in 64-column units
+                if [column_shard_range(K, tp, r, 64) for r in range(tp)] != leafs:
+                    out.append(f"gate/up's 64-column units do not meet {o}'s {K_LEAVES}={L} leaves at tp={tp}")
+            elif heads % tp == 0:
+                mine = [(r * K // tp, (r + 1) * K // tp) for r in range(tp)]
+                if mine != leafs:
+                    out.append(f"{o}'s K leaves ({K_LEAVES}={L} over K={K}) give the ranks input columns "
+                               f"{leafs}, not their heads' {mine}: each rank's heads must span whole K leaves")
         vocab_leaves = -(-cfg.vocab_size // REF_LEAF_V)
         if vocab_leaves < tp:
             out.append(f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
                        f"(vocab_size={cfg.vocab_size}); each rank needs a whole leaf")
-        want = {o: ("gemm_fixed_k", None) for o in ks}
-        want["logprob"] = ("logprob_fixed", "cpu")
-        for o, (impl, arch) in want.items():
+        for o, (impl, arch) in self.tp_impls().items():
             for got_impl, got_arch in sorted(impls.get(o, ())):
                 if got_impl != impl or (arch is not None and got_arch != arch):
                     out.append(f"region of {o} runs {got_impl} ({got_arch}); at tp > 1 it must be {impl}"

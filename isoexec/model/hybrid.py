@@ -85,6 +85,37 @@ class HybridModel(DenseModel):
         """The first ``rotary_dim`` channels (partial rotary)."""
         return self.cfg.rotary_dim
 
+    # ------------------------------------------------------------------------------ tensor parallelism
+    def linear_k(self) -> dict[str, int]:
+        """{linear op: its K}: the dense ops' (o_proj reads the gated attention's q_size) and the
+        Gated DeltaNet projections'."""
+        h = self.cfg.hidden_size
+        return {**super().linear_k(), "gdn_in_proj": h, "gdn_ba_proj": h, "gdn_out_proj": self.cfg.value_dim}
+
+    def tp_head_problems(self, tp: int) -> list[str]:
+        """The attention heads' problems and the Gated DeltaNet heads': a rank holds whole key heads
+        with their groups of value heads (``TensorParallelHybrid``), so tp must divide the key heads
+        (and with them the value heads, a multiple of them)."""
+        cfg = self.cfg
+        out = super().tp_head_problems(tp)
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        if hk % tp or hv % tp:
+            out.append(f"tp={tp} does not divide the {hk} Gated DeltaNet key heads and {hv} value heads (each "
+                       "rank holds whole key heads with their value heads)")
+        return out
+
+    def tp_row_parallel(self) -> dict[str, tuple[int, int | None]]:
+        """o_proj, down_proj and the Gated DeltaNet out_proj, whose K columns are the value heads."""
+        cfg = self.cfg
+        return {**super().tp_row_parallel(), "gdn_out_proj": (cfg.value_dim, cfg.linear_num_value_heads)}
+
+    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+        """The linear and logprob kernels of the dense model, and the Gated DeltaNet regions whose
+        per-head (per-channel) schedule the tensor-parallel layers rely on (tp_hybrid.py says why
+        each holds): the short conv, the prep, the CPR core and the gated norm."""
+        return {**super().tp_impls(), "gdn_conv": ("conv_fixed_taps", None), "gdn_prep": ("gdn_prep_fp32", None),
+                "gdn_core": ("gdn_cpr", None), "gdn_out_norm": ("gated_rmsnorm_fixed", None)}
+
     # ------------------------------------------------------------------------------ init
     @torch.no_grad()
     def init_random(self, seed: int = 0, std: float = 0.02) -> "HybridModel":
@@ -141,29 +172,47 @@ class HybridModel(DenseModel):
     # ------------------------------------------------------------------------------ forward
     def _gated_attention(self, plan, kv_layer: int, L: GatedAttentionLayer, n, batch: ForwardBatch, rope):
         cfg = self.cfg
-        T = n.shape[0]
-        nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
                            (2 * cfg.q_size, cfg.kv_size, cfg.kv_size))
-        qg, k, v = qkv.split((2 * cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        a = self._gated_attention_heads(plan, kv_layer, L, qkv, cfg.num_heads, cfg.num_kv_heads, batch, rope)
+        return plan["o_proj"](a, L.o_weight)
+
+    def _gated_attention_heads(self, plan, kv_layer: int, L, qkv, nh: int, nkv: int, batch: ForwardBatch, rope):
+        """The gated attention of ``nh`` query and ``nkv`` kv heads from their projections ``qkv``
+        [T, nh * 2 * head_dim + 2 * nkv * head_dim] (each query head's [query | gate], then k, v):
+        the gated outputs [T, nh * head_dim] before o_proj. Per-head arithmetic only, so the
+        tensor-parallel model (tp_hybrid.py) runs it on a rank's heads."""
+        cfg = self.cfg
+        T = qkv.shape[0]
+        hd, eps = cfg.head_dim, cfg.rms_norm_eps
+        qg, k, v = qkv.split((nh * 2 * hd, nkv * hd, nkv * hd), dim=-1)
         qg = qg.reshape(T, nh, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, cfg.q_size)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(T, nh * hd)
         q = plan["q_norm"](q, L.q_norm, eps, zero_centred=True)
         k = plan["k_norm"](k.reshape(T, nkv, hd), L.k_norm, eps, zero_centred=True)
         q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
         k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta, rotary_dim=cfg.rotary_dim)
         a = self._attention(plan, kv_layer, q, k, v.reshape(T, nkv, hd), batch)
-        a = plan["attn_gate"](a.reshape(T, cfg.q_size), gate)
-        return plan["o_proj"](a, L.o_weight)
+        return plan["attn_gate"](a.reshape(T, nh * hd), gate)
 
     def _gated_deltanet(self, plan, gdn_layer: int, L: GatedDeltaNetLayer, n, batch: ForwardBatch):
         cfg = self.cfg
-        T = n.shape[0]
-        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        hv = cfg.linear_num_value_heads
         proj = self._linear(plan, ("gdn_in_proj", "gdn_ba_proj"), n, L.in_proj_weight,
                             (cfg.conv_dim + cfg.value_dim, 2 * hv))
-        qkv, z, b, a = proj.split((cfg.conv_dim, cfg.value_dim, hv, hv), dim=-1)
+        o = self._gated_deltanet_heads(plan, gdn_layer, L, proj, cfg.linear_num_key_heads, hv, batch)
+        return plan["gdn_out_proj"](o, L.out_weight)
+
+    def _gated_deltanet_heads(self, plan, gdn_layer: int, L, proj, hk: int, hv: int, batch: ForwardBatch):
+        """The Gated DeltaNet mixer of ``hk`` key heads and their ``hv`` value heads from their
+        projections ``proj`` [T, (2 hk Dk + hv Dv) + hv Dv + 2 hv] (the conv channels q, k, v, then
+        z, b, a): the normed, gated outputs [T, hv * Dv] before out_proj. The conv is per channel,
+        the rest per head (tp_hybrid.py says why), so the tensor-parallel model runs it on a rank's
+        heads; ``L`` holds the matching conv taps, A_log and dt_bias."""
+        cfg = self.cfg
+        T = proj.shape[0]
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        qkv, z, b, a = proj.split((2 * hk * dk + hv * dv, hv * dv, hv, hv), dim=-1)
         conv, core = plan["gdn_conv"], plan["gdn_core"]
         if not batch.is_engine:
             qkv = conv(qkv, L.conv_weight, batch.cu_seqlens)
@@ -175,7 +224,7 @@ class HybridModel(DenseModel):
                 qkv = conv(qkv, L.conv_weight, batch.state_slots, batch.conv_states[gdn_layer])
             else:
                 qkv = conv(qkv, L.conv_weight, batch.cu_seqlens_q, batch.state_slots, batch.conv_states[gdn_layer])
-        q, k, v = qkv.split((cfg.key_dim, cfg.key_dim, cfg.value_dim), dim=-1)
+        q, k, v = qkv.split((hk * dk, hk * dk, hv * dv), dim=-1)
         q, k, g, beta = plan["gdn_prep"](q.reshape(T, hk, dk), k.reshape(T, hk, dk), a, b, L.A_log, L.dt_bias)
         v = v.reshape(T, hv, dv)
         if not batch.is_engine:
@@ -185,8 +234,8 @@ class HybridModel(DenseModel):
         else:
             o = core(q, k, v, g, beta, batch.cu_seqlens_q, batch.state_slots, batch.gdn_states[gdn_layer])
         # the core's fp32 output is rounded to the model dtype before the norm, as transformers does
-        o = plan["gdn_out_norm"](o.to(n.dtype), z.reshape(T, hv, dv), L.out_norm, cfg.rms_norm_eps)
-        return plan["gdn_out_proj"](o.reshape(T, cfg.value_dim), L.out_weight)
+        o = plan["gdn_out_norm"](o.to(proj.dtype), z.reshape(T, hv, dv), L.out_norm, cfg.rms_norm_eps)
+        return o.reshape(T, hv * dv)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""

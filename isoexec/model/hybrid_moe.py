@@ -7,7 +7,8 @@ by a stable sort with ties to the lower expert index, the k weights renormalised
 experts' SwiGLU, and one shared expert whose output is scaled by sigmoid(x . w_gate) (the gate is
 computed by the router region in fp32). The MoE regions are those of the mla_moe family
 (``isoexec/model/mla_moe.py: moe_layer``; ``isoexec_kernels/moe/``). Engine state as the hybrid
-family: KV pages for the attention layers, a state slot per sequence for the GDN layers.
+family: KV pages for the attention layers, a state slot per sequence for the GDN layers. Expert
+parallelism as in mla_moe (``moe_ep``; isoexec/model/ep_moe.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch import nn
 
 from isoexec_kernels.moe import RouterSpec
 
+from ..dist.expert_parallel import ExpertParallelGroup
 from ..model_config import HybridMoeConfig
 from .hybrid import GatedAttentionLayer, GatedDeltaNetLayer, HybridModel, _params
 from .mla_moe import moe_layer
@@ -49,6 +51,8 @@ class HybridMoeModel(HybridModel):
     """Same public interface as :class:`HybridModel` (recurrent state included)."""
 
     family = "hybrid_moe"
+    #: the expert-parallel group of the MoE layers; None: every expert in this process (ep_moe.py sets it)
+    moe_ep: ExpertParallelGroup | None = None
 
     @staticmethod
     def layer_classes() -> dict:
@@ -60,4 +64,5 @@ class HybridMoeModel(HybridModel):
 
     def _mlp(self, plan, L, n: torch.Tensor) -> torch.Tensor:
         """The layer's MoE block (router, experts, gated shared expert) on its normed input."""
-        return moe_layer(plan, L, n, self.router_spec, self.cfg.num_experts, self.cfg.shared_expert_intermediate_size)
+        return moe_layer(plan, L, n, self.router_spec, self.cfg.num_experts, self.cfg.shared_expert_intermediate_size,
+                         self.moe_ep)

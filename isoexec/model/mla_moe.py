@@ -16,7 +16,10 @@ the correction bias for selection, group-limited top-k, ties to the lower group 
 weights = unbiased scores normalised and times ``routed_scaling_factor``), ``dispatch``
 (expert-major, token-ascending), ``experts`` (per-expert SwiGLU), the shared experts through the
 ``shared_*`` linear and activation regions, and ``combine`` (fp32, ascending expert index, shared
-expert last, one rounding).
+expert last, one rounding). Under expert parallelism (``ExpertParallelMoe``, isoexec/model/ep_moe.py)
+the model's ``moe_ep`` names the ep group and the layer holds only its rank's experts; ``moe_layer``
+then sends the rows to their experts' owners and back (``isoexec.dist.expert_parallel_moe``), the
+same regions on the same rows, so the same bits.
 
 Weights are stored fused where regions may fuse: ``qkv_a_weight`` = [W_q_a; W_kv_a] (ops
 ``q_a_proj`` + ``kv_a_proj``), ``gate_up_weight`` = [W_gate; W_up] for dense MLPs and
@@ -33,6 +36,7 @@ from torch import nn
 from isoexec_kernels.mla import expand_qkv, write_mla_kv_pages
 from isoexec_kernels.moe import RouterSpec
 
+from ..dist.expert_parallel import ExpertParallelGroup, expert_parallel_moe
 from ..model_config import MLA_LATENT_NORM_EPS, MlaMoeConfig
 from .batch import ForwardBatch
 from .dense import DenseModel
@@ -43,22 +47,39 @@ def _params(module: nn.Module, dtype, device, **shapes) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
 
-def moe_layer(plan, L: nn.Module, n: torch.Tensor, spec, num_experts: int, shared_size: int) -> torch.Tensor:
+def _shared_rows(plan, L: nn.Module, n: torch.Tensor, shared_size: int) -> torch.Tensor | None:
+    """The shared expert's rows on ``n`` (None without one), through its linear and activation regions."""
+    if not shared_size:
+        return None
+    gu = DenseModel._linear(plan, ("shared_gate_proj", "shared_up_proj"), n, L.shared_gate_up,
+                            (shared_size, shared_size))
+    g, u = gu.split((shared_size, shared_size), dim=-1)
+    return plan["shared_down_proj"](plan["shared_act"](g, u), L.shared_down)
+
+
+def moe_layer(plan, L: nn.Module, n: torch.Tensor, spec, num_experts: int, shared_size: int,
+              ep: ExpertParallelGroup | None = None) -> torch.Tensor:
     """One MoE layer through the contract's regions (router, dispatch, experts, the shared expert's
     linear and activation regions, combine). ``L`` holds ``router_weight``, ``experts_gate_up``,
     ``experts_down`` and, when present, ``correction_bias`` (group routers), ``shared_gate_up`` /
     ``shared_down`` (the shared expert, ``shared_size`` wide) and ``shared_gate`` (its Qwen-style
-    sigmoid gate, computed by the router region)."""
+    sigmoid gate, computed by the router region).
+
+    ``ep``: None, every expert here (``L`` holds all E). Otherwise the expert-parallel group: ``L``
+    holds only this rank's experts ``expert_shard_range(E, ep, rank)`` and the routed rows travel
+    to their owners and back (``expert_parallel_moe``: the same regions on the same rows, nothing
+    added across ranks, so the bits of the line below for these tokens)."""
+    if ep is not None:
+        return expert_parallel_moe(n, plan, spec, num_experts=num_experts, router_weight=L.router_weight,
+                                   gate_up=L.experts_gate_up, down=L.experts_down,
+                                   correction_bias=getattr(L, "correction_bias", None),
+                                   shared_gate=getattr(L, "shared_gate", None),
+                                   shared=_shared_rows(plan, L, n, shared_size), group=ep.group)
     routing = plan["router"](n, L.router_weight, spec, getattr(L, "correction_bias", None),
                              getattr(L, "shared_gate", None))
     disp = plan["dispatch"](routing.ids, num_experts)
     rows = plan["experts"](n, disp, L.experts_gate_up, L.experts_down)
-    shared = None
-    if shared_size:
-        gu = DenseModel._linear(plan, ("shared_gate_proj", "shared_up_proj"), n, L.shared_gate_up,
-                                (shared_size, shared_size))
-        g, u = gu.split((shared_size, shared_size), dim=-1)
-        shared = plan["shared_down_proj"](plan["shared_act"](g, u), L.shared_down)
+    shared = _shared_rows(plan, L, n, shared_size)
     return plan["combine"](rows, disp, routing, shared, out_dtype=n.dtype)
 
 
@@ -92,6 +113,8 @@ class MlaMoeModel(DenseModel):
     token_logprobs, logprobs_from_logits, rope_table, lm_head_weight)."""
 
     family = "mla_moe"
+    #: the expert-parallel group of the MoE layers; None: every expert in this process (ep_moe.py sets it)
+    moe_ep: ExpertParallelGroup | None = None
 
     def __init__(self, cfg: MlaMoeConfig, dtype=torch.float32, device="cpu"):
         super().__init__(cfg, dtype, device)
@@ -170,7 +193,8 @@ class MlaMoeModel(DenseModel):
         return plan["down_proj"](plan["act"](g, u), L.down_weight)
 
     def _moe(self, plan, L: MlaLayer, n: torch.Tensor) -> torch.Tensor:
-        return moe_layer(plan, L, n, self.router_spec, self.cfg.n_routed_experts, self.cfg.shared_intermediate_size)
+        return moe_layer(plan, L, n, self.router_spec, self.cfg.n_routed_experts, self.cfg.shared_intermediate_size,
+                         self.moe_ep)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""

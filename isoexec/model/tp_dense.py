@@ -70,6 +70,23 @@ ENGINE_CASES = ("engine_prefill", "engine_decode")
 UNIT = 64  # gate/up column unit: one K block of down_proj
 
 
+def mlp_cut(cfg, tp: int, rank: int, unit: int):
+    """How rank ``rank`` cuts the SwiGLU MLP of a layer (dense and hybrid alike): ``cut(name, full)
+    -> shard``, None for a tensor that is not the MLP's, and the local gate/up width. gate/up keep
+    this rank's 64-column units, down_proj the same columns: its K leaves (module docstring)."""
+    inter = cfg.intermediate_size
+    i0, i1 = column_shard_range(inter, tp, rank, unit)
+
+    def cut(name: str, full: torch.Tensor) -> torch.Tensor | None:
+        if name == "gate_up_weight":
+            return torch.cat([full[i0:i1], full[inter + i0:inter + i1]])
+        if name == "down_weight":
+            return full[:, i0:i1]
+        return None
+
+    return cut, i1 - i0
+
+
 def _layer_cut(cfg, tp: int, rank: int, unit: int):
     """How rank ``rank`` cuts a full ``DenseLayer`` tensor: ``cut(name, full) -> shard`` (the
     replicated norms unchanged), and the local (q, k, v) and gate/up widths."""
@@ -78,21 +95,17 @@ def _layer_cut(cfg, tp: int, rank: int, unit: int):
     k0, k1 = rank * nkv // tp * hd, (rank + 1) * nkv // tp * hd
     qs, ks = cfg.q_size, cfg.kv_size
     rows = torch.cat([torch.arange(q0, q1), qs + torch.arange(k0, k1), qs + ks + torch.arange(k0, k1)])
-    inter = cfg.intermediate_size
-    i0, i1 = column_shard_range(inter, tp, rank, unit)
+    mlp, inter = mlp_cut(cfg, tp, rank, unit)
 
     def cut(name: str, full: torch.Tensor) -> torch.Tensor:
         if name in ("qkv_weight", "qkv_bias"):
             return full[rows.to(full.device)]
         if name == "o_weight":
             return full[:, q0:q1]
-        if name == "gate_up_weight":
-            return torch.cat([full[i0:i1], full[inter + i0:inter + i1]])
-        if name == "down_weight":
-            return full[:, i0:i1]
-        return full   # attn_norm, q_norm, k_norm, mlp_norm: replicated
+        shard = mlp(name, full)
+        return full if shard is None else shard   # attn_norm, q_norm, k_norm, mlp_norm: replicated
 
-    return cut, (q1 - q0, k1 - k0, k1 - k0), i1 - i0
+    return cut, (q1 - q0, k1 - k0, k1 - k0), inter
 
 
 def cut_parameter(cfg, tp: int, rank: int, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -125,14 +138,20 @@ class _LayerShard(nn.Module):
 
 class TensorParallelDense(nn.Module):
     """This rank's shards of ``model`` (a ``DenseModel`` with a contract installed) on ``group``
-    (None: the default group, or one process if none is initialised). Module docstring."""
+    (None: the default group, or one process if none is initialised). Module docstring.
+
+    ``TensorParallelHybrid`` (tp_hybrid.py) extends it as ``HybridModel`` extends ``DenseModel``:
+    its own layers (``shard_layers``, ``cut_parameter``, ``hidden_states``), the rest shared."""
+
+    FAMILY = "dense"      # the family of the model it cuts
+    WHAT = "tensor-parallel dense model"   # how its errors name it
 
     def __init__(self, model: DenseModel, group=None):
         super().__init__()
         if model.contract is None:
-            raise BindingRefused("tensor-parallel dense model: install a contract on the model first")
-        if model.family != "dense":
-            raise BindingRefused(f"tensor-parallel dense model: the model is of the {model.family} family")
+            raise BindingRefused(f"{self.WHAT}: install a contract on the model first")
+        if model.family != self.FAMILY:
+            raise BindingRefused(f"{self.WHAT}: the model is of the {model.family} family")
         tp, rank = group_size_rank(group)
         contract, cfg = model.contract, model.cfg
         arch = "cpu" if model.embed.device.type == "cpu" else runtime_arch()
@@ -146,15 +165,26 @@ class TensorParallelDense(nn.Module):
         self.vocab_range = vocab_shard_range(cfg.vocab_size, tp, rank)
         v0, v1 = self.vocab_range
         self.embed = nn.Parameter(model.embed.detach().clone())
-        self.layers = nn.ModuleList(_LayerShard(L, cfg, tp, rank, UNIT) for L in model.layers)
+        self.layers = nn.ModuleList(self.shard_layers(model))
         self.final_norm = nn.Parameter(model.final_norm.detach().clone())
         self.lm_head = None if model.lm_head is None else nn.Parameter(model.lm_head[v0:v1].detach().clone())
         self._rope = model.rope_table().detach()
 
+    # the one-process attention step, per head: packed, or the paged cache of this rank's kv heads
+    _attention = DenseModel._attention
+
+    def shard_layers(self, model) -> list[nn.Module]:
+        """This rank's shards of ``model``'s decoder layers (the hybrid model overrides it)."""
+        return [_LayerShard(L, self.cfg, self.tp, self.rank, UNIT) for L in model.layers]
+
+    def cut_parameter(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full parameter ``name`` (the hybrid model overrides it)."""
+        return cut_parameter(self.cfg, self.tp, self.rank, name, full)
+
     # ------------------------------------------------------------------------------ schedule
     def _plan(self, case: str) -> ExecutionPlan:
         if case not in self.plans:
-            raise BindingRefused(f"tensor-parallel dense model: case {case!r} is not served (the contract "
+            raise BindingRefused(f"{self.WHAT}: case {case!r} is not served (the contract "
                                  f"declares {', '.join(sorted(self.plans)) or 'no case'})")
         return self.plans[case]
 
@@ -163,8 +193,7 @@ class TensorParallelDense(nn.Module):
         ``full_parameters()``), under this model's names; names this model does not hold pass
         through unchanged (so ``Engine.update_weights`` reports them)."""
         own = dict(self.named_parameters())
-        return {name: cut_parameter(self.cfg, self.tp, self.rank, name, t) if name in own else t
-                for name, t in full.items()}
+        return {name: self.cut_parameter(name, t) if name in own else t for name, t in full.items()}
 
     @staticmethod
     def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int:
@@ -217,18 +246,21 @@ class TensorParallelDense(nn.Module):
             q = plan["rope"](q, batch.positions, self._rope, theta=cfg.rope_theta)
             k = plan["rope"](k, batch.positions, self._rope, theta=cfg.rope_theta)
             v = v.reshape(T, nkv, hd)
-            # the one-process attention step (packed, or the paged cache of this rank's heads)
-            a = DenseModel._attention(self, plan, i, q, k, v, batch)
+            a = self._attention(plan, i, q, k, v, batch)
             x = x + row_parallel_linear(a.reshape(T, nh * hd), L.o_weight, None, in_features=cfg.q_size,
                                         leaves=L_o, group=self.group)
-            n = replicated_input(plan["mlp_norm"](x, L.mlp_norm, eps), self.group)
-            inter = cfg.intermediate_size
-            gu = self._column(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter),
-                              (L.inter, L.inter))
-            g, u = gu.split((L.inter, L.inter), dim=-1)
-            x = x + row_parallel_linear(plan["act"](g, u), L.down_weight, None, in_features=inter, leaves=L_d,
-                                        group=self.group)
+            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps), L_d)
         return plan["final_norm"](x, self.final_norm, eps)
+
+    def _mlp(self, plan: ExecutionPlan, L, n: torch.Tensor, leaves: int) -> torch.Tensor:
+        """The SwiGLU MLP of layer shard ``L`` on its normed input ``n`` (replicated): gate/up on
+        this rank's 64-column units, down_proj row-parallel over ``leaves`` K leaves."""
+        inter = self.cfg.intermediate_size
+        n = replicated_input(n, self.group)
+        gu = self._column(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter), (L.inter, L.inter))
+        g, u = gu.split((L.inter, L.inter), dim=-1)
+        return row_parallel_linear(plan["act"](g, u), L.down_weight, None, in_features=inter, leaves=leaves,
+                                   group=self.group)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -264,7 +296,7 @@ class TensorParallelDense(nn.Module):
     def log_softmax_from_logits(self, logits: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 log-softmax of whole rows (an engine case's :meth:`logits`), as one process."""
         if case not in ENGINE_CASES:
-            raise BindingRefused("tensor-parallel dense model: whole log-softmax rows are served for engine "
+            raise BindingRefused(f"{self.WHAT}: whole log-softmax rows are served for engine "
                                  f"cases only, not {case!r}")
         return DenseModel.log_softmax_from_logits(self, logits, case)
 
@@ -274,4 +306,5 @@ class TensorParallelDense(nn.Module):
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 
-__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "cut_parameter", "rank_parameter_count"]
+__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "UNIT", "cut_parameter", "mlp_cut",
+           "rank_parameter_count"]

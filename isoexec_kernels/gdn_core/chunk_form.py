@@ -98,6 +98,8 @@ def chunk_form_backward(inputs, cu_seqlens, chunk, grad_out):
     ``chunk_backward.py``; others (and float64) differentiate ``torch_chunk_form`` by autograd.
     Each returned gradient has its input's dtype (None where the input needs none)."""
     q = inputs[0]
+    if q.shape[0] == 0:   # no token (a data-parallel rank holding no sequence): nothing to chunk
+        return [torch.zeros_like(x) if x.requires_grad else None for x in inputs]
     if _use_triton_backward(q):
         from .chunk_backward import chunk_backward_triton
 

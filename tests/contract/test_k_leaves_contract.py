@@ -36,16 +36,22 @@ def test_unpinned_compositions_carry_no_k_leaves(family):
         assert not [e.region_name for e in c.composition if K_LEAVES in e.constants]
 
 
-def test_the_tp_composition_pins_four_leaves_on_the_row_parallel_regions_only():
+@pytest.mark.parametrize("family, model", [("dense", "dense_tp_tiny"), ("hybrid", "hybrid_tp_tiny")])
+def test_the_tp_composition_pins_four_leaves_on_the_row_parallel_regions_only(family, model):
+    """One composition serves both tensor-parallel families: each family's contract pins its own
+    row-parallel regions (dense: o_proj, down_proj; hybrid: also the Gated DeltaNet out_proj)."""
+    ops = set(registry.family(family).ops)
     for arch in ("cpu", "sm90"):
-        c = build_contract("dense", "isoexec_tp4", arch, "dense_tp_tiny")
+        c = build_contract(family, "isoexec_tp4", arch, model)
         pinned = {e.region_name: e.constants[K_LEAVES] for e in c.composition if K_LEAVES in e.constants}
-        assert pinned == {o: 4 for o in ROW_PARALLEL_OPS}
+        assert pinned == {o: 4 for o in ROW_PARALLEL_OPS if o in ops}
+        assert ("gdn_out_proj" in pinned) == (family == "hybrid")
         (tp,) = [t for t in c.claims.topology if t.axis == "tp"]
         assert sorted(tp.domain) == [1, 2, 4] and tp.kind == "invariant"
-    plain = build_contract("dense", "isoexec", "cpu", "dense_tp_tiny")
+    plain = build_contract(family, "isoexec", "cpu", model)
     ds = {(d.where, d.field) for d in diff(plain, c)}
-    assert ("region o_proj, case trainer_score", f"constants.{K_LEAVES}") in ds
+    for o in pinned:
+        assert (f"region {o}, case trainer_score", f"constants.{K_LEAVES}") in ds
     assert plain.identities.numerical_policy != c.identities.numerical_policy
 
 

@@ -27,7 +27,8 @@ import pytest  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # fixture -> the worlds.py parts it returns
 PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_model",),
-                 "tp_engine_worlds": ("tp_engine",),
+                 "tp_engine_worlds": ("tp_engine",), "ep_model_worlds": ("ep_model",),
+                 "tp_hybrid_worlds": ("tp_hybrid",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume")}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
@@ -138,6 +139,26 @@ def tp_engine_worlds(dist_worlds):
 
     ranks = _part(dist_worlds, "tp_engine")[tp_model_workers.WORLD]
     return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+
+
+@pytest.fixture(scope="session")
+def tp_hybrid_worlds(dist_worlds):
+    """{TP: [results of each rank of a group of that size]} of the tensor-parallel hybrid model."""
+    import tp_model_workers
+
+    ranks = _part(dist_worlds, "tp_hybrid")[tp_model_workers.WORLD]
+    return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+
+
+@pytest.fixture(scope="session")
+def ep_model_worlds(dist_worlds):
+    """{ep: {group members: [results of each rank of that group, in group-rank order]}} of the
+    expert-parallel MoE models: EP = 1 (rank 0 alone), 2 (both pairs) and 4 in the world of 4."""
+    import ep_model_workers
+
+    ranks = _part(dist_worlds, "ep_model")[ep_model_workers.WORLD]
+    return {ep: {tuple(m): [ranks[r][ep] for r in m] for m in groups}
+            for ep, groups in ep_model_workers.ep_groups().items()}
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,8 @@ weights and router settings) and writes them with the inputs of every case to ``
 ``run_world(out_dir)`` starts one world of 4 gloo processes that each load that file and run every
 case three times: at EP = 1 in a group of its own, at EP = 2 in its pair's group ([0, 1] or [2, 3])
 and at EP = 4 in the whole world (one start-up for the three sizes: each process's imports take
-most of the test's time on a small CPU); each saves ``{ep: results}`` to ``out_dir/rank{r}.pt``.
+most of the test's time on a small CPU), and the backward of ``GRAD_CASES`` twice; each saves
+``{ep: results}`` to ``out_dir/rank{r}.pt``.
 The workers do not build models or contracts (that start-up would dominate the test's time on a
 small CPU): they call the invariant MoE regions of ``isoexec_kernels.moe.regions`` and, for the
 shared expert, the invariant ``linear`` and ``silu_and_mul`` - the impls the ``isoexec`` CPU
@@ -28,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from dist_workers import _free_port, _refusal  # noqa: E402
+from isoexec.dist.collectives import group_size_rank  # noqa: E402
 from isoexec.dist.expert_parallel import expert_parallel_moe  # noqa: E402
 from isoexec.dist.partition import expert_shard_range  # noqa: E402
 from isoexec_kernels.activation import silu_and_mul  # noqa: E402
@@ -66,22 +68,25 @@ def ep_layer(x: torch.Tensor, w: dict, spec: RouterSpec, group, ep: int, rank: i
                                shared=shared_rows(x, w), group=group)
 
 
-def stock_all_reduce_layer(x_all: torch.Tensor, w: dict, spec: RouterSpec, group, ep: int, rank: int):
+def stock_all_reduce_moe(x: torch.Tensor, regions, spec: RouterSpec, *, num_experts: int, router_weight, gate_up,
+                         down, correction_bias=None, shared_gate=None, shared=None, group=None) -> torch.Tensor:
     """Negative control, a stock expert-parallel combine (an all-gather dispatcher with a summing
-    combine): every rank routes the whole batch, runs its own experts on their pairs, sums each
-    token's weighted rows of its experts in fp32 from +0 (ascending expert index), and the ranks'
-    partial sums are added by ``all_reduce(SUM)``; then the shared expert and one rounding, as the
-    invariant combine. A token's k terms are grouped by owner rank before they are added."""
-    E = w["router"].shape[0]
-    e0, e1 = expert_shard_range(E, ep, rank)
-    routing = REGIONS["router"](x_all, w["router"], spec, w.get("correction_bias"), w.get("shared_gate"))
-    disp = REGIONS["dispatch"](routing.ids, E)
+    combine), with ``expert_parallel_moe``'s signature (``gate_up``, ``down``: this rank's experts)
+    so that it can stand in for it inside a model: every rank holds the same tokens ``x`` (the whole
+    batch), routes them all, runs its own experts on their pairs, sums each token's weighted rows
+    of its experts in fp32 from +0 (ascending expert index), and the ranks' partial sums are added
+    by ``all_reduce(SUM)``; then the shared expert and one rounding, as the invariant combine. A
+    token's k terms are grouped by owner rank before they are added."""
+    ep, rank = group_size_rank(group)
+    e0, e1 = expert_shard_range(num_experts, ep, rank)
+    routing = regions["router"](x, router_weight, spec, correction_bias, shared_gate)
+    disp = regions["dispatch"](routing.ids, num_experts)
     r0, r1 = int(disp.offsets[e0]), int(disp.offsets[e1])
     mine = Dispatch(token=disp.token[r0:r1], offsets=disp.offsets[e0:e1 + 1] - r0,
                     row_of_pair=torch.arange(r1 - r0), num_tokens=r1 - r0, top_k=1)
-    rows = REGIONS["experts"](x_all, mine, w["gate_up"][e0:e1], w["down"][e0:e1])
+    rows = regions["experts"](x, mine, gate_up, down)
     T, k = routing.ids.shape
-    partial = torch.zeros((T, x_all.shape[1]), dtype=torch.float32)
+    partial = torch.zeros((T, x.shape[1]), dtype=torch.float32)
     for j in range(k):   # slots in ascending expert index; a token's slots on this rank only
         e = routing.ids[:, j]
         own = (e >= e0) & (e < e1)
@@ -91,10 +96,19 @@ def stock_all_reduce_layer(x_all: torch.Tensor, w: dict, spec: RouterSpec, group
         partial = torch.where(own[:, None], partial + routing.weights[:, j:j + 1] * y, partial)
     if ep > 1:
         dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
-    s = shared_rows(x_all, w)
-    if s is not None:
-        partial = partial + (s.float() if routing.shared_gate is None else routing.shared_gate * s.float())
-    return partial.to(x_all.dtype)
+    if shared is not None:
+        partial = partial + (shared.float() if routing.shared_gate is None else routing.shared_gate * shared.float())
+    return partial.to(x.dtype)
+
+
+def stock_all_reduce_layer(x_all: torch.Tensor, w: dict, spec: RouterSpec, group, ep: int, rank: int):
+    """``stock_all_reduce_moe`` on the case's layer, this rank holding its experts' weights."""
+    E = w["router"].shape[0]
+    e0, e1 = expert_shard_range(E, ep, rank)
+    return stock_all_reduce_moe(x_all, REGIONS, spec, num_experts=E, router_weight=w["router"],
+                                gate_up=w["gate_up"][e0:e1], down=w["down"][e0:e1],
+                                correction_bias=w.get("correction_bias"), shared_gate=w.get("shared_gate"),
+                                shared=shared_rows(x_all, w), group=group)
 
 
 def _cases(data: dict, ep: int, rank: int, group) -> dict:
@@ -110,11 +124,40 @@ def _cases(data: dict, ep: int, rank: int, group) -> dict:
             if case.get("control"):
                 out["stock_all_reduce"] = stock_all_reduce_layer(x, w, spec, group, ep, rank)
             res[name] = out
-        # a forward autograd would record is refused on every rank before any collective
-        case = next(iter(data["cases"].values()))
-    x = case["x"][:2].clone().requires_grad_()
-    res["refuse/grad"] = _refusal(lambda: ep_layer(x, case["weights"], case["spec"], group, ep, rank))
+    for name in GRAD_CASES:   # the backward, twice (determinism)
+        case = data["cases"][name]
+        t0, t1 = token_split(case["x"].shape[0], ep, rank, case["empty_last"])
+        first = layer_gradients(case, group, ep, rank, t0, t1)
+        again = layer_gradients(case, group, ep, rank, t0, t1)
+        res[f"grad/{name}"] = {"grads": first, "deterministic": all(
+            torch.equal(first[k].view(torch.uint8), again[k].view(torch.uint8)) for k in first)}
     return res
+
+
+GRAD_CASES = ("glm/top4/fp32", "qwen/uneven/fp32")
+
+
+def upstream(shape, dtype) -> torch.Tensor:
+    """The gradient fed to the layer's output (fixed, signs mixed)."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(99)).to(dtype)
+
+
+def layer_gradients(case: dict, group, ep: int, rank: int, t0: int, t1: int) -> dict:
+    """This rank's gradients of ``sum(upstream * output)`` over its tokens ``[t0, t1)``, through
+    ``expert_parallel_moe`` with every tensor requiring grad (the correction bias takes none, as in
+    the model): its rows of x, its experts' slices, its share of the replicated weights'."""
+    w, x = case["weights"], case["x"]
+    E = w["router"].shape[0]
+    e0, e1 = expert_shard_range(E, ep, rank)
+    mine = {k: (v[e0:e1] if k in ("gate_up", "down") else v).detach().clone().requires_grad_(k != "correction_bias")
+            for k, v in w.items()}
+    xs = x[t0:t1].detach().clone().requires_grad_()
+    out = expert_parallel_moe(xs, REGIONS, case["spec"], num_experts=E, router_weight=mine["router"],
+                              gate_up=mine["gate_up"], down=mine["down"],
+                              correction_bias=mine.get("correction_bias"), shared_gate=mine.get("shared_gate"),
+                              shared=shared_rows(xs, mine), group=group)
+    out.backward(upstream(x.shape, out.dtype)[t0:t1])
+    return {"x": xs.grad, **{k: v.grad for k, v in mine.items() if k != "correction_bias"}}
 
 
 WORLD = 4

@@ -40,14 +40,16 @@ def requests(vocab_size: int):
     return prompts, params
 
 
-def serve(model, contract, dtype, update: bool = True) -> dict:
-    """Results of ``generate`` on ``model`` (a DenseModel or a rank's TensorParallelDense), then
-    again after ``update_weights`` with the full weights of a model made from NEW_WEIGHTS_SEED."""
-    engine = Engine(model, contract, EngineConfig(**ENGINE), trainer_contract=contract)
-    prompts, params = requests(model.cfg.vocab_size)
+def serve(model, contract, dtype, update: bool = True, model_name: str = tw.MODEL, reqs=requests,
+          engine_config: dict = ENGINE) -> dict:
+    """Results of ``generate`` on ``model`` (a one-process model or a rank's tensor-parallel
+    shards of the config ``model_name``) for the requests ``reqs(vocab_size)`` gives, then again
+    after ``update_weights`` with the full weights of a model made from NEW_WEIGHTS_SEED."""
+    engine = Engine(model, contract, EngineConfig(**engine_config), trainer_contract=contract)
+    prompts, params = reqs(model.cfg.vocab_size)
     out = {"first": engine.generate(prompts, params)}
     if update:
-        new, _ = tw.model_and_contract(dtype)
+        new, _ = tw.model_and_contract(dtype, model=model_name)
         new.init_random(NEW_WEIGHTS_SEED)
         engine.update_weights(dict(new.named_parameters()))
         out["second"] = engine.generate(prompts, params)

@@ -26,7 +26,7 @@ from isoexec.compose import build_contract, load_model_config  # noqa: E402
 from isoexec.contract import decode, encode  # noqa: E402
 from isoexec.dist import all_reduce_row_parallel_linear  # noqa: E402
 from isoexec.errors import TopologyRefused  # noqa: E402
-from isoexec.model import DenseConfig, DenseModel, ForwardBatch  # noqa: E402
+from isoexec.model import FAMILY_MODELS, ForwardBatch  # noqa: E402
 from isoexec.model import tp_dense  # noqa: E402
 
 MODEL, COMPOSITION = "dense_tp_tiny", "isoexec_tp4"
@@ -38,20 +38,22 @@ SEED = 11
 
 # the (composition, model) pairs the cases build: the one under test, and the two refused ones
 BUILDS = ((COMPOSITION, MODEL), ("isoexec", MODEL), ("isoexec", "dense_tiny"))
-_built: dict = {}   # (composition, model) -> (contract, DenseConfig)
+_built: dict = {}   # (composition, model) -> (contract, the family's config); the hybrid part's too
 
 
 def _contract_and_config(composition: str, model: str):
     if (composition, model) not in _built:
-        _built[composition, model] = (build_contract("dense", composition, "cpu", model),
-                                      DenseConfig.from_hf(load_model_config(model)["hf_config"]))
+        data = load_model_config(model)
+        _built[composition, model] = (build_contract(data["family"], composition, "cpu", model),
+                                      FAMILY_MODELS[data["family"]][1].from_hf(data["hf_config"]))
     return _built[composition, model]
 
 
-def model_and_contract(dtype, composition=COMPOSITION, model=MODEL):
-    """The single-process model every rank (and the test) rebuilds: random weights from SEED."""
-    contract, cfg = _contract_and_config(composition, model)
-    m = DenseModel(cfg, dtype=dtype)
+def model_and_contract(dtype, composition=COMPOSITION, model=MODEL, cfg=None):
+    """The single-process model every rank (and the test) rebuilds: random weights from SEED, of
+    the family of ``model``'s config (or of ``cfg``, a config of that family given instead)."""
+    contract, built_cfg = _contract_and_config(composition, model)
+    m = FAMILY_MODELS[contract.model.family][0](cfg or built_cfg, dtype=dtype)
     m.init_random(SEED)
     m.install(contract)
     return m, contract
@@ -62,17 +64,18 @@ def make_job() -> dict:
     return {"built": {key: (encode(c), cfg) for key in BUILDS for c, cfg in [_contract_and_config(*key)]}}
 
 
-def inputs(vocab_size: int):
+def inputs(vocab_size: int, lengths=LENGTHS):
     g = torch.Generator().manual_seed(SEED + 1)
-    T = sum(LENGTHS)
+    T = sum(lengths)
     return torch.randint(0, vocab_size, (T,), generator=g), torch.randint(0, vocab_size, (T,), generator=g)
 
 
-def forward(model, case: str) -> dict:
-    """Hidden states, logits (a TP model's: its vocabulary slice) and token logprobs for ``case``;
-    trainer_fwd with autograd on and the parameters requiring grad, as a trainer runs it."""
-    ids, targets = inputs(model.cfg.vocab_size)
-    batch = ForwardBatch.packed(LENGTHS, case, "cpu")
+def forward(model, case: str, lengths=LENGTHS) -> dict:
+    """Hidden states, logits (a TP model's: its vocabulary slice) and token logprobs for ``case``
+    on packed sequences of ``lengths``; trainer_fwd with autograd on and the parameters requiring
+    grad, as a trainer runs it."""
+    ids, targets = inputs(model.cfg.vocab_size, lengths)
+    batch = ForwardBatch.packed(lengths, case, "cpu")
     with torch.set_grad_enabled(case == "trainer_fwd"):
         for p in model.parameters():
             p.requires_grad_(case == "trainer_fwd")

@@ -12,6 +12,10 @@ need runs in the same world of each size, one after the other, in the order of `
   (tp_model_workers.py; test_tp_dense_model.py)
 - ``tp_engine``: the engine on that model's shards, the same sizes in the same world
   (tp_engine_workers.py; test_tp_engine.py)
+- ``tp_hybrid``: the tensor-parallel hybrid model (trainer cases and its engine) at TP = 2 (two
+  pairs) and 4 in the same world (tp_hybrid_workers.py; test_tp_hybrid_model.py)
+- ``ep_model``: the MoE models with their experts over EP = 1 (rank 0 alone), 2 (the pairs) and 4
+  in the world of 4 (ep_model_workers.py; test_ep_model.py)
 - ``fsdp_trainer``, ``fsdp_determinism``: the FSDP2 trainer at dp = 1, 2, 4 (fsdp_workers.py;
   test_fsdp_trainer.py, test_fsdp_determinism.py)
 - ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
@@ -41,8 +45,10 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import dist_workers  # noqa: E402
+import ep_model_workers  # noqa: E402
 import fsdp_workers  # noqa: E402
 import tp_engine_workers  # noqa: E402
+import tp_hybrid_workers  # noqa: E402
 import tp_model_workers  # noqa: E402
 
 # part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
@@ -51,6 +57,9 @@ PARTS = {
     "tp_kernels": (0, dist_workers.WORLD_SIZES, lambda job, ws, rank: dist_workers._cases(ws, rank)),
     "tp_model": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_model_workers.world_cases(job["tp_model"], rank)),
     "tp_engine": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_engine_workers.world_cases(job["tp_model"], rank)),
+    "tp_hybrid": (0, (tp_model_workers.WORLD,),
+                  lambda job, ws, rank: tp_hybrid_workers.world_cases(job["tp_hybrid"], rank)),
+    "ep_model": (0, (ep_model_workers.WORLD,), lambda job, ws, rank: ep_model_workers.world_cases(job["ep_model"], rank)),
     "fsdp_trainer": (0, fsdp_workers.WORLD_SIZES, lambda job, ws, rank: fsdp_workers.plan_trainer(job["fsdp"], ws, rank)),
     "fsdp_determinism": (0, fsdp_workers.WORLD_SIZES,
                          lambda job, ws, rank: fsdp_workers.plan_determinism(job["fsdp"], ws, rank)),
@@ -129,6 +138,10 @@ def make_job(parts, folder: Path) -> dict:
         job["fsdp"] = fsdp_workers.make_job(str(folder / "checkpoint"))
     if "tp_model" in parts or "tp_engine" in parts:
         job["tp_model"] = tp_model_workers.make_job()
+    if "tp_hybrid" in parts:
+        job["tp_hybrid"] = tp_hybrid_workers.make_job()
+    if "ep_model" in parts:
+        job["ep_model"] = ep_model_workers.make_job()
     return job
 
 

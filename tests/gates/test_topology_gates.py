@@ -1,6 +1,6 @@
 """The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense
-model under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and at tp = 2 under
-torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
+and hybrid models under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and
+the dense model at tp = 2 under torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
 for bit, and the stock all-reduce control differs (fp32)."""
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ def _by_gate(arts: dict) -> dict:
     return {(a["gate"]["family"], a["gate"]["dtype"]): a for a in arts.values()}
 
 
-def test_topology_gates_pass_at_tp1_in_a_group_of_their_own_and_the_all_reduce_control_differs(tmp_path):
+@pytest.mark.parametrize("family, model", [("dense", "dense_tp_tiny"), ("hybrid", "hybrid_tp_tiny")])
+def test_topology_gates_pass_at_tp1_in_a_group_of_their_own_and_the_all_reduce_control_differs(tmp_path, family,
+                                                                                              model):
     lines: list[str] = []
-    results = run_gates("dense", "isoexec_tp4", "cpu", tmp_path, model="dense_tp_tiny", log=lines.append, only=ONLY)
+    results = run_gates(family, "isoexec_tp4", "cpu", tmp_path, model=model, log=lines.append, only=ONLY)
     assert not dist.is_initialized()          # the group made for the gates is gone again
     assert {r.family for r in results} == {"tp_trainer_logits", "tp_engine_generate_verify", "negative_control"}
     assert all(r.ok for r in results), lines

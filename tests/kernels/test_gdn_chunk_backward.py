@@ -92,6 +92,21 @@ def test_cpu_backward_keeps_the_autograd_path(monkeypatch):
     assert all(gr.dtype == torch.float32 and gr.abs().sum() > 0 for gr in (grads[0], grads[2], grads[3]))
 
 
+def test_backward_of_a_batch_without_tokens_is_zero():
+    """No token at all (a data-parallel or expert-parallel rank holding no sequence, T = 0): zero
+    gradients of the inputs' shapes and dtypes, None where none is needed, through the trainer's
+    autograd path too."""
+    xs, _, do = make_inputs([], Hk=1, H=2, Dk=8, Dv=8, seed=4, v_dtype=torch.bfloat16)
+    cu = torch.zeros(1, dtype=torch.int32)
+    inputs = [x.clone().requires_grad_(r) for x, r in zip(xs, (True, False, True, True, True))]
+    grads = chunk_form_backward(inputs, cu, 8, do)
+    assert grads[1] is None
+    assert all(gr.shape == x.shape and gr.dtype == x.dtype for gr, x in zip(grads, inputs) if gr is not None)
+    leaves = [x.clone().requires_grad_() for x in xs]
+    G.gdn_cpr_varlen(*leaves, cu).sum().backward()
+    assert all(x.grad is not None and x.grad.numel() == 0 for x in leaves)
+
+
 # --------------------------------------------------------------------------- Triton interpreter
 # Each interp_case_* runs in the TRITON_INTERPRET=1 subprocess (tests/kernels/conftest.py).
 
