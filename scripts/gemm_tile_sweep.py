@@ -8,6 +8,7 @@ timing and the best candidate per (shape, M). Usage on the GPU machine:
 
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_sweep.json [--small] [--large]
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_leaves.json --leaves
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_walk.json --leafwalk     # or --occupancy
 
 ``--leaves`` sweeps the K-leaf count of the small-N shapes instead (1, 2, 4, 8 leaves; split-K
 tiles at M <= 256, the one-program leaf walk above): each leaf count has its own bits, so the
@@ -120,20 +121,31 @@ OCC_CANDIDATES = [dict(_cfg("tma", bm, bn, w, s), programs_per_sm=k)
                   for k in (1, 2, 3)]
 
 
-def sweep_leaves(log):
+# --leafwalk: register leaf-walk tiles with one fp32 tile per 64 registers a thread or fewer for
+# both accumulators (64 x 256 over 8 warps), against the 128 x 128 walk and the one-leaf table
+WALK_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("8b.o", 4096, 4096), ("8b.down", 12288, 4096)]
+WALK_M = [2048, 8192]
+WALK_COUNTS = (1, 2, 4)
+WALK_LARGE = [_cfg("tma", 64, 256, 8, 3), _cfg("tma", 64, 256, 8, 4), _cfg("tma", 128, 128, 8, 3, True),
+              _cfg("tma", 128, 128, 8, 4, True), _cfg("tma", 256, 64, 8, 3)]
+
+
+def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
     out = []
-    for name, K, N in LEAF_SHAPES:
+    for name, K, N in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        for M in LEAF_M:
+        for M in ms:
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
             nxt = _cycle(xs)
 
             with torch.no_grad():
                 cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
-                for leaves in LEAF_COUNTS:
+                for leaves in counts:
                     walk = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
                     ref = linear_triton(xs[0], w, impl="tma", tile=walk, leaves=leaves)
-                    cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE
+                    cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE + list(extra_large)
+                    if M > 256 and leaves == 1:   # the shape's own entry of the tile table
+                        cands = cands + [tile_for_m(M, torch.bfloat16, N, K)]
                     if M <= 256:
                         cands = cands + [dict(tile_for_m(M, torch.bfloat16, 1, 1), path="pointer")]
                     rows = []
@@ -158,8 +170,8 @@ def sweep_leaves(log):
                         f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages')} if best else ''}"
                         f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
     summary = {}
-    for name, K, N in LEAF_SHAPES:
-        for leaves in LEAF_COUNTS:
+    for name, K, N in shapes:
+        for leaves in counts:
             r = [o["best"]["ratio"] for o in out if o["shape"] == name and o["leaves"] == leaves and o["best"]]
             summary[f"{name} leaves={leaves}"] = {"worst": min(r), "by_M": r} if r else None
             log(f"summary {name:<10} leaves={leaves}: worst {min(r) if r else float('nan'):.3f} by M {r}")
@@ -173,12 +185,15 @@ def main():
     ap.add_argument("--large", action="store_true")
     ap.add_argument("--leaves", action="store_true")
     ap.add_argument("--occupancy", action="store_true")
+    ap.add_argument("--leafwalk", action="store_true")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves or a.occupancy)
+    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
+    if a.leafwalk:
+        res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS, WALK_LARGE)
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:
