@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..dist import all_reduce_row_parallel_linear
 from ..dist.launch import init_from_env
 from ..model import ForwardBatch, tp_dense, tp_hybrid
+from ..model.tensor_parallel import tensor_parallel
 from .compare import BitReport, compare_bits
 from .engine_gates import _generate, _results_reports, verify_engine_logprobs
 
@@ -68,17 +69,9 @@ def process_group(arch: str):
             dist.destroy_process_group()
 
 
-TENSOR_PARALLEL = {"dense": tp_dense.TensorParallelDense, "hybrid": tp_hybrid.TensorParallelHybrid}
 # the modules whose row-parallel linear the negative control replaces (the hybrid model's attention
 # and Gated DeltaNet layers call tp_hybrid's, every MLP tp_dense's)
 _ROW_PARALLEL_USERS = (tp_dense, tp_hybrid)
-
-
-def tensor_parallel(model):
-    """The family's tensor-parallel model over the default group (checks the topology first)."""
-    if model.family in TENSOR_PARALLEL:
-        return TENSOR_PARALLEL[model.family](model, None)
-    raise ValueError(f"the {model.family} family has no tensor-parallel model")
 
 
 def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:
@@ -129,5 +122,5 @@ def group_info(arch: str) -> dict:
     return {"tp": dist.get_world_size(), "backend": dist.get_backend(), "arch": arch}
 
 
-__all__ = ["TOPOLOGY_GATES", "claims_tp", "gathered", "group_info", "process_group", "tensor_parallel",
+__all__ = ["TOPOLOGY_GATES", "claims_tp", "gathered", "group_info", "process_group",
            "tp_engine_generate_verify", "tp_trainer_logits"]

@@ -119,11 +119,6 @@ def cut_parameter(cfg, tp: int, rank: int, name: str, full: torch.Tensor) -> tor
     return full    # embed, final_norm: replicated
 
 
-def rank_parameter_count(model: DenseModel, tp: int, rank: int) -> int:
-    """Elements of the parameters rank ``rank`` of ``tp`` holds of ``model`` (meta is enough)."""
-    return sum(cut_parameter(model.cfg, tp, rank, n, p).numel() for n, p in model.named_parameters())
-
-
 class _LayerShard(nn.Module):
     NAMES = ("attn_norm", "qkv_weight", "qkv_bias", "q_norm", "k_norm", "o_weight", "mlp_norm",
              "gate_up_weight", "down_weight")
@@ -306,5 +301,4 @@ class TensorParallelDense(nn.Module):
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 
-__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "UNIT", "cut_parameter", "mlp_cut",
-           "rank_parameter_count"]
+__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "UNIT", "cut_parameter", "mlp_cut"]

@@ -23,7 +23,8 @@ import torch
 
 from isoexec_kernels.gdn_core import GDNState
 
-from ..model import KVCache
+from ..model import FAMILY_MODELS, KVCache
+from ..model.tensor_parallel import rank_parameter_count
 from ..model_config import HybridConfig
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -45,23 +46,23 @@ def kv_bytes_per_page(cfg, page_size: int, dtype: str, engine_tp: int = 1) -> in
     return kv_pool_bytes(cfg, 1, page_size, dtype, engine_tp)
 
 
-def engine_weight_elements(cfg, engine_tp: int) -> int:
-    """Parameter elements of the engine on one GPU: the model's, or with ``engine_tp > 1`` (dense)
-    the largest rank's shards, cut by ``tp_dense`` itself on the ``meta`` device."""
-    from ..model import DenseModel
-    from ..model.tp_dense import rank_parameter_count
-
-    model = DenseModel(cfg, device="meta")
+def engine_weight_elements(family: str, cfg, engine_tp: int) -> int:
+    """Parameter elements of the engine on one GPU with ``engine_tp > 1``: the largest rank's
+    shards, cut by the family's tensor-parallel model itself on the ``meta`` device."""
+    model_cls = FAMILY_MODELS[family][0]
+    model = model_cls(cfg, device="meta")
     return max(rank_parameter_count(model, engine_tp, r) for r in range(engine_tp))
 
 
-def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str) -> int:
-    """Bytes of the hybrid families' state slots (0 for families without GDN layers)."""
+def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str, engine_tp: int = 1) -> int:
+    """Bytes of the hybrid families' state slots (0 for families without GDN layers); a
+    tensor-parallel engine's rank holds ``1 / engine_tp`` of the value heads and conv channels."""
     if not isinstance(cfg, HybridConfig) or not cfg.gdn_layers:
         return 0
     slots = num_state_slots + 1                 # + the scratch slot of padded graph lanes
-    st = GDNState.allocate(slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                           "meta", chunk=chunk)
+    st = GDNState.allocate(slots, cfg.linear_num_value_heads // engine_tp, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim, "meta", chunk=chunk)
     per_layer = sum(getattr(st, f.name).nbytes for f in fields(st))
-    conv = torch.empty((slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype=TORCH_DTYPES[dtype], device="meta")
+    conv = torch.empty((slots, cfg.conv_dim // engine_tp, cfg.linear_conv_kernel_dim - 1),
+                       dtype=TORCH_DTYPES[dtype], device="meta")
     return len(cfg.gdn_layers) * (per_layer + conv.nbytes)

@@ -85,12 +85,13 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
     states = {s: int(params.trainable * getattr(pp, s)) for s in STATES}
     states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
     states["engine"] += params.frozen * FROZEN_BYTES
-    if shape.engine_tp > 1:     # a tensor-parallel engine (dense): this GPU's shards, not the whole model
-        states["engine"] = engine_weight_elements(cfg, shape.engine_tp) * b
+    if shape.engine_tp > 1:     # a tensor-parallel engine: this GPU's shards, not the whole model
+        states["engine"] = engine_weight_elements(shape.family, cfg, shape.engine_tp) * b
     return PlanRow(
         shape=shape, params=params, per_param=pp, states=states,
         kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype, shape.engine_tp),
-        recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype),
+        recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype,
+                                              shape.engine_tp),
         trainer_activations=trainer_activation_bytes(
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b),
         engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),

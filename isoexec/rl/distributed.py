@@ -2,7 +2,7 @@
 
 Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = the world size) and
 a colocated engine: with full weights (``engine_tp: 1``, the default), or, with ``engine_tp: t``
-(dense family), a ``TensorParallelDense`` engine sharded over its engine group, the t consecutive
+(dense and hybrid families), a tensor-parallel engine (``isoexec.model.tensor_parallel``) sharded over its engine group, the t consecutive
 ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 
 - **generation.** Each generation round's prompts are dealt out in whole groups (a prompt and all

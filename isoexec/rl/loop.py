@@ -38,6 +38,7 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.warmup import warm_up_engine
 from ..errors import ConfigError, IsoExecError
 from ..model import save_checkpoint
+from ..model.tensor_parallel import TENSOR_PARALLEL, tensor_parallel
 from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
 from ..train.trainer import TrainBatch, TrainConfig, Trainer
@@ -104,7 +105,7 @@ class RLConfig:
     top_p: float = 1.0
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
-    engine_tp: int = 1                      # engine tensor-parallel size in a distributed run (dense)
+    engine_tp: int = 1                      # engine tensor-parallel size in a distributed run (dense, hybrid)
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
     checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
@@ -136,9 +137,9 @@ class RLConfig:
                 f"sequences, as verl's ppo_mini_batch_size) and exceeds prompts_per_step {self.prompts_per_step}")
         if self.overlong_cache >= self.max_response_tokens:
             bad("overlong_cache must be smaller than max_response_tokens")
-        if self.engine_tp > 1 and self.family != "dense":
-            bad(f"engine_tp={self.engine_tp}: the engine under tensor parallelism is built for the dense family "
-                f"only, not {self.family}")
+        if self.engine_tp > 1 and self.family not in TENSOR_PARALLEL:
+            bad(f"engine_tp={self.engine_tp}: the engine under tensor parallelism is built for the "
+                f"{' and '.join(TENSOR_PARALLEL)} families, not {self.family}")
         TrainConfig.from_dict({"seed": self.seed, **self.train})   # e.g. rs_kind needs rs_threshold
         try:
             EngineConfig(**self.engine)
@@ -318,10 +319,8 @@ class RLRun:
         # every rank alike (TopologyRefused)
         self.engine_groups, self.engine_group = self.world // cfg.engine_tp, self.rank // cfg.engine_tp
         if cfg.engine_tp > 1:
-            from ..model.tp_dense import TensorParallelDense
-
             groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
-            self.engine_model = TensorParallelDense(self.engine_model, groups[self.engine_group])
+            self.engine_model = tensor_parallel(self.engine_model, groups[self.engine_group])
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
         train_cfg = TrainConfig.from_dict({"seed": cfg.seed, **cfg.train})
         self.trainer_contract = self.contract

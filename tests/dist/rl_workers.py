@@ -158,6 +158,10 @@ def _plan_run_only(job, ws, rank, out_dir) -> dict:
 #: leaves, tp claimed 1/2/4): the engine at tp = 2 over the world of 2
 TP_CFG = dict(CFG, model="dense_tp_tiny", composition="isoexec_tp4")
 TP_WARM = dict(WARM, model="dense_tp_tiny", composition="isoexec_tp4")
+#: the same for the hybrid family (Gated DeltaNet and gated attention layers, the engine's GDN
+#: state cut by value head)
+TP_HYBRID_CFG = dict(TP_CFG, family="hybrid", model="hybrid_tp_tiny")
+TP_HYBRID_WARM = dict(TP_WARM, family="hybrid", model="hybrid_tp_tiny")
 
 
 def _plan_engine_tp(job, ws, rank, out_dir) -> dict:

@@ -1,6 +1,7 @@
 """The synchronous DAPO run on two gloo ranks with ONE engine sharded over both (``engine_tp: 2``,
 isoexec/rl/distributed.py) against the same run in one process with a whole engine: two steps of
-``dense_tp_tiny`` under ``isoexec_tp4`` from one warm-up checkpoint (rl_workers.py).
+``dense_tp_tiny`` and of ``hybrid_tp_tiny`` under ``isoexec_tp4``, each from one warm-up checkpoint
+(rl_workers.py).
 
 - every generation round gives the same tokens and bitwise the same engine logprobs, every metric
   but the timings (and the gradient norm, within 1e-6 relative) is equal, and the live check finds
@@ -30,12 +31,16 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 WS = 2
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("warm_tp")
-    warm_up(RLConfig.from_dict(rw.TP_WARM), folder, log=lambda s: None)
+CONFIGS = {"dense": (rw.TP_CFG, rw.TP_WARM), "hybrid": (rw.TP_HYBRID_CFG, rw.TP_HYBRID_WARM)}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def job(request, tmp_path_factory):
+    cfg, warm = CONFIGS[request.param]
+    folder = tmp_path_factory.mktemp(f"warm_tp_{request.param}")
+    warm_up(RLConfig.from_dict(warm), folder, log=lambda s: None)
     os.remove(folder / "warmup.json")
-    return {"cfg": dict(rw.TP_CFG, checkpoint=str(folder)), "engine_tp": WS}
+    return {"cfg": dict(cfg, checkpoint=str(folder)), "engine_tp": WS}
 
 
 @pytest.fixture(scope="module")
@@ -75,5 +80,5 @@ def test_an_engine_tp_the_world_cannot_hold_is_refused_with_one_line(world, tmp_
     assert msgs == [msgs[0]] * WS and msgs[0].startswith("TopologyRefused: ") and "\n" not in msgs[0], msgs[0]
     with pytest.raises(ConfigError, match="engine_tp=2 shards the engine over 2 ranks, and this run is one process"):
         RLRun(RLConfig.from_dict(dict(rw.TP_CFG, engine_tp=2)), tmp_path, log=lambda s: None)
-    with pytest.raises(ConfigError, match="built for the dense family only, not hybrid"):
-        RLConfig.from_dict(dict(rw.TP_CFG, family="hybrid", model="hybrid_tiny", engine_tp=2))
+    with pytest.raises(ConfigError, match="built for the dense and hybrid families, not mla_moe"):
+        RLConfig.from_dict(dict(rw.TP_CFG, family="mla_moe", model="mla_moe_tiny", engine_tp=2))

@@ -73,7 +73,7 @@ def test_a_tensor_parallel_engine_holds_its_rank_s_shards_and_kv_heads():
     """engine_tp: the engine column is the largest rank's shards as tp_dense cuts them (every
     sharded element on exactly one rank, the replicated ones on each), the KV pool the rank's heads."""
     from isoexec.model import DenseModel
-    from isoexec.model.tp_dense import rank_parameter_count
+    from isoexec.model.tensor_parallel import rank_parameter_count
     from isoexec.plan.params import count_parameters
 
     cfg = DenseConfig.from_hf(load_model_config("dense_tp_tiny")["hf_config"])
@@ -85,5 +85,25 @@ def test_a_tensor_parallel_engine_holds_its_rank_s_shards_and_kv_heads():
     assert sum(counts) == p.total + replicated
     assert half.states["engine"] == max(counts) * 2 < whole.states["engine"]
     assert half.kv_pool * 2 == whole.kv_pool
+    assert {k: v for k, v in half.states.items() if k != "engine"} == \
+        {k: v for k, v in whole.states.items() if k != "engine"}
+
+
+def test_a_tensor_parallel_hybrid_engine_holds_its_shards_kv_heads_and_state_heads():
+    """engine_tp for the hybrid family: the engine column is the largest rank's shards as
+    tp_hybrid cuts them, the KV pool and the recurrent-state slots hold the rank's heads (half at
+    engine_tp 2), the trainer's columns are untouched."""
+    from isoexec.model import HybridModel
+    from isoexec.model.tensor_parallel import rank_parameter_count
+
+    cfg = HybridConfig.from_hf(load_model_config("hybrid_tp_tiny")["hf_config"])
+    kw = dict(family="hybrid", model="hybrid_tp_tiny", num_state_slots=8, gdn_chunk=64)
+    whole, half = plan_row(_shape(cfg, **kw), 80 * GIB), plan_row(_shape(cfg, engine_tp=2, **kw), 80 * GIB)
+    counts = [rank_parameter_count(HybridModel(cfg, device="meta"), 2, r) for r in range(2)]
+    assert sum(counts) > sum(p.numel() for p in HybridModel(cfg, device="meta").parameters()) > max(counts)
+    assert half.states["engine"] == max(counts) * 2 < whole.states["engine"]
+    assert half.kv_pool * 2 == whole.kv_pool
+    # per-head state and conv channels halve; the per-slot bookkeeping (a few bytes a slot) does not
+    assert 0 < whole.recurrent_state / 2 <= half.recurrent_state < 0.51 * whole.recurrent_state
     assert {k: v for k, v in half.states.items() if k != "engine"} == \
         {k: v for k, v in whole.states.items() if k != "engine"}
