@@ -19,6 +19,7 @@ region for those ops; ``install`` refuses a contract whose ops are not the model
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from isoexec_kernels.attention import write_kv_pages
@@ -97,8 +98,8 @@ class DenseModel(nn.Module):
         return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": cfg.q_size, "gate_proj": h, "up_proj": h,
                 "down_proj": cfg.intermediate_size, "lm_head": h}
 
-    # the families with a tensor-parallel model (isoexec/model/tp_dense.py, tp_hybrid.py)
-    TP_FAMILIES = ("dense", "hybrid")
+    # the families with a tensor-parallel model (isoexec/model/tp_dense.py, tp_hybrid.py, tp_moe.py)
+    TP_FAMILIES = ("dense", "hybrid", "mla_moe", "hybrid_moe")
 
     def tp_head_problems(self, tp: int) -> list[str]:
         """Heads ``tp`` cannot deal out whole (the hybrid family adds its Gated DeltaNet heads)."""
@@ -125,12 +126,13 @@ class DenseModel(nn.Module):
         """Why this model cannot run ``contract`` at tensor-parallel size ``tp`` (empty: it can),
         from its own shape: a pinned ``K_LEAVES`` larger than a region's K blocks (at any tp), and
         at tp > 1 the cuts of the tensor-parallel model (``TensorParallelDense``,
-        isoexec/model/tp_dense.py; ``TensorParallelHybrid``, tp_hybrid.py): whole heads per rank
+        isoexec/model/tp_dense.py; ``TensorParallelHybrid``, tp_hybrid.py; the MoE families',
+        tp_moe.py): whole heads (and routed experts) per rank
         (``tp_head_problems``), each row-parallel layer's K leaves on the ranks' head boundaries
         (``tp_row_parallel``), gate/up 64-column units on down_proj's leaves, a whole vocabulary
         leaf per rank, and kernels whose schedule the tensor-parallel layers reproduce
         (``tp_impls``). ``check_topology`` reports them with its own."""
-        if self.family not in self.TP_FAMILIES:  # the MoE families have no tensor-parallel model yet
+        if self.family not in self.TP_FAMILIES:  # a family without a tensor-parallel model
             return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
         cfg, out = self.cfg, []
         ks = self.linear_k()
@@ -259,33 +261,51 @@ class DenseModel(nn.Module):
         return attn(q, kc, vc, batch.block_table, batch.cu_seqlens_q, batch.context_lens, scale,
                     max_seqlen_q=batch.max_seqlen_q)
 
+    #: recompute each layer's activations in the backward instead of keeping them (the trainer
+    #: sets it from ``TrainConfig.activation_checkpointing``); only where autograd records
+    activation_checkpointing = False
+
+    def checkpointed(self, layer_fn, x: torch.Tensor) -> torch.Tensor:
+        """``layer_fn(x)``, through ``torch.utils.checkpoint`` when activation checkpointing is on
+        and autograd records (trainer_fwd). The recompute runs the same kernels on the same inputs,
+        so the forward bits, and with them the gradients, are those of the run without it."""
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(layer_fn, x, use_reentrant=False)
+        return layer_fn(x)
+
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
         cfg, plan = self.cfg, self._plan(batch.case)
-        T = ids.shape[0]
-        nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         x = plan["embed"](ids, self.embed)
         rope = self.rope_table()
         for i, L in enumerate(self.layers):
-            n = plan["attn_norm"](x, L.attn_norm, eps)
-            qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
-                               (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
-            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-            q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
-            if cfg.qk_norm:
-                q = plan["q_norm"](q, L.q_norm, eps)
-                k = plan["k_norm"](k, L.k_norm, eps)
-            q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
-            k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
-            v = v.reshape(T, nkv, hd)
-            a = self._attention(plan, i, q, k, v, batch)
-            x = x + plan["o_proj"](a.reshape(T, cfg.q_size), L.o_weight)
-            n = plan["mlp_norm"](x, L.mlp_norm, eps)
-            gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight,
-                              (cfg.intermediate_size, cfg.intermediate_size))
-            g, u = gu.split((cfg.intermediate_size, cfg.intermediate_size), dim=-1)
-            x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
-        return plan["final_norm"](x, self.final_norm, eps)
+            x = self.checkpointed(lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
+        return plan["final_norm"](x, self.final_norm, cfg.rms_norm_eps)
+
+    def _layer(self, plan, i: int, L, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        """Decoder layer ``i`` on the residual stream ``x``: attention, then the MLP."""
+        cfg = self.cfg
+        T = x.shape[0]
+        nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        n = plan["attn_norm"](x, L.attn_norm, eps)
+        qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
+                           (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
+        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+        q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
+        if cfg.qk_norm:
+            q = plan["q_norm"](q, L.q_norm, eps)
+            k = plan["k_norm"](k, L.k_norm, eps)
+        q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
+        k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
+        v = v.reshape(T, nkv, hd)
+        a = self._attention(plan, i, q, k, v, batch)
+        x = x + plan["o_proj"](a.reshape(T, cfg.q_size), L.o_weight)
+        n = plan["mlp_norm"](x, L.mlp_norm, eps)
+        gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight,
+                          (cfg.intermediate_size, cfg.intermediate_size))
+        g, u = gu.split((cfg.intermediate_size, cfg.intermediate_size), dim=-1)
+        x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
+        return x
 
     def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:
         return self._plan(case)["lm_head"](hidden, self.lm_head_weight)

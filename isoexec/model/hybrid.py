@@ -245,15 +245,22 @@ class HybridModel(DenseModel):
         rope = self.rope_table()
         kv_layer = gdn_layer = 0
         for L in self.layers:
-            n = plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True)
-            if L.kind == "full_attention":
-                x = x + self._gated_attention(plan, kv_layer, L, n, batch, rope)
-                kv_layer += 1
-            else:
-                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
-                gdn_layer += 1
-            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True))
+            # j: the layer's index among the attention (KV cache) or the Gated DeltaNet (state) layers
+            j = kv_layer if L.kind == "full_attention" else gdn_layer
+            x = self.checkpointed(lambda x, L=L, j=j: self._layer(plan, L, j, x, batch, rope), x)
+            kv_layer, gdn_layer = kv_layer + (L.kind == "full_attention"), gdn_layer + (L.kind != "full_attention")
         return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
+
+    def _layer(self, plan, L, j: int, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
+        """One layer on the residual stream ``x``: its mixer (gated attention or Gated DeltaNet,
+        ``j`` its index among the layers of its kind), then the MLP (or the MoE)."""
+        eps = self.cfg.rms_norm_eps
+        n = plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True)
+        if L.kind == "full_attention":
+            x = x + self._gated_attention(plan, j, L, n, batch, rope)
+        else:
+            x = x + self._gated_deltanet(plan, j, L, n, batch)
+        return x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True))
 
     def _mlp(self, plan, L, n: torch.Tensor) -> torch.Tensor:
         """The layer's SwiGLU MLP on its normed input ``n`` (the MoE variant overrides it)."""

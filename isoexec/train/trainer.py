@@ -67,6 +67,7 @@ class TrainConfig:
     clip_ratio_c: Optional[float] = 10.0       # dual clip for A < 0 (verl's DAPO recipe: 10); 0/None: off
     lr_warmup_steps: int = 0                   # linear LR warm-up over this many RL updates; 0: off
     seed: int = 0                              # SFT sub-batch sampling
+    activation_checkpointing: bool = False     # recompute each layer in the backward (same bits, less memory)
 
     def __post_init__(self):
         def bad(name, why):
@@ -126,6 +127,8 @@ class TrainConfig:
         if self.loss in ("dapo", "grpo") and self.clip_ratio_c and self.clip_ratio_c <= 1 + self.clip_high:
             bad("clip_ratio_c", f"must exceed 1 + clip_high = {1 + self.clip_high} (it bounds the ratio for "
                                 "negative advantages above the ordinary clip); 0 or None: dual clip off")
+        if not isinstance(self.activation_checkpointing, bool):
+            bad("activation_checkpointing", "must be true or false")
         for name in ("lr_warmup_steps", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
@@ -240,6 +243,7 @@ class Trainer:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"Trainer needs a TrainConfig, got {type(config).__name__}")
         self.model, self.config = model, config
+        model.activation_checkpointing = config.activation_checkpointing
         self.optimizer = MasterAdamW(model, lr=config.lr, betas=config.betas, eps=config.eps,
                                      weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self._rng = torch.Generator().manual_seed(config.seed)

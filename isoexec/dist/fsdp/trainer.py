@@ -79,6 +79,9 @@ class FSDPTrainer(Trainer):
         self.dp, self.rank = check_dp_mesh(mesh)
         self.mesh, self.group = mesh, mesh.get_group(DP)
         self.model, self.config = shard_model(model, mesh), config
+        # the layers stay gathered through the backward (reshard_after_forward=False), so the
+        # recompute sees the same weights
+        model.activation_checkpointing = config.activation_checkpointing
         self.optimizer = ShardedAdamW(model, self.group, self.dp, lr=config.lr, betas=config.betas, eps=config.eps,
                                       weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self._rng = torch.Generator().manual_seed(config.seed)
