@@ -45,8 +45,9 @@ ENGINE_SIZES = {"cpu": dict(requests=16, max_prompt=40, max_tokens=10),
 
 
 def claims_tp(contract) -> bool:
-    """Whether the contract makes a ``tp`` topology claim (the gates have something to prove)."""
-    return any(t.axis == "tp" for t in contract.claims.topology)
+    """Whether the contract claims a tp size above 1 (the gates have something to prove; the
+    single-process compositions pin every axis to [1])."""
+    return any(t.axis == "tp" and any(size > 1 for size in t.domain) for t in contract.claims.topology)
 
 
 @contextmanager

@@ -63,3 +63,15 @@ def test_topology_gates_under_torchrun_at_tp2_every_rank_agrees_and_rank0_writes
         if name != "negative_control":
             assert a["counts"]["differing"] == 0 and a["counts"]["compared"] > 0
     assert arts[("negative_control", "float32")]["counts"]["differing"] > 0
+
+
+def test_single_process_contracts_get_no_topology_gates():
+    """isoexec and native pin every axis to [1]: nothing for the topology gates to prove, so a
+    gates run of them (the workflow's, for every family) has none."""
+    from isoexec.compose import build_contract
+    from isoexec.gates.topology_gates import claims_tp
+
+    for family in ("dense", "hybrid", "mla_moe", "hybrid_moe"):
+        for comp in ("isoexec", "native"):
+            assert not claims_tp(build_contract(family, comp, "cpu")), (family, comp)
+    assert claims_tp(build_contract("dense", "isoexec_tp4", "cpu", "dense_tp_tiny"))
