@@ -29,7 +29,8 @@ ROW_PARALLEL_OPS = ("o_proj", "down_proj", "gdn_out_proj")
 added): a contract claiming a tp size above 1 must pin ``K_LEAVES`` (L, the K leaves of that sum,
 the same at every tp) on their regions, divisible by every claimed size (docs/scale_out.md). The
 dense family's o_proj and down_proj, and the hybrid family's Gated DeltaNet out_proj besides; the
-MoE families have no tensor-parallel model yet."""
+MoE families' are the same ops (MLA's o_proj, mla_moe's dense down_proj, hybrid_moe's o_proj and
+out_proj): their MoE layers add nothing across ranks (isoexec/model/tp_moe.py)."""
 K_LEAVES = "K_LEAVES"
 
 ConstantValue = Union[int, str, bool]

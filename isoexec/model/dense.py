@@ -98,8 +98,8 @@ class DenseModel(nn.Module):
         return {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": cfg.q_size, "gate_proj": h, "up_proj": h,
                 "down_proj": cfg.intermediate_size, "lm_head": h}
 
-    # the families with a tensor-parallel model (isoexec/model/tp_dense.py, tp_hybrid.py)
-    TP_FAMILIES = ("dense", "hybrid")
+    # the families with a tensor-parallel model (isoexec/model/tp_dense.py, tp_hybrid.py, tp_moe.py)
+    TP_FAMILIES = ("dense", "hybrid", "mla_moe", "hybrid_moe")
 
     def tp_head_problems(self, tp: int) -> list[str]:
         """Heads ``tp`` cannot deal out whole (the hybrid family adds its Gated DeltaNet heads)."""
@@ -126,12 +126,13 @@ class DenseModel(nn.Module):
         """Why this model cannot run ``contract`` at tensor-parallel size ``tp`` (empty: it can),
         from its own shape: a pinned ``K_LEAVES`` larger than a region's K blocks (at any tp), and
         at tp > 1 the cuts of the tensor-parallel model (``TensorParallelDense``,
-        isoexec/model/tp_dense.py; ``TensorParallelHybrid``, tp_hybrid.py): whole heads per rank
+        isoexec/model/tp_dense.py; ``TensorParallelHybrid``, tp_hybrid.py; the MoE families',
+        tp_moe.py): whole heads (and routed experts) per rank
         (``tp_head_problems``), each row-parallel layer's K leaves on the ranks' head boundaries
         (``tp_row_parallel``), gate/up 64-column units on down_proj's leaves, a whole vocabulary
         leaf per rank, and kernels whose schedule the tensor-parallel layers reproduce
         (``tp_impls``). ``check_topology`` reports them with its own."""
-        if self.family not in self.TP_FAMILIES:  # the MoE families have no tensor-parallel model yet
+        if self.family not in self.TP_FAMILIES:  # a family without a tensor-parallel model
             return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
         cfg, out = self.cfg, []
         ks = self.linear_k()

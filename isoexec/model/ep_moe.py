@@ -64,15 +64,10 @@ from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
 from .hybrid_moe import HybridMoeModel
-from .mla_moe import MlaMoeModel
+from .mla_moe import EP_REGION_IMPLS, MlaMoeModel
 
 TRAINER_CASES = ("trainer_fwd", "trainer_score")
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
-#: the MoE regions' impls whose arithmetic the exchange reproduces: a router and dispatch that see
-#: a token's row alone, an experts region whose output row depends on its input row and the weights
-#: only (on CPU the per-expert loop of the invariant GEMM), the fixed-order combine
-EP_REGION_IMPLS = {"router": "moe_router_fp32", "dispatch": "moe_dispatch_stable", "experts": "moe_experts_loop",
-                   "combine": "moe_combine_fp32"}
 _FAMILIES = {"mla_moe": MlaMoeModel, "hybrid_moe": HybridMoeModel}
 
 

@@ -21,7 +21,7 @@ from isoexec_kernels.moe import RouterSpec
 from ..dist.expert_parallel import ExpertParallelGroup
 from ..model_config import HybridMoeConfig
 from .hybrid import GatedAttentionLayer, GatedDeltaNetLayer, HybridModel, _params
-from .mla_moe import moe_layer
+from .mla_moe import moe_layer, moe_tp_expert_problems, moe_tp_impls
 
 
 def _moe_params(module: nn.Module, cfg: HybridMoeConfig, dtype, device) -> None:
@@ -61,6 +61,28 @@ class HybridMoeModel(HybridModel):
     def __init__(self, cfg: HybridMoeConfig, dtype=torch.float32, device="cpu"):
         super().__init__(cfg, dtype, device)
         self.router_spec = RouterSpec(kind="softmax_topk", top_k=cfg.num_experts_per_tok, norm_topk_prob=True)
+
+    # ------------------------------------------------------------------------------ tensor parallelism
+    _DENSE_MLP = ("gate_proj", "up_proj", "down_proj")
+
+    def linear_k(self) -> dict[str, int]:
+        """The hybrid model's linear ops less the dense MLP's, with the shared expert's."""
+        h = self.cfg.hidden_size
+        return {**{o: k for o, k in super().linear_k().items() if o not in self._DENSE_MLP},
+                "shared_gate_proj": h, "shared_up_proj": h,
+                "shared_down_proj": self.cfg.shared_expert_intermediate_size}
+
+    def tp_head_problems(self, tp: int) -> list[str]:
+        """The hybrid model's heads and whole routed experts per rank."""
+        return super().tp_head_problems(tp) + moe_tp_expert_problems(self.cfg.num_experts, tp)
+
+    def tp_row_parallel(self) -> dict[str, tuple[int, int | None]]:
+        """o_proj and the Gated DeltaNet out_proj (no dense MLP, so no down_proj)."""
+        return {o: v for o, v in super().tp_row_parallel().items() if o != "down_proj"}
+
+    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+        """The hybrid model's kernels and the MoE regions (mla_moe.moe_tp_impls)."""
+        return {**super().tp_impls(), **moe_tp_impls()}
 
     def _mlp(self, plan, L, n: torch.Tensor) -> torch.Tensor:
         """The layer's MoE block (router, experts, gated shared expert) on its normed input."""

@@ -47,6 +47,28 @@ def _params(module: nn.Module, dtype, device, **shapes) -> None:
         setattr(module, name, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
 
 
+#: the MoE regions' impls whose arithmetic the expert-parallel exchange reproduces (ep_moe.py, and
+#: tp_moe.py, which deals rows out the same way): a router and dispatch that see a token's row
+#: alone, an experts region whose output row depends on its input row and the weights only (on CPU
+#: the per-expert loop of the invariant GEMM), the fixed-order combine
+EP_REGION_IMPLS = {"router": "moe_router_fp32", "dispatch": "moe_dispatch_stable", "experts": "moe_experts_loop",
+                   "combine": "moe_combine_fp32"}
+
+
+def moe_tp_impls() -> dict[str, tuple[str, str | None]]:
+    """The MoE regions whose rows the tensor-parallel MoE layer (isoexec/model/tp_moe.py) deals out
+    over the group, as expert parallelism does: the same kernels ``ExpertParallelMoe`` requires."""
+    return {o: (impl, None) for o, impl in EP_REGION_IMPLS.items()}
+
+
+def moe_tp_expert_problems(num_experts: int, tp: int) -> list[str]:
+    """At tp > 1 each rank owns whole routed experts (``expert_shard_range``): tp must not exceed E."""
+    if tp > num_experts:
+        return [f"tp={tp} is more than the {num_experts} routed expert(s) of each MoE layer; every rank must own "
+                "at least one whole expert"]
+    return []
+
+
 def _shared_rows(plan, L: nn.Module, n: torch.Tensor, shared_size: int) -> torch.Tensor | None:
     """The shared expert's rows on ``n`` (None without one), through its linear and activation regions."""
     if not shared_size:
@@ -121,6 +143,31 @@ class MlaMoeModel(DenseModel):
         self.router_spec = RouterSpec(kind="sigmoid_group_topk", top_k=cfg.num_experts_per_tok,
                                       norm_topk_prob=cfg.norm_topk_prob, n_group=cfg.n_group,
                                       topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor)
+
+    # ------------------------------------------------------------------------------ tensor parallelism
+    def linear_k(self) -> dict[str, int]:
+        """{linear op: its K}: MLA's projections (o_proj reads the heads' values), the dense MLP's,
+        the shared expert's and the lm_head."""
+        cfg = self.cfg
+        h = cfg.hidden_size
+        return {"q_a_proj": h, "kv_a_proj": h, "q_b_proj": cfg.q_lora_rank, "kv_b_proj": cfg.kv_lora_rank,
+                "o_proj": cfg.num_heads * cfg.v_head_dim, "gate_proj": h, "up_proj": h,
+                "down_proj": cfg.intermediate_size, "shared_gate_proj": h, "shared_up_proj": h,
+                "shared_down_proj": cfg.shared_intermediate_size, "lm_head": h}
+
+    def tp_head_problems(self, tp: int) -> list[str]:
+        """Whole query heads per rank (MLA has as many kv heads) and whole routed experts."""
+        return super().tp_head_problems(tp) + moe_tp_expert_problems(self.cfg.n_routed_experts, tp)
+
+    def tp_row_parallel(self) -> dict[str, tuple[int, int | None]]:
+        """o_proj, whose K columns are the heads' values, and the dense MLP's down_proj."""
+        cfg = self.cfg
+        return {"o_proj": (cfg.num_heads * cfg.v_head_dim, cfg.num_heads), "down_proj": (cfg.intermediate_size, None)}
+
+    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+        """The linear and logprob kernels of the dense model, the expanded MLA attention (per head:
+        each head zero-padded and run through the fixed-walk attention alone) and the MoE regions."""
+        return {**super().tp_impls(), "attn_core": ("mla_expanded_walk", None), **moe_tp_impls()}
 
     # ------------------------------------------------------------------------------ init
     @torch.no_grad()

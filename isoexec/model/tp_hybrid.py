@@ -88,7 +88,8 @@ def _layer_cut(cfg: HybridConfig, kind: str, tp: int, rank: int, unit: int):
     """How rank ``rank`` cuts a full layer tensor of ``kind``: ``cut(name, full) -> shard`` (the
     replicated norms unchanged), the local widths of the layer's column-parallel projection's parts
     and the local gate/up width."""
-    mlp, inter = mlp_cut(cfg, tp, rank, unit)
+    # the MoE variant (tp_moe.py) has no dense MLP (intermediate_size 0): nothing of it to cut
+    mlp, inter = mlp_cut(cfg, tp, rank, unit) if cfg.intermediate_size else ((lambda name, full: None), 0)
     if kind == "full_attention":
         hd = cfg.head_dim
         q0, q1 = _heads(cfg.num_heads, tp, rank)
@@ -211,6 +212,11 @@ class TensorParallelHybrid(TensorParallelDense):
         return row_parallel_linear(o, L.out_weight, None, in_features=cfg.value_dim, leaves=leaves,
                                    group=self.group)
 
+    def _mlp_leaves(self, plan: ExecutionPlan) -> int | None:
+        """down_proj's K leaves, which ``_mlp`` gets (the MoE variant, tp_moe.py, has no down_proj and
+        overrides both)."""
+        return self._leaves(plan, "down_proj", self.cfg.hidden_size, self.cfg.intermediate_size)
+
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank:
         the bits of ``HybridModel.hidden_states`` under the same contract. An engine batch's KV
@@ -219,7 +225,7 @@ class TensorParallelHybrid(TensorParallelDense):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         L_o = self._leaves(plan, "o_proj", h, cfg.q_size)
         L_g = self._leaves(plan, "gdn_out_proj", h, cfg.value_dim)
-        L_d = self._leaves(plan, "down_proj", h, cfg.intermediate_size)
+        L_d = self._mlp_leaves(plan)
         x = plan["embed"](ids, self.embed)
         kv_layer = gdn_layer = 0
         for L in self.layers:
