@@ -14,6 +14,9 @@
 # code_version.txt) change; RL runs start clean unless `--config resume=true` (docs/workflow.md).
 # `snakemake --report report.html` collects the tables and figures into one HTML file.
 
+import sys
+
+from snakemake.exceptions import WorkflowError
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
@@ -21,6 +24,14 @@ min_version("9.0")
 
 configfile: "configs/config.yaml"
 
+
+# `nodes` first: for it the schema's message would dump the key's whole schema entry, where one
+# line naming the key says it (workflow/scripts/launch.py)
+sys.path.insert(0, f"{workflow.basedir}/workflow/scripts")
+from launch import nodes_error  # noqa: E402 - workflow/scripts/launch.py
+
+if _nodes_error := nodes_error(config):
+    raise WorkflowError(_nodes_error)
 
 validate(config, "workflow/schemas/config.schema.yaml")
 

@@ -57,10 +57,11 @@ def _engine_line(rows) -> str:
 def header_lines(plan: MemoryPlan) -> list[str]:
     wf = plan.workflow
     out = [f"Memory plan of {wf.path}: run {wf.run_name!r}, arch {wf.arch}, gpus {wf.gpus}"
+           + (f" per node x {wf.nodes} nodes" if wf.nodes > 1 else "")
            + (f" (merged over {_shown(wf.merged_over)}, as `snakemake --configfile` does)" if wf.merged_over else "")
            + ".",
            f"GPU memory: {plan.gpu_gib:g} GiB per GPU ({plan.gpu_note}).",
-           f"Trainer: {'one process (isoexec.train.Trainer)' if wf.gpus == 1 else f'FSDP2 over dp = {wf.gpus} (isoexec.dist.fsdp)'}; "
+           f"Trainer: {'one process (isoexec.train.Trainer)' if wf.dp == 1 else f'FSDP2 over dp = {wf.dp} (isoexec.dist.fsdp)'}; "
            + _engine_line(plan.rows)]
     if not wf.rl_enabled:
         out.append("rl.enabled is false: the workflow starts no RL run; the plan is of the runs its settings describe.")

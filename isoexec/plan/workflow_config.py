@@ -13,7 +13,7 @@ The config is read as the workflow reads it, so the plan is of the runs Snakemak
    ``RLConfig.from_dict``; the engine it builds is ``rl.loop.engine_config``; the page size and GDN
    chunk are those of the arm's contract.
 
-``gpus`` is the data-parallel size of the trainer (FSDP2). The engine is whole on every GPU, or,
+``gpus`` (per node) times ``nodes`` is the data-parallel size of the trainer (FSDP2). The engine is whole on every GPU, or,
 with ``rl.settings.engine_tp: t`` (dense and hybrid families), sharded over t GPUs: its weights are
 the largest rank's shards (``tensor_parallel.rank_parameter_count``), its KV pages hold
 ``num_kv_heads / t`` heads and its recurrent-state slots ``1 / t`` of the value heads and conv channels.
@@ -72,10 +72,16 @@ class WorkflowPlan:
     path: str
     run_name: str
     arch: str
-    gpus: int
+    gpus: int                       # per node
     rl_enabled: bool
     merged_over: str | None
     shapes: list[RunShape] = field(default_factory=list)
+    nodes: int = 1
+
+    @property
+    def dp(self) -> int:
+        """The trainer's data-parallel size: every GPU of every node one rank."""
+        return self.gpus * self.nodes
 
 
 def merge_config(base: dict, over: dict) -> dict:
@@ -120,6 +126,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
 
     arch, families = data["arch"], list(data["families"])
     gpus = int(data.get("gpus", _default(schema, "gpus")))
+    nodes = int(data.get("nodes", _default(schema, "nodes")))
     compositions = list(data.get("compositions") or _default(schema, "compositions"))
     rl = dict(data.get("rl") or {})
     missing = [f for f in families if f not in data["models"]]
@@ -128,7 +135,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
     arms = rl.get("arms") or {c: {"composition": c} for c in compositions}   # the workflow's default arms
     dataset = rl.get("dataset", _default(schema, "rl", "dataset"))
     seed = int((rl.get("seeds") or [0])[0])
-    plan = WorkflowPlan(path=path, run_name=data["run_name"], arch=arch, gpus=gpus,
+    plan = WorkflowPlan(path=path, run_name=data["run_name"], arch=arch, gpus=gpus, nodes=nodes,
                         rl_enabled=bool(rl.get("enabled", False)), merged_over=merged_over)
     rows: dict[tuple, RunShape] = {}
     for family in families:
@@ -151,7 +158,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
             contract = build_contract(family, comp, arch, name)
             recurrent = isinstance(cfg, HybridConfig)
             shape = RunShape(
-                family=family, model=name, cfg=cfg, arms=(arm,), dtype=resolved_dtype(run), dp=gpus,
+                family=family, model=name, cfg=cfg, arms=(arm,), dtype=resolved_dtype(run), dp=plan.dp,
                 engine_tp=run.engine_tp,
                 num_pages=engine.num_pages, page_size=engine.page_size or contract_page_size(contract) or 16,
                 num_state_slots=(engine.num_state_slots or engine.max_num_seqs) if recurrent else 0,

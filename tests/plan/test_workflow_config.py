@@ -58,6 +58,11 @@ def test_gpus_is_the_data_parallel_size(tmp_path):
     assert row.dp == 4
 
 
+def test_gpus_per_node_times_nodes_is_the_data_parallel_size(tmp_path):
+    wf = read_workflow_config(_write(tmp_path, tiny(gpus=4, nodes=2)))
+    assert (wf.gpus, wf.nodes, wf.dp) == (4, 2, 8) and wf.shapes[0].dp == 8
+
+
 def test_a_model_of_another_family_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="models.dense is 'hybrid_tiny', a hybrid model"):
         read_workflow_config(_write(tmp_path, tiny(models={"dense": "hybrid_tiny"})))

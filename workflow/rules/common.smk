@@ -31,14 +31,38 @@ GATE_SEED = int(config["gates"]["seed"])
 # GPUs per GPU job (gates, bench, rl_run): one on a GPU arch, none on cpu. Locally each such job
 # gets its own device (workflow/scripts/gpus.py); the SLURM profile turns it into --gpus.
 JOB_GPUS = 0 if ARCH == "cpu" else 1
-# An RL run (the rl_run jobs) on a GPU arch takes `gpus` GPUs: with more than one it runs under torchrun,
-# one data-parallel rank per GPU (workflow/scripts/launch.py, docs/scale_out.md); on cpu one process.
+# An RL run (the rl_run jobs) on a GPU arch spans `nodes` nodes with `gpus` GPUs on each (per node,
+# as torchrun's --nproc_per_node): with more than one GPU it runs under torchrun, one data-parallel
+# rank per GPU, and with more than one node srun starts one torchrun per node of its SLURM job
+# (workflow/scripts/launch.py, docs/scale_out.md); on cpu one process.
+RL_NODES = _launch.rl_nodes(config)
 RL_WORLD = _launch.rl_world(config)
 RL_GPUS = JOB_GPUS * RL_WORLD
 # the dry run shows the command of a multi-rank run (a script rule shows none of its own)
-RL_RUN_MESSAGE = (f"rl_run {{wildcards.family}} {{wildcards.arm}} seed {{wildcards.seed}} on {RL_WORLD} GPUs: "
-                  + " ".join(_launch.rl_launcher(RL_WORLD)) + " run --config {output}/rl_config.json --out {output}"
+RL_RUN_MESSAGE = (f"rl_run {{wildcards.family}} {{wildcards.arm}} seed {{wildcards.seed}} on "
+                  + (f"{RL_NODES} nodes x {RL_WORLD // RL_NODES} GPUs: " if RL_NODES > 1 else f"{RL_WORLD} GPUs: ")
+                  + _launch.shown_launcher(RL_WORLD, RL_NODES) + " run --config {output}/rl_config.json --out {output}"
+                  # a job with a message shows no resources line of its own: what it asks the scheduler for
+                  + ("\n    resources: nodes={resources.nodes}, gres={resources.gres}, tasks={resources.tasks}, "
+                     "mpi={resources.mpi}, gpu={resources.gpu}, runtime={resources.runtime}" if RL_NODES > 1 else "")
                   if RL_WORLD > 1 else None)
+# What an rl_run job asks the scheduler for, besides runtime (and the profile's memory and CPUs).
+# One node: `gpu` GPUs, counted by Snakemake locally (--resources gpu=N) and submitted as --gpus=N
+# by the SLURM executor plugin, and `nodes` 1 (--nodes=1: --gpus counts the whole job's GPUs, which
+# SLURM could otherwise spread over nodes that --standalone cannot reach). More nodes, in the
+# plugin's resource names:
+#   nodes          --nodes=<nodes>
+#   gres           --gres=gpu:<gpus>, which SLURM counts per node; the plugin's `gpu` (--gpus) is a
+#                  count over the whole job that SLURM may spread unevenly, so `gpu` is 0 here (and
+#                  the job script then locks no device of its own: srun hands each node's out)
+#   mpi            the launcher the job runs itself: with it the plugin's job step runs the job
+#                  on the first node as it is, not inside an `srun -n1` step of one node, so that
+#                  the job's own srun can start a task on every node
+#   tasks          one per node (--ntasks; the plugin wants a task count with `mpi`)
+#   tasks_per_gpu  0: no --ntasks-per-gpu, which would ask for a task per GPU
+RL_RUN_RESOURCES = ({"gpu": 0, "nodes": RL_NODES, "gres": f"gpu:{RL_WORLD // RL_NODES}", "mpi": "srun",
+                     "tasks": RL_NODES, "tasks_per_gpu": 0}
+                    if RL_NODES > 1 else {"gpu": RL_GPUS, "nodes": 1})
 
 # Threads per job. On cpu a job's whole work is torch on tiny models, whose ops are too small to
 # split: a second intra-op thread only adds fork-join and spin-waits (on a 2-core Xeon the dense

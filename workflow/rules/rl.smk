@@ -68,12 +68,27 @@ rule rl_run:
     priority: RL_PATH_PRIORITY
     threads: job_threads(2)
     resources:
-        gpu=RL_GPUS,
         runtime=600,
+        **RL_RUN_RESOURCES,
     conda:
         CONDA_ENV
     script:
         "../scripts/rl_run.py"
+
+
+# An RL run on more than one node needs a SLURM allocation of that many nodes (srun starts a
+# torchrun on each); a local run is one machine, one node. Refused once the jobs are planned (the
+# executor is not known while the Snakefile is read), before any job starts, and only when rl_run
+# jobs are to run; a dry run shows the plan whatever the executor, and --touch runs no job.
+onstart:
+    if (RL_ON and RL_NODES > 1 and not workflow.touch
+            and workflow.executor_plugin.name not in _launch.MULTI_NODE_EXECUTORS):
+        if any(j.rule.name == "rl_run" for j in workflow.dag.needrun_jobs()):
+            raise WorkflowError(
+                f"config: nodes: {RL_NODES} asks for RL runs on {RL_NODES} nodes, which run only on SLURM "
+                f"(--profile workflow/profiles/slurm); this run's executor ({workflow.executor_plugin.name}) "
+                "is one machine, one node: set nodes: 1 (and gpus: <GPUs of this machine>)"
+            )
 
 
 rule rl_tables:

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from jobutil import JobFailed, job
-from launch import rl_launcher, rl_world
+from launch import rl_launcher, rl_nodes, rl_world
 
 from isoexec.paths import atomic_write, sha256_file
 from isoexec.report import run_cli
@@ -153,9 +153,10 @@ def main(smk) -> None:
         cfg = folder / "rl_config.json"
         atomic_write(cfg, json.dumps(settings, indent=1, sort_keys=True) + "\n")
         atomic_write(folder / "inputs.json", json.dumps(now, indent=1, sort_keys=True) + "\n")
-        # more than one GPU: one torchrun rank per GPU (workflow/scripts/launch.py)
+        # more than one GPU: one torchrun rank per GPU; more than one node: srun starts a torchrun
+        # on each node of the SLURM job (workflow/scripts/launch.py)
         proc = run_cli(["run", "--config", str(cfg), "--out", str(folder)], log, env=env,
-                       launcher=rl_launcher(rl_world(smk.config)))
+                       launcher=rl_launcher(rl_world(smk.config), rl_nodes(smk.config)))
         out = proc.stdout.strip()
         summary = json.loads(out.splitlines()[-1]) if out else {"steps_run": 0}
         if resumed and not out and diff:   # the checkpoint was further on than the last run.json said
