@@ -1,11 +1,13 @@
 """Activation headroom: an estimate, stated as an assumption (the other lines of the plan are read
 off the allocations; this one is not).
 
-What it assumes. The trainer keeps, for the backward of one micro-batch, every tensor a decoder
-layer passes between its ops, once each, in the compute dtype (no activation checkpointing: the
-models have no per-layer call boundary to checkpoint at, docs/scale_out.md), for every layer; plus
-the micro-batch's logits and two fp32 ``[tokens, vocab]`` tensors (the logprob's fp32 working rows
-and the logits' gradient). The tensors of a layer, per token:
+What it assumes. Without activation checkpointing the trainer keeps, for the backward of one
+micro-batch, every tensor a decoder layer passes between its ops, once each, in the compute dtype,
+for every layer; plus the micro-batch's logits and two fp32 ``[tokens, vocab]`` tensors (the
+logprob's fp32 working rows and the logits' gradient). With ``train.activation_checkpointing``
+every layer runs under ``torch.utils.checkpoint``: the forward keeps only each layer's input (one
+hidden row per token and layer), and the backward recomputes one layer at a time, so one layer's
+tensors (the widest layer's) are alive on top of those inputs. The tensors of a layer, per token:
 
 - around each of its two blocks: the norm's input, the normed rows and the block's output (3 x hidden);
 - GQA attention: q/k/v, q and k after their norms and after RoPE, the attention output
@@ -83,9 +85,12 @@ def logit_bytes_per_row(cfg, dtype_bytes: int) -> int:
     return cfg.vocab_size * (dtype_bytes + 4 * LOGIT_FP32_COPIES)
 
 
-def trainer_activation_bytes(cfg, tokens: int, dtype_bytes: int) -> int:
-    """One micro-batch of ``tokens`` tokens through the trainer's forward and backward."""
-    return tokens * (sum(layer_widths(cfg)) * dtype_bytes + logit_bytes_per_row(cfg, dtype_bytes))
+def trainer_activation_bytes(cfg, tokens: int, dtype_bytes: int, checkpointing: bool = False) -> int:
+    """One micro-batch of ``tokens`` tokens through the trainer's forward and backward; with
+    ``checkpointing`` each layer keeps its input and one layer at a time is recomputed."""
+    widths = layer_widths(cfg)
+    kept = len(widths) * cfg.hidden_size + max(widths) if checkpointing else sum(widths)
+    return tokens * (kept * dtype_bytes + logit_bytes_per_row(cfg, dtype_bytes))
 
 
 def engine_activation_bytes(cfg, step_tokens: int, sampled_rows: int, dtype_bytes: int) -> int:

@@ -107,7 +107,8 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
             f", {s.num_state_slots:,} + 1 GDN state slots (chunk {s.gdn_chunk})" if s.num_state_slots else ""))
         out.append(f"{s.family} ({s.model}, {s.dtype}): {pool}; max_num_seqs {s.max_num_seqs:,}, "
                    f"max_num_batched_tokens {s.max_num_batched_tokens:,}; largest micro-batch "
-                   f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens; activations: trainer "
+                   f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens"
+                   f"{' (activation checkpointing)' if s.activation_checkpointing else ''}; activations: trainer "
                    f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB.")
     out += [
         "Engine pools: the settings `isoexec run` builds its engine with (isoexec.rl.loop.engine_config: "
@@ -116,8 +117,9 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         "Peak = every state held at once + the larger of the trainer's and the engine's activations "
         "(rollout and training alternate).",
         "Activations are an estimate, not an allocation: every tensor a layer passes between its ops, kept "
-        "once for the backward, in the compute dtype, for the largest micro-batch (no activation "
-        f"checkpointing), plus the logits and {LOGIT_FP32_COPIES} fp32 [tokens, vocab] working tensors; "
+        "once for the backward, in the compute dtype, for the largest micro-batch (with activation "
+        "checkpointing: each layer's input, plus the widest layer's tensors while it is recomputed), "
+        f"plus the logits and {LOGIT_FP32_COPIES} fp32 [tokens, vocab] working tensors; "
         "the engine: one layer's tensors for a step's tokens plus the sampled rows' logits "
         "(isoexec/plan/activations.py).",
         "Not counted: the CUDA context, allocator fragmentation, CUDA graph pools, "

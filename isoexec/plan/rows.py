@@ -93,6 +93,7 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
         recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype,
                                               shape.engine_tp),
         trainer_activations=trainer_activation_bytes(
-            cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b),
+            cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b,
+            checkpointing=shape.activation_checkpointing),
         engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),
         capacity=capacity_bytes)

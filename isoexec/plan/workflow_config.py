@@ -61,6 +61,7 @@ class RunShape:
     max_num_batched_tokens: int
     micro_batch_budget: int         # TrainConfig.micro_batch_tokens
     longest_sequence: int           # max_prompt_tokens + max_response_tokens
+    activation_checkpointing: bool = False   # TrainConfig.activation_checkpointing
 
     def plan_key(self) -> tuple:
         """Arms with equal keys get one row (their numbers are the same)."""
@@ -165,7 +166,8 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 gdn_chunk=contract_gdn_chunk(contract) if recurrent else 0, max_num_seqs=engine.max_num_seqs,
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 micro_batch_budget=train.micro_batch_tokens,
-                longest_sequence=run.max_prompt_tokens + run.max_response_tokens)
+                longest_sequence=run.max_prompt_tokens + run.max_response_tokens,
+                activation_checkpointing=train.activation_checkpointing)
             key = shape.plan_key()
             rows[key] = replace(rows[key], arms=rows[key].arms + (arm,)) if key in rows else shape
     plan.shapes = list(rows.values())
