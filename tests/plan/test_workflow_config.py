@@ -53,6 +53,16 @@ def test_an_arm_with_other_engine_settings_gets_a_row_of_its_own(tmp_path):
     assert [(s.arms, s.num_pages) for s in wf.shapes] == [(("iso",), 8 * 40 // 16 + 64), (("small",), 100)]
 
 
+def test_activation_checkpointing_is_read_from_the_train_settings_and_shrinks_the_trainer_row(tmp_path):
+    from isoexec.plan.rows import plan_row
+    d = tiny()
+    d["rl"]["settings"]["train"] = {"activation_checkpointing": True}
+    (ck,) = read_workflow_config(_write(tmp_path, d)).shapes
+    (plain,) = read_workflow_config(_write(tmp_path, tiny(), "plain.yaml")).shapes
+    assert ck.activation_checkpointing and not plain.activation_checkpointing
+    assert plan_row(ck, 1 << 40).trainer_activations < plan_row(plain, 1 << 40).trainer_activations
+
+
 def test_gpus_is_the_data_parallel_size(tmp_path):
     (row,) = read_workflow_config(_write(tmp_path, tiny(gpus=4))).shapes
     assert row.dp == 4
