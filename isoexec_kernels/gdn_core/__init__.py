@@ -5,7 +5,8 @@ Besides the usual files (``isoexec_kernels/__init__.py``): ``state.py`` (the eng
 and the chunk size), ``plan.py`` (argument checks and host-side planning shared by the twins),
 ``chunk_form.py`` (the gated delta rule in stock torch ops: the stock twin's CPU path and the
 backward of every trainer path), ``chunk_backward.py`` (that backward as fused Triton kernels, used
-on CUDA, and its torch reference twin).
+on CUDA, and its torch reference twin), ``native.py`` (the stock twin) and ``native_wy.py`` (its
+chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin).
 """
 
 from ..impl import Constant, Impl, per_case

@@ -15,13 +15,19 @@ v [T, H, Dv] bf16/fp32; g, beta [T, H] fp32; o [T, H, Dv] fp32). Two composition
 The native engine state is ``GDNState.running`` only (the state after the last token); the
 boundary and buffer fields are not used. CPU: stock torch ops (``torch_chunk_form``,
 ``torch_recurrence``; matmul, cumsum, exp, triangular solve), differentiable by autograd.
-CUDA: Triton kernels: the chunk path runs the prep and state kernels of CPR (``triton_kernels.py``) with
-``NATIVE_DOT_PRECISION`` (TF32, Triton's default for fp32 ``tl.dot``, what a stock chunk kernel
-gets for fp32 inputs) plus the output kernel below; the recurrent path runs CPR's
-per-token kernel over whole sequences. Backward on CUDA (trainer): the gradient of
-``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py`` (the same backward as
-CPR's, so fwd+bwd timings differ only in the forward). NOT run on a GPU by the author; CPU
-interpreter only.
+CUDA: Triton kernels. The chunk path, by ``NATIVE_CHUNK_KIND``:
+  "wy" (default): the stock-style WY/UT forward of ``native_wy.py`` (blocked inverse of I + A,
+  bf16 operands with fp32 accumulation for bf16 values, three kernels; chunks of 16, 32 or 64,
+  other sizes fall back to "legacy");
+  "legacy": the prep and state kernels of CPR (``triton_kernels.py``) with
+  ``NATIVE_DOT_PRECISION`` (TF32) plus the output kernel below (kept so a GPU sweep can time
+  the two in one run).
+The recurrent path runs CPR's per-token kernel over whole sequences; decode
+(``gdn_recurrent_decode``) is that kernel for one token: one program per (lane, head, Dv tile)
+that reads its state tile once, steps, and writes it back in place. Backward on CUDA (trainer): the
+gradient of ``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py`` (the same
+backward as CPR's, so fwd+bwd timings differ only in the forward). The legacy chunk path ran on
+the H200; the WY path only in the CPU interpreter so far.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
 from .plan import _check, _host_lens, chunk_plan
+from .native_wy import WY_CHUNKS, wy_chunk_triton
 from .state import CHUNK, GDNState
 from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_state, tile_constants, triton_cdiv
 
@@ -38,8 +45,11 @@ from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_
 NATIVE_DOT_PRECISION = "tf32"
 """``tl.dot`` precision of the native chunk kernels on CUDA (Triton's default for fp32)."""
 NATIVE_INV_BS = 0
-"""How the native chunk prep inverts I + A (``launch_prep``'s ``inv_bs``): 0 row by row, 16 by
-diagonal blocks merged by dots; ``scripts/cpr_variant_sweep.py`` times both."""
+"""How the legacy native chunk prep inverts I + A (``launch_prep``'s ``inv_bs``): 0 row by row, 16
+by diagonal blocks merged by dots; ``scripts/cpr_variant_sweep.py`` times both."""
+NATIVE_CHUNK_KIND = "wy"
+"""The native chunk forward on CUDA: "wy" (``native_wy.py``) or "legacy" (CPR's prep and state
+kernels at TF32 plus ``_native_chunk_out_kernel``)."""
 
 
 @jit
@@ -79,10 +89,22 @@ def _native_chunk_out_kernel(
     tl.store(o_ptr + rows[:, None] * s_ot + h * s_oh + dv[None, :], o, mask=ok[:, None] & vm)
 
 
-def _chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, prec=None):
+def _chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, kind=None):
     """Native chunk forward over B segments with chunks starting at each segment's start.
     init [*, H, Dk, Dv] read at index b (or zeros if None); the final state of segment b is
-    written to fin[fin_idx[b]] (fin_idx < 0: not written). Returns o [T, H, Dv] fp32."""
+    written to fin[fin_idx[b]] (fin_idx < 0: not written). Returns o [T, H, Dv] fp32.
+    ``kind``: "wy" or "legacy" (default ``NATIVE_CHUNK_KIND``)."""
+    kind = kind or NATIVE_CHUNK_KIND
+    if kind not in ("wy", "legacy"):
+        raise ValueError(f"native chunk kind must be 'wy' or 'legacy'; got {kind!r}")
+    if kind == "wy" and chunk in WY_CHUNKS:
+        return wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk)
+    return _chunk_triton_legacy(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk)
+
+
+def _chunk_triton_legacy(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, prec=None):
+    """The legacy native chunk forward (CPR's prep and state kernels at TF32, the output kernel
+    above); same arguments as ``_chunk_triton``."""
     prec = prec or NATIVE_DOT_PRECISION
     T, Hk, Dk = k.shape
     H, Dv = v.shape[1], v.shape[2]
@@ -177,14 +199,16 @@ def gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) ->
     return _trainer(q, k, v, g, beta, cu_seqlens, chunk, "recurrent")
 
 
-def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind):
+def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind, triton=None):
+    """Engine prefill of either composition; ``triton`` (default: ``want_triton(v)``) picks the
+    Triton kernels (True also for CPU tensors under the interpreter, as the tests run them)."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, f"gdn_{kind}_engine")
     dev = v.device
     starts, lens = _host_lens(cu_seqlens_q)
     slots_l = [int(s) for s in slots.tolist()]
     slots_t = torch.tensor(slots_l, dtype=torch.long, device=dev)
     with torch.no_grad():
-        if want_triton(v):
+        if want_triton(v) if triton is None else triton:
             fin_idx = [s if n > 0 else -1 for s, n in zip(slots_l, lens)]
             if kind == "chunk":
                 init = state.running.index_select(0, slots_t)

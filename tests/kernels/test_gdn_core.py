@@ -461,7 +461,7 @@ def interp_case_native_triton_chunk_and_recurrent_match_recurrence(kb):
     plan = [("prefill", {0: 19, 1: 2, 2: 0}), ("prefill", {0: 17, 2: 19}), ("decode", [0, 1, 2])]
     for eng in (N._engine,):
         o = run_engine(inp, lens, plan, [1, 2, 0], st,
-                       lambda *a, chunk: eng(*a, chunk, "chunk"), _native_decode_triton, p["C"])
+                       lambda *a, chunk: eng(*a, chunk, "chunk", triton=True), _native_decode_triton, p["C"])
         assert kb.rel_l2(o, want) < 1e-5
 
 

@@ -1,0 +1,315 @@
+"""The native Gated DeltaNet chunk forward in WY form (isoexec_kernels/gdn_core/native_wy.py): the
+stock-style baseline, so correctness at tolerance and determinism, not invariance.
+
+CPU: the torch twin (blocked inverse against ``torch.linalg.solve_triangular``; the twin against the
+float64 recurrence with initial and final states). Triton interpreter (``interp_case_*``): the kernels
+against the float64 recurrence and the twin on ragged varlen batches (lengths off the chunk grid,
+empty and one-token sequences, GQA rep 2 and 3, masked head dims), initial and final states, the
+blocked inverse against the triangular solve, the engine's prefill split plus decode continuing from
+the stored state, hazards (repeated keys, beta = 1, no decay, full decay), bf16 operands, and
+two calls giving the same bits. GPU cases at Qwen3.5 GDN sizes, marked gpu.
+
+Tolerances (relative L2 against float64): fp32 operands ("tf32"/"ieee" modes; under the interpreter
+``tl.dot`` is exact fp32) 1e-5, as the other fp32 kernels; bf16 operands 1e-2 (the twin with
+round-to-nearest-even is 3.8e-3 from float64 at Qwen3.5 sizes; under the interpreter, whose bf16
+cast truncates, the kernel is compared with the twin run with truncation).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from isoexec_kernels import gdn_core as G
+from isoexec_kernels.gdn_core import native as N
+from isoexec_kernels.gdn_core import native_wy as NW
+from isoexec_kernels.gdn_core.chunk_form import torch_recurrence
+from isoexec_kernels.gdn_core.plan import _host_lens, chunk_plan
+
+
+def make_inputs(lens, Hk, H, Dk, Dv, seed, v_dtype=torch.float32, dtype=torch.float32, g_scale=0.5):
+    """Random GDN inputs (as the gdn_core tests): q, k L2-normalised (q scaled by Dk^-0.5), g <= 0,
+    beta in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(lens)
+    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1)
+    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1) * Dk ** -0.5
+    v = torch.randn(T, H, Dv, generator=gen, dtype=dtype).to(v_dtype)
+    g = -torch.rand(T, H, generator=gen, dtype=dtype) * g_scale
+    beta = torch.rand(T, H, generator=gen, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    return q, k, v, g, beta, cu
+
+
+def recurrence64(inp, init=None):
+    """Float64 per-token recurrence (outputs and final states)."""
+    return torch_recurrence(*(x.double() for x in inp[:5]), inp[5],
+                            initial_state=None if init is None else init.double(), output_final_state=True)
+
+
+def chunk_a(inp, chunk):
+    """A = strict_lower(beta_i (k_i . k_j) exp(G_i - G_j)) of every chunk, float64 [P, H, C, C] in
+    the kernels' chunk order (chunks from each sequence's first token, heads per chunk)."""
+    q, k, v, g, beta, cu = inp
+    starts, lens = _host_lens(cu)
+    row0, nrow = chunk_plan(starts, lens, chunk)[:2]
+    rep = v.shape[1] // k.shape[1]
+    out = []
+    for r0, n in zip(row0, nrow):
+        kc = torch.zeros(chunk, v.shape[1], k.shape[2], dtype=torch.float64)
+        kc[:n] = k[r0:r0 + n].double().repeat_interleave(rep, 1)
+        gc = torch.zeros(chunk, v.shape[1], dtype=torch.float64)
+        gc[:n] = g[r0:r0 + n].double()
+        bc = torch.zeros(chunk, v.shape[1], dtype=torch.float64)
+        bc[:n] = beta[r0:r0 + n].double()
+        Gc = gc.cumsum(0).T  # [H, C]
+        kk = torch.einsum("ihd,jhd->hij", kc, kc)
+        strict = torch.ones(chunk, chunk, dtype=torch.bool).tril(-1)
+        dG = torch.where(strict, Gc[:, :, None] - Gc[:, None, :], torch.zeros((), dtype=torch.float64))
+        out.append(torch.where(strict, bc.T[:, :, None] * kk * dG.exp(), torch.zeros((), dtype=torch.float64)))
+    return torch.stack(out)
+
+
+def run_wy(inp, chunk, init=None, choice=None, t_out=None):
+    """The WY kernels on a trainer batch (or from ``init`` [B, H, Dk, Dv]); returns (o, final states)."""
+    q, k, v, g, beta, cu = inp
+    starts, lens = _host_lens(cu)
+    B, H, Dk, Dv = len(lens), v.shape[1], k.shape[2], v.shape[2]
+    fin = torch.full((B, H, Dk, Dv), float("nan"), device=v.device)
+    o = NW.wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, list(range(B)), chunk,
+                           choice=choice, t_out=t_out)
+    return o, fin
+
+
+def trunc_bf16(x):
+    """fp32 -> bf16 by truncation, as the Triton interpreter converts."""
+    x32 = x.float().contiguous()
+    return (x32.view(torch.int32) & -65536).view(torch.float32).to(x.dtype)
+
+
+LENS = [70, 0, 130, 1, 64, 33]
+FP32 = NW.NativeWYChoice(dot="ieee")
+BF16 = NW.NativeWYChoice(dot="bf16")
+
+
+# --------------------------------------------------------------------------- torch twin (CPU)
+
+
+def test_blocked_inverse_matches_solve_triangular():
+    inp = make_inputs([64, 40, 128], Hk=2, H=4, Dk=16, Dv=16, seed=1, dtype=torch.float64,
+                      v_dtype=torch.float64)
+    A = chunk_a(inp, 64)
+    # the hazard: identical keys, beta = 1, no decay: A is all ones below the diagonal, whose powers
+    # grow binomially while (I + A)^-1 has entries 0 and +-1 only
+    ones = torch.ones(64, 64, dtype=torch.float64).tril(-1)
+    A = torch.cat([A.reshape(-1, 64, 64), ones[None]])
+    eye = torch.eye(64, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)
+    for dt, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        got = NW.blocked_unit_lower_inverse(A.to(dt))
+        err = float((got.double() - want).norm() / want.norm())
+        assert err < tol, (dt, err)
+        assert torch.equal(got.triu(1), torch.zeros_like(got)), "nonzero above the diagonal"
+
+
+@pytest.mark.parametrize("dot,tol", [("tf32", 1e-5), ("bf16", 1e-2)])
+def test_wy_torch_twin_matches_float64_recurrence_with_states(kb, dot, tol):
+    inp = make_inputs(LENS, Hk=2, H=4, Dk=16, Dv=32, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    init = torch.randn(len(LENS), 4, 16, 32, generator=gen) * 0.1
+    want, want_s = recurrence64(inp, init)
+    o, S = NW.wy_chunk_torch(*inp, chunk=64, initial_state=init, output_final_state=True, dot=dot)
+    assert kb.rel_l2(o, want) < tol
+    assert kb.rel_l2(S, want_s) < tol
+
+
+# --------------------------------------------------------------------------- Triton interpreter
+# Each interp_case_* runs in the TRITON_INTERPRET=1 subprocess (tests/kernels/conftest.py).
+
+
+def interp_case_native_wy_chunk_forward_matches_float64_recurrence(kb):
+    # ragged lengths off the chunk grid, an empty and a one-token sequence, GQA rep 2; from zero and
+    # from initial states (final states written per sequence, none for the empty one); then the
+    # other chunk sizes the kernels take (1 and 2 diagonal blocks of the inverse)
+    lens = [70, 0, 75, 1, 64, 33]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=10)
+    gen = torch.Generator().manual_seed(11)
+    init = torch.randn(len(lens), 2, 16, 16, generator=gen) * 0.1
+    nonempty = [b for b, n in enumerate(lens) if n]
+    for st in (None, init):
+        want, want_s = recurrence64(inp, st)
+        o, fin = run_wy(inp, 64, st, FP32)
+        assert kb.rel_l2(o, want) < 1e-5, st is None
+        assert kb.rel_l2(o, NW.wy_chunk_torch(*inp, chunk=64, initial_state=st)) < 1e-5
+        assert kb.rel_l2(fin[nonempty], want_s[nonempty]) < 1e-5, "final states"
+        assert torch.isnan(fin[1]).all(), "an empty sequence's final state must not be written"
+    small = make_inputs([40, 17, 1], Hk=1, H=2, Dk=16, Dv=16, seed=12)
+    want, _ = recurrence64(small)
+    for C in (16, 32):
+        assert kb.rel_l2(run_wy(small, C, None, FP32)[0], want) < 1e-5, C
+
+
+def interp_case_native_wy_masked_head_dims_rep3_strided_and_bf16_values(kb):
+    # Dk = 24, Dv = 20 (masked tiles), H = 3 Hk, bf16 v ("tf32" resolved from "auto" only for fp32 v,
+    # so the fp32 choice is pinned here), inputs as views of wider tensors
+    lens = [5, 70, 64, 17]
+    inp = make_inputs(lens, Hk=1, H=3, Dk=24, Dv=20, seed=12, v_dtype=torch.bfloat16)
+    q, k, v, g, beta, cu = inp
+    qk = torch.cat([q, k], dim=-1)
+    gb = torch.stack([g, beta], dim=-1)
+    views = (qk[..., :24], qk[..., 24:], v, gb[..., 0], gb[..., 1], cu)
+    want, _ = recurrence64(inp)
+    o, _ = run_wy(views, 64, None, FP32)
+    assert kb.rel_l2(o, want) < 1e-5
+    kb.assert_bitwise(o, run_wy(inp, 64, None, FP32)[0], "strided vs contiguous")
+
+
+def interp_case_native_wy_blocked_inverse_matches_solve_triangular(kb):
+    inp = make_inputs([64, 40, 100], Hk=2, H=4, Dk=16, Dv=16, seed=13, g_scale=0.1)
+    A = chunk_a(inp, 64)
+    eye = torch.eye(64, dtype=torch.float64)
+    want = torch.linalg.solve_triangular(A + eye, eye.expand_as(A), upper=False, unitriangular=True)
+    Tm = torch.zeros(A.shape, dtype=torch.float32)
+    run_wy(inp, 64, None, FP32, t_out=Tm)
+    assert kb.rel_l2(Tm, want) < 1e-5
+    assert torch.equal(Tm.triu(1), torch.zeros_like(Tm))
+
+
+def interp_case_native_wy_hazards_repeated_keys_unit_beta_no_and_full_decay(kb):
+    lens = [64, 50, 3]
+    q, k, v, g, beta, cu = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=14)
+    k[:40] = k[0]              # one key repeated 40 times
+    beta[:40] = 1.0
+    g[:64] = 0.0               # no decay over the first chunk
+    g[70:80] = -60.0           # full decay (exp underflows to 0) in the second sequence
+    inp = (q, k, v, g, beta, cu)
+    want, want_s = recurrence64(inp)
+    o, fin = run_wy(inp, 64, None, FP32)
+    assert torch.isfinite(o).all()
+    assert kb.rel_l2(o, want) < 1e-5
+    assert kb.rel_l2(fin, want_s) < 1e-5
+
+
+def interp_case_native_wy_engine_prefill_split_and_decode_continue_from_stored_state(kb):
+    from test_gdn_core import _native_decode_triton, run_engine
+
+    lens = [90, 3, 70]
+    inp = make_inputs(lens, Hk=2, H=4, Dk=16, Dv=16, seed=15)
+    want, want_s = recurrence64(inp)
+    st = G.GDNState.allocate(4, 4, 16, 16, "cpu", chunk=64)
+    # pieces off the chunk grid, a piece longer than a chunk, decode steps between prefills
+    plan = [("prefill", {0: 19, 1: 2, 2: 0}), ("decode", [0, 1]), ("prefill", {0: 67, 2: 65}),
+            ("decode", [0, 2]), ("prefill", {0: 1, 2: 3}), ("decode", [0, 2])]
+    assert N.NATIVE_CHUNK_KIND == "wy"
+    calls = []
+    real = N.wy_chunk_triton
+    N.wy_chunk_triton = lambda *a, **kw: calls.append(a[6]) or real(*a, **kw)
+    try:
+        o = run_engine(inp, lens, plan, [3, 0, 1], st,
+                       lambda *a, chunk: N._engine(*a, chunk, "chunk", triton=True), _native_decode_triton, 64)
+    finally:
+        N.wy_chunk_triton = real
+    assert len(calls) == 3, "every prefill call must take the WY kernels"
+    assert kb.rel_l2(o, want) < 1e-5
+    assert kb.rel_l2(st.running[[3, 0, 1]], want_s) < 1e-5
+
+
+def interp_case_native_legacy_chunk_path_still_matches_float64_recurrence(kb):
+    # the old native chunk forward stays callable (the GPU sweep times it against the WY one)
+    lens = [40, 17, 1]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=19)
+    starts, L = _host_lens(inp[5])
+    o = N._chunk_triton(*inp[:5], starts, L, None, None, [-1] * 3, 16, kind="legacy")
+    assert kb.rel_l2(o, recurrence64(inp)[0]) < 1e-5
+
+
+def interp_case_native_wy_same_inputs_same_bits(kb):
+    lens = [70, 1, 33]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=16, v_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(17)
+    init = torch.randn(len(lens), 2, 16, 16, generator=gen) * 0.1
+    for choice in (FP32, BF16):
+        a, sa = run_wy(inp, 64, init, choice)
+        b, sb = run_wy(inp, 64, init, choice)
+        kb.assert_bitwise(a, b, f"second call, {choice.dot}")
+        kb.assert_bitwise(sa, sb, f"second call final states, {choice.dot}")
+
+
+def interp_case_native_wy_bf16_operands_match_twin(kb):
+    inp = make_inputs([70, 0, 75, 33], Hk=2, H=4, Dk=16, Dv=16, seed=18, v_dtype=torch.bfloat16)
+    o, _ = run_wy(inp, 64, None, NW.NativeWYChoice())   # "auto" with bf16 values: bf16 operands
+    keep = NW.round_bf16
+    NW.round_bf16 = trunc_bf16   # the interpreter truncates where a GPU rounds to nearest even
+    try:
+        twin = NW.wy_chunk_torch(*inp, chunk=64, dot="bf16")
+    finally:
+        NW.round_bf16 = keep
+    assert kb.rel_l2(o, twin) < 1e-4
+    want, _ = recurrence64(inp)
+    assert kb.rel_l2(o, want) < 3e-2   # truncation (biased) rounding, about 1.5e-2 here
+
+
+@pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
+def test_gdn_native_wy_under_interpreter(interp_results, kb, case):
+    kb.check_interp(interp_results, "test_gdn_native_wy", case)
+
+
+# --------------------------------------------------------------------------- CUDA
+
+QWEN35 = dict(Hk=16, H=32, Dk=128, Dv=128)
+
+
+def _cuda(inp):
+    return [x.cuda() for x in inp]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v_dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-2)])
+def test_native_wy_cuda_matches_float64_recurrence_and_twin(kb, v_dtype, tol):
+    # bf16 v: bf16 operands (twin 3.8e-3 from float64); fp32 v: TF32 dots
+    lens = [300, 64, 1, 129, 0, 77]
+    inp = _cuda(make_inputs(lens, **QWEN35, seed=40, v_dtype=v_dtype))
+    gen = torch.Generator().manual_seed(41)
+    init = (torch.randn(len(lens), 32, 128, 128, generator=gen) * 0.05).cuda()
+    want, want_s = recurrence64(inp, init)
+    o, fin = run_wy(inp, 64, init)
+    assert kb.rel_l2(o, want) < tol
+    nonempty = [b for b, n in enumerate(lens) if n]
+    assert kb.rel_l2(fin[nonempty], want_s[nonempty]) < tol
+    dot = NW._resolve_dot(NW.NATIVE_WY, v_dtype)
+    twin = NW.wy_chunk_torch(*inp, chunk=64, initial_state=init, dot=dot)
+    assert kb.rel_l2(o, twin) < (2e-3 if dot == "bf16" else 5e-3)
+    # the exact-fp32 choice: fp32 accuracy
+    o32, _ = run_wy(inp, 64, init, NW.NativeWYChoice(dot="tf32x3"))
+    assert kb.rel_l2(o32, want) < 1e-5
+
+
+@pytest.mark.gpu
+def test_native_wy_cuda_engine_split_decode_and_legacy_agree(kb):
+    from test_gdn_core import random_plan, run_engine
+
+    lens = [300, 64, 129]
+    inp = _cuda(make_inputs(lens, **QWEN35, seed=45, v_dtype=torch.bfloat16))
+    want, _ = recurrence64(inp)
+    st = G.GDNState.allocate(3, 32, 128, 128, "cuda")
+    o = run_engine(inp, lens, random_plan(lens, 5, max_decode=10), [2, 0, 1], st, N.gdn_chunk_engine,
+                   N.gdn_recurrent_decode, G.CHUNK)
+    assert kb.rel_l2(o, want) < 1e-2
+    starts, L = _host_lens(inp[5])
+    legacy = N._chunk_triton(*inp[:5], starts, L, None, None, [-1] * 3, 64, kind="legacy")
+    assert kb.rel_l2(legacy, want) < 1e-2
+
+
+@pytest.mark.gpu
+def test_native_wy_cuda_same_inputs_same_bits_at_bench_size(kb):
+    inp = _cuda(make_inputs([2048] * 5, **QWEN35, seed=46, v_dtype=torch.bfloat16))
+    a = N.gdn_chunk_varlen(*inp)
+    b = N.gdn_chunk_varlen(*inp)
+    kb.assert_bitwise(a, b, "second call")
+    assert torch.isfinite(a).all()
+    # float64 check on the first 256 tokens of two sequences (a prefix is a sequence of its own)
+    rows = torch.cat([torch.arange(0, 256), torch.arange(2048, 2048 + 256)]).cuda()
+    cu2 = torch.tensor([0, 256, 512], dtype=torch.int32, device="cuda")
+    sub = [x[rows] for x in inp[:5]] + [cu2]
+    assert kb.rel_l2(N.gdn_chunk_varlen(*sub), recurrence64(sub)[0]) < 1e-2
