@@ -4,8 +4,10 @@
 #            whole-model and engine gates, native negative controls), the benchmarks in BENCHES
 #   rl       native vs IsoExec DAPO runs for each family in RL_FAMILIES and composition in RL_COMPS
 #            (configs/h200.yaml settings)
-#   gdn      hybrid GPU tests (GDN_TESTS), the CPR kernel variant sweep if CPR_SWEEP=1, `bench cpr`
-#            (unless CPR_BENCH=0), hybrid gates at Qwen3.5-9B layer dimensions (unless HYBRID_GATES=0)
+#   gdn      hybrid GPU tests (GDN_TESTS), the native chunk forward's comparison if NATIVE_SWEEP=1
+#            (legacy vs WY vs CPR per stage, checked and profiled: native_sweep.json/.log), the CPR
+#            kernel variant sweep if CPR_SWEEP=1, `bench cpr` (unless CPR_BENCH=0), hybrid gates at
+#            Qwen3.5-9B layer dimensions (unless HYBRID_GATES=0)
 #   speed    GPU tests in GPU_TESTS (default: the kernels whose backward is fast and deterministic),
 #            the gates named in GATES_ONLY if set (`gates run --only`, dense at Qwen3-0.6B dims),
 #            the benchmarks in BENCHES (default: train gemm), the GEMM tile sweep if SWEEP=1, the
@@ -157,9 +159,15 @@ if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   # CPR per-layer benchmark, then the hybrid gates at Qwen3.5-9B layer dimensions
   SECONDS=0
   timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu ${GDN_TESTS:-tests/kernels/test_gdn_core.py \
-    tests/kernels/test_gdn_chunk_backward.py tests/kernels/test_gdn_conv.py tests/kernels/test_gdn_prep.py \
+    tests/kernels/test_gdn_native_wy.py tests/kernels/test_gdn_chunk_backward.py tests/kernels/test_gdn_conv.py tests/kernels/test_gdn_prep.py \
     tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py} -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
   cp "$WORK/gdn_tests.log" "$OUT/"
+  if [ "${NATIVE_SWEEP:-0}" = 1 ]; then
+    SECONDS=0
+    timeout ${NATIVE_SWEEP_TIMEOUT:-360} python3 scripts/cpr_variant_sweep.py --native --out "$OUT/native_sweep.json" \
+      > "$WORK/native_sweep.log" 2>&1
+    echo "native sweep rc=$? (${SECONDS}s)"; cp "$WORK/native_sweep.log" "$OUT/"; grep -v "^ \|profiler\|^USDT" "$WORK/native_sweep.log" | tail -20
+  fi
   if [ "${CPR_SWEEP:-0}" = 1 ]; then
     SECONDS=0
     timeout ${CPR_SWEEP_TIMEOUT:-360} python3 scripts/cpr_variant_sweep.py --out "$OUT/cpr_sweep.json" > "$WORK/cpr_sweep.log" 2>&1

@@ -279,7 +279,9 @@ def test_native_wy_cuda_matches_float64_recurrence_and_twin(kb, v_dtype, tol):
     assert kb.rel_l2(fin[nonempty], want_s[nonempty]) < tol
     dot = NW._resolve_dot(NW.NATIVE_WY, v_dtype)
     twin = NW.wy_chunk_torch(*inp, chunk=64, initial_state=init, dot=dot)
-    assert kb.rel_l2(o, twin) < (2e-3 if dot == "bf16" else 5e-3)
+    # kernel and twin round (bf16 operands) or truncate (TF32) after sums in different orders, so
+    # single elements may land one bf16/TF32 step apart; a wrong term would be O(1)
+    assert kb.rel_l2(o, twin) < 5e-3
     # the exact-fp32 choice: fp32 accuracy
     o32, _ = run_wy(inp, 64, init, NW.NativeWYChoice(dot="tf32x3"))
     assert kb.rel_l2(o32, want) < 1e-5
