@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..dist import all_reduce_row_parallel_linear
 from ..dist.launch import init_from_env
-from ..model import ForwardBatch, tp_dense, tp_hybrid
+from ..model import ForwardBatch, tp_dense, tp_hybrid, tp_moe
 from ..model.tensor_parallel import tensor_parallel
 from .compare import BitReport, compare_bits
 from .engine_gates import _generate, _results_reports, verify_engine_logprobs
@@ -71,8 +71,8 @@ def process_group(arch: str):
 
 
 # the modules whose row-parallel linear the negative control replaces (the hybrid model's attention
-# and Gated DeltaNet layers call tp_hybrid's, every MLP tp_dense's)
-_ROW_PARALLEL_USERS = (tp_dense, tp_hybrid)
+# and Gated DeltaNet layers call tp_hybrid's, MLA's o_proj tp_moe's, every dense MLP tp_dense's)
+_ROW_PARALLEL_USERS = (tp_dense, tp_hybrid, tp_moe)
 
 
 def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:

@@ -7,11 +7,15 @@ model; its ``tp_problems`` refuses tp > 1 before anyone gets here.
 
 from __future__ import annotations
 
-from . import tp_dense, tp_hybrid
+from . import tp_dense, tp_hybrid, tp_moe
 
-#: family -> (its tensor-parallel model class, its ``cut_parameter(cfg, tp, rank, name, full)``)
+#: family -> (its tensor-parallel model class, its ``cut_parameter(cfg, tp, rank, name, full)``);
+#: the MoE families' cut deals the routed experts out whole (``expert_shard_range``) and keeps the
+#: router, correction bias and shared expert whole on every rank (tp_moe.py)
 TENSOR_PARALLEL = {"dense": (tp_dense.TensorParallelDense, tp_dense.cut_parameter),
-                   "hybrid": (tp_hybrid.TensorParallelHybrid, tp_hybrid.cut_parameter)}
+                   "hybrid": (tp_hybrid.TensorParallelHybrid, tp_hybrid.cut_parameter),
+                   "mla_moe": (tp_moe.TensorParallelMlaMoe, tp_moe.cut_parameter_mla_moe),
+                   "hybrid_moe": (tp_moe.TensorParallelHybridMoe, tp_moe.cut_parameter_hybrid_moe)}
 
 
 def _row(family: str):

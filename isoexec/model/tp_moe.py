@@ -1,5 +1,5 @@
-"""The MoE models (mla_moe, hybrid_moe) under tensor parallelism, trainer forward, with the bits of
-one process.
+"""The MoE models (mla_moe, hybrid_moe) under tensor parallelism, trainer forward and engine, with
+the bits of one process.
 
 ``TensorParallelMoe(model, group)`` takes a single-process ``MlaMoeModel`` or ``HybridMoeModel``
 with its contract installed and returns this rank's model of the tensor-parallel ``group``
@@ -55,9 +55,30 @@ K leaves off the heads' boundaries, more ranks than routed experts, and regions 
 other than those read above (the invariant GEMM for every linear, ``mla_expanded_walk``, the Gated
 DeltaNet regions of the hybrid model, and the MoE regions ``ExpertParallelMoe`` requires).
 
-Trainer cases only: the engine's ranks would have to step through each MoE layer's collectives
-together, which is not built; ``Engine`` on this model is refused in one line (``kv_cache_heads``,
-what it asks first, raises). The backward runs
+The engine runs on it as on the dense and hybrid models (``engine_prefill``, ``engine_decode``):
+``Engine(TensorParallelMoe(model, group), contract)`` on every rank of the group, each rank's
+engine stepping the same requests with the same scheduler, in lock step, so every rank reaches
+each MoE layer's collectives (the row slice's gathers, the exchange's counts and two
+``all_to_all``) together, rows of its own or not. An engine step's rows are dealt out like a
+trainer batch's: a decode step of fewer rows than ranks leaves some ranks an empty slice (T = 0
+there), which still sends its counts, its (no) rows and takes part in the gather, and a row's bits
+do not depend on the slice it fell in (above). A rank's KV cache holds its own heads
+(``kv_cache_heads`` = ``num_kv_heads / tp``): for mla_moe the expanded, padded per-head K and V
+rows the one-process engine caches (``num_kv_heads`` = ``num_heads`` rows of ``attn_width``), so
+a rank writes and reads its ``num_heads / tp`` heads' rows exactly as one process does those
+heads'; for hybrid_moe the gated attention's kv heads and the Gated DeltaNet state of its value
+heads, as ``TensorParallelHybrid``. The sampler sees the whole logits rows (the dense model's
+gather), so every rank draws the same tokens and computes their logprobs as one process.
+``shard_weights`` (and ``cut_parameter_mla_moe`` / ``cut_parameter_hybrid_moe``, the rows of
+``isoexec.model.tensor_parallel.TENSOR_PARALLEL``) cuts full weights into a rank's shards, the
+routed experts included, for ``Engine.update_weights`` (the RL run's weight sync) and the memory
+plan's per-rank count. So TP = 1, 2 and 4 engines serve the one-process engine's tokens and
+logprobs, which the one-process trainer recomputes, bit for bit (tests/dist/test_tp_moe_engine.py,
+gloo on CPU, fp32 and bf16, with a weight update in fp32). CUDA graphs: the expert exchange reads
+its split sizes on the host, which a captured decode step cannot replay; a capture is refused in
+one line (``BindingRefused``, ``EngineConfig(cuda_graphs=False)``). No GPU has run this model.
+
+The backward runs
 (the slice and the gather are autograd nodes: a rank's slice gets its rows' gradients, the gather's
 backward gathers the slices' input gradients back into whole rows) but only the forward bits are
 checked. What a rank's gradients then hold: its experts' weights, the gradient of every rank's rows
@@ -84,7 +105,7 @@ from .batch import ForwardBatch
 from .dense import DenseModel
 from .hybrid_moe import HybridMoeModel
 from .mla_moe import MlaMoeModel, moe_layer
-from .tp_dense import TRAINER_CASES, UNIT, TensorParallelDense, mlp_cut
+from .tp_dense import UNIT, TensorParallelDense, mlp_cut
 from .tp_hybrid import TensorParallelHybrid
 
 
@@ -142,7 +163,15 @@ def tp_moe_layer(plan: ExecutionPlan, L: nn.Module, n: torch.Tensor, spec, num_e
     """One MoE layer on the replicated normed rows ``n`` [T, H] under tensor parallelism: this rank's
     slice of rows through ``moe_layer`` with its experts over ``group`` (``expert_parallel_moe``),
     the combined slices gathered in rank order. The bits of the one-process layer for every row
-    (module docstring); every rank of the group must call it together."""
+    (module docstring); every rank of the group must call it together, rows or not (an engine
+    step of fewer rows than ranks leaves some ranks an empty slice; they still enter every
+    collective)."""
+    if n.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the exchange reads its split sizes on the host (``expert_parallel_moe``), which a graph
+        # cannot replay: refuse in one line rather than capture a step with frozen sizes
+        raise BindingRefused("tensor-parallel MoE layer: a decode step cannot be captured in a CUDA graph (the "
+                             "expert exchange reads its split sizes on the host); run the engine with "
+                             "EngineConfig(cuda_graphs=False)")
     T = n.shape[0]
     part = _TakeRows.apply(n, group, tp, rank) if tp > 1 else n
     out = moe_layer(plan, L, part, spec, num_experts, shared_size, ExpertParallelGroup(group))
@@ -209,36 +238,12 @@ class _LayerShard(nn.Module):
 
 # ---------------------------------------------------------------------------------- the models
 class _MoeMixin:
-    """What both tensor-parallel MoE models add: trainer cases only, the MoE layer over the group."""
+    """What both tensor-parallel MoE models add to the dense and hybrid ones: the MoE layer over the
+    group (trainer and engine cases alike)."""
 
     def _moe_init(self, model):
-        # the engine under tensor parallelism is not built for the MoE families: keep the trainer plans
-        self.plans = {c: p for c, p in self.plans.items() if c in TRAINER_CASES}
         self.router_spec = model.router_spec
         self.expert_range = expert_shard_range(ep_moe.num_routed_experts(self.cfg), self.tp, self.rank)
-
-    def _no_engine(self) -> BindingRefused:
-        return BindingRefused(f"{self.WHAT}: no engine (trainer cases only: the engine under tensor parallelism "
-                              "is not built for the MoE families)")
-
-    @property
-    def kv_cache_heads(self):
-        """What an ``Engine`` asks first of a tensor-parallel model: refused, with the reason."""
-        raise self._no_engine()
-
-    @kv_cache_heads.setter
-    def kv_cache_heads(self, value):
-        pass   # TensorParallelDense.__init__ sets it for its engine; these models have none
-
-    def allocate_recurrent_state(self, num_slots: int, device=None):
-        raise self._no_engine()
-
-    def _plan(self, case: str) -> ExecutionPlan:
-        if case not in self.plans:
-            raise BindingRefused(f"{self.WHAT}: case {case!r} is not served (trainer cases only: the engine under "
-                                 "tensor parallelism is not built for the MoE families; the contract declares "
-                                 f"{', '.join(sorted(self.plans)) or 'no trainer case'})")
-        return self.plans[case]
 
     def _moe(self, plan: ExecutionPlan, L, n: torch.Tensor, shared_size: int) -> torch.Tensor:
         return tp_moe_layer(plan, L, n, self.router_spec, ep_moe.num_routed_experts(self.cfg), shared_size,
@@ -326,7 +331,8 @@ class TensorParallelMlaMoe(_MoeMixin, TensorParallelDense):
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank: the
-        bits of ``MlaMoeModel.hidden_states`` under the same contract (trainer cases)."""
+        bits of ``MlaMoeModel.hidden_states`` under the same contract. An engine batch's KV cache
+        holds this rank's heads' expanded K and V rows (``kv_cache_heads``)."""
         cfg, plan = self.cfg, self._plan(batch.case)
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         L_o = self._leaves(plan, "o_proj", h, cfg.num_heads * cfg.v_head_dim)

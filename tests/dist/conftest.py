@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_model",),
                  "tp_engine_worlds": ("tp_engine",), "ep_model_worlds": ("ep_model",),
                  "tp_hybrid_worlds": ("tp_hybrid",),
-                 "tp_moe_worlds": ("tp_moe",),
+                 "tp_moe_worlds": ("tp_moe",), "tp_moe_engine_worlds": ("tp_moe_engine",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume")}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
@@ -157,6 +157,15 @@ def tp_moe_worlds(dist_worlds):
     import tp_model_workers
 
     ranks = _part(dist_worlds, "tp_moe")[tp_model_workers.WORLD]
+    return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+
+
+@pytest.fixture(scope="session")
+def tp_moe_engine_worlds(dist_worlds):
+    """{TP: [results of each rank of a group of that size]} of the engine on the tensor-parallel MoE models."""
+    import tp_model_workers
+
+    ranks = _part(dist_worlds, "tp_moe_engine")[tp_model_workers.WORLD]
     return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
 
 

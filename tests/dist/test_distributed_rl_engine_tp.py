@@ -1,14 +1,14 @@
 """The synchronous DAPO run on two gloo ranks with ONE engine sharded over both (``engine_tp: 2``,
 isoexec/rl/distributed.py) against the same run in one process with a whole engine: two steps of
-``dense_tp_tiny`` and of ``hybrid_tp_tiny`` under ``isoexec_tp4``, each from one warm-up checkpoint
-(rl_workers.py).
+``dense_tp_tiny``, of ``hybrid_tp_tiny`` and of ``mla_moe_tp_tiny`` under ``isoexec_tp4``, each
+from one warm-up checkpoint (rl_workers.py).
 
 - every generation round gives the same tokens and bitwise the same engine logprobs, every metric
   but the timings (and the gradient norm, within 1e-6 relative) is equal, and the live check finds
   0 differing tokens on both ranks at every step;
 - both ranks serve every prompt (one engine group), each caching its half of the kv heads;
 - an engine_tp that does not divide the world, or that a single process cannot hold, is refused
-  with one line before any collective.
+  with one line before any collective; both MoE families' configs accept engine_tp 2.
 """
 
 from __future__ import annotations
@@ -31,7 +31,13 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 WS = 2
 
 
-CONFIGS = {"dense": (rw.TP_CFG, rw.TP_WARM), "hybrid": (rw.TP_HYBRID_CFG, rw.TP_HYBRID_WARM)}
+#: the same for the mla_moe family (mla_moe_tp_tiny: MLA, a dense-MLP layer, then a MoE layer of 8
+#: experts; the engine caches its heads' expanded K/V and deals the experts and the MoE rows over
+#: the engine group, tp_moe.py)
+TP_MLA_MOE_CFG = dict(rw.TP_CFG, family="mla_moe", model="mla_moe_tp_tiny")
+TP_MLA_MOE_WARM = dict(rw.TP_WARM, family="mla_moe", model="mla_moe_tp_tiny")
+CONFIGS = {"dense": (rw.TP_CFG, rw.TP_WARM), "hybrid": (rw.TP_HYBRID_CFG, rw.TP_HYBRID_WARM),
+           "mla_moe": (TP_MLA_MOE_CFG, TP_MLA_MOE_WARM)}
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -80,5 +86,5 @@ def test_an_engine_tp_the_world_cannot_hold_is_refused_with_one_line(world, tmp_
     assert msgs == [msgs[0]] * WS and msgs[0].startswith("TopologyRefused: ") and "\n" not in msgs[0], msgs[0]
     with pytest.raises(ConfigError, match="engine_tp=2 shards the engine over 2 ranks, and this run is one process"):
         RLRun(RLConfig.from_dict(dict(rw.TP_CFG, engine_tp=2)), tmp_path, log=lambda s: None)
-    with pytest.raises(ConfigError, match="built for the dense and hybrid families, not mla_moe"):
-        RLConfig.from_dict(dict(rw.TP_CFG, family="mla_moe", model="mla_moe_tiny", engine_tp=2))
+    for family in ("mla_moe", "hybrid_moe"):   # every family has a tensor-parallel engine now
+        assert RLConfig.from_dict(dict(rw.TP_CFG, family=family, model=f"{family}_tp_tiny", engine_tp=2)).engine_tp == 2

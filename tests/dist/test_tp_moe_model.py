@@ -8,7 +8,7 @@ comparison through integer views (``compare_bits``), 0 differing elements. Contr
 model under the 1-leaf contract, and the same cut with the row-parallel sums all-reduced, both
 differ. Refusals: a tp the contract does not claim, heads tp does not divide, more ranks than
 experts (on every rank, before any collective), o_proj leaves off MLA's head boundaries, kernels
-not read per head or per row, the engine."""
+not read per head or per row, another family. (The engine on these models: test_tp_moe_engine.py.)"""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import tp_model_workers as tw  # noqa: E402
 import tp_moe_workers as mw  # noqa: E402
 from isoexec.compose import build_contract  # noqa: E402
-from isoexec.engine import Engine  # noqa: E402
 from isoexec.enforce import RuntimeFacts  # noqa: E402
 from isoexec.errors import BindingRefused, TopologyRefused  # noqa: E402
 from isoexec.gates.compare import compare_bits  # noqa: E402
@@ -201,11 +200,8 @@ def test_moe_refuses_attention_and_experts_kernels_not_read_per_head_or_row(tmp_
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
-def test_moe_tp_model_refuses_the_engine_and_other_families(fam):
-    model, contract = mw.model_and_contract(fam, torch.float32)
-    tpm = tp_moe.TensorParallelMoe(model, None)
-    with pytest.raises(BindingRefused, match=f"tensor-parallel {fam} model: no engine \\(trainer cases only"):
-        Engine(tpm, contract)
+def test_moe_tp_model_refuses_other_families(fam):
+    model, _ = mw.model_and_contract(fam, torch.float32)
     other = {"mla_moe": tp_moe.TensorParallelHybridMoe, "hybrid_moe": tp_moe.TensorParallelMlaMoe}[fam]
     with pytest.raises(BindingRefused, match=f"the model is of the {fam} family"):
         other(model, None)

@@ -1,5 +1,5 @@
-"""The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense
-and hybrid models under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and
+"""The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense,
+hybrid and mla_moe models under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and
 the dense model at tp = 2 under torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
 for bit, and the stock all-reduce control differs (fp32)."""
 
@@ -27,7 +27,10 @@ def _by_gate(arts: dict) -> dict:
     return {(a["gate"]["family"], a["gate"]["dtype"]): a for a in arts.values()}
 
 
-@pytest.mark.parametrize("family, model", [("dense", "dense_tp_tiny"), ("hybrid", "hybrid_tp_tiny")])
+# mla_moe stands for the MoE families here (its MLA o_proj is tp_moe's row-parallel linear, which the
+# control must reach too); both MoE engines are checked in tests/dist/test_tp_moe_engine.py
+@pytest.mark.parametrize("family, model", [("dense", "dense_tp_tiny"), ("hybrid", "hybrid_tp_tiny"),
+                                           ("mla_moe", "mla_moe_tp_tiny")])
 def test_topology_gates_pass_at_tp1_in_a_group_of_their_own_and_the_all_reduce_control_differs(tmp_path, family,
                                                                                               model):
     lines: list[str] = []
