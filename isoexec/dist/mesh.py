@@ -1,10 +1,20 @@
-"""The device mesh of the data-parallel trainer: one axis, named ``dp``.
+"""The device meshes of the data-parallel trainers: the ``dp`` axis, and the ``(ep_replica, ep)`` mesh.
 
 ``dp_mesh()`` lays every rank of the default process group along one axis named ``dp``; the FSDP2
 trainer (``isoexec/dist/fsdp/``) shards parameters, gradients and optimizer state along it and
 deals each mini-batch's sequences out along it. The axis has a name so that a later mesh with a
 tensor-parallel axis beside it (``("dp", "tp")``) keeps the same spelling; until the model is
 sharded by TP a mesh with any other axis is refused.
+
+``ep_mesh(ep)`` is the second mesh of the expert-parallel trainer
+(``isoexec.dist.fsdp.ExpertParallelTrainer``), over the same ranks: shape ``(N / ep, ep)``, ranks
+laid out row-major, so rank ``r`` sits at ``(r // ep, r % ep)``. Along ``ep`` (a row: the ``ep``
+consecutive ranks ``[g * ep, (g + 1) * ep)``) the ranks hold one copy of the routed experts
+between them, each its own slice, and exchange token rows in every MoE layer; along
+``ep_replica`` (a column: the ranks ``j, j + ep, j + 2 ep, ...``) they hold the same slice and
+add its gradients. The replicated (non-expert) parameters are still sharded over the whole world
+by the ``dp`` mesh, and every rank still takes its own sequences: data parallelism is over all N
+ranks, and ep only decides who holds which experts.
 
 The checks run before ``init_device_mesh`` (which creates groups, a collective) and depend only on
 sizes every rank sees alike, so a wrong shape raises the same ``ValueError`` on every rank and no
@@ -20,6 +30,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 DP = "dp"
+EP = "ep"
+EP_REPLICA = "ep_replica"
 
 
 def check_mesh_shape(shape: Sequence[int], world_size: int) -> None:
@@ -57,3 +69,21 @@ def check_dp_mesh(mesh: DeviceMesh) -> tuple[int, int]:
                          f"{names or 'without names'} of shape {tuple(mesh.mesh.shape)}")
     check_mesh_shape(tuple(mesh.mesh.shape), _world_size())
     return mesh.size(0), mesh.get_local_rank(DP)
+
+
+def check_ep_size(ep, world_size: int) -> None:
+    """Refuse an expert-parallel size that is not a positive integer dividing ``world_size`` (one
+    ``ValueError`` line, from the sizes alone)."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"expert-parallel size ep={ep!r}: need a positive integer")
+    if world_size % ep:
+        raise ValueError(f"expert-parallel size ep={ep} does not divide the world of {world_size} process(es); "
+                         "the ep groups are whole runs of consecutive ranks")
+
+
+def ep_mesh(ep: int, device_type: str = "cpu") -> DeviceMesh:
+    """The ``(ep_replica, ep)`` mesh of ``ep`` ranks per expert group over every rank of the default
+    group (module docstring), on ``device_type``."""
+    ws = _world_size()
+    check_ep_size(ep, ws)
+    return init_device_mesh(device_type, (ws // ep, ep), mesh_dim_names=(EP_REPLICA, EP))

@@ -36,10 +36,12 @@ MoE layer runs the exchange in reverse: the output rows' gradients to the owners
 region's backward there, the input rows' gradients back). What a rank's gradients then hold: for a
 replicated parameter, the gradient of its own tokens' loss, which a data-parallel trainer adds over
 the ranks as over dp; for its expert slices, the gradient of every rank's rows they received,
-complete already: they are not to be added across the group (a trainer over these ranks would
-reduce the replicated parameters only, and step each rank's experts alone; FSDP2 over such a model
-is not built). Only forward bits must match (docs/variance_sources.md): the gradients are fixed run
-to run and equal one process's within rounding (the test measures both).
+complete already: they are not to be added across the group. The trainer over such a model is
+``isoexec.dist.fsdp.ExpertParallelTrainer``: it shards and reduces the replicated parameters over
+every rank with FSDP2, keeps the expert slices out of FSDP2 and adds each slice's gradients only
+over the ranks that hold the same slice (other ep groups). Only forward bits must match
+(docs/variance_sources.md): the gradients are fixed run to run and equal one process's within
+rounding (the test measures both).
 
 Refused before anything is cut or sent, on every rank (the ranks see the same sizes), in one
 ``TopologyRefused`` naming them: an ep the contract does not claim (``check_topology``: the
@@ -69,6 +71,8 @@ from .mla_moe import EP_REGION_IMPLS, MlaMoeModel
 TRAINER_CASES = ("trainer_fwd", "trainer_score")
 EXPERT_WEIGHTS = ("experts_gate_up", "experts_down")
 _FAMILIES = {"mla_moe": MlaMoeModel, "hybrid_moe": HybridMoeModel}
+#: the families with routed experts, which expert parallelism serves
+EP_FAMILIES = tuple(_FAMILIES)
 
 
 def num_routed_experts(cfg) -> int:
@@ -97,10 +101,26 @@ def ep_problems(model, contract: ExecutionContract, ep: int) -> list[str]:
     return out
 
 
+def is_expert_weight(name: str) -> bool:
+    """Whether the MoE-model parameter ``name`` is a stacked routed-expert weight (cut by expert)."""
+    return name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS
+
+
+def check_ep(model, ep: int, arch: str | None = None) -> None:
+    """Refuse ``model`` (its installed contract) at ``ep`` in one ``TopologyRefused``: the contract's
+    ep claim and ``ep_problems``. Depends on sizes only, so a caller runs it before any collective
+    (``ExpertParallelMoe``, and the expert-parallel trainer before it builds its meshes)."""
+    if model.contract is None:
+        raise BindingRefused("expert-parallel model: install a contract on the model first")
+    arch = arch or ("cpu" if model.embed.device.type == "cpu" else runtime_arch())
+    check_topology(model.contract, RuntimeFacts(arch=arch, ep=ep),
+                   model.tp_problems(model.contract, 1) + ep_problems(model, model.contract, ep))
+
+
 def cut_parameter(cfg, ep: int, rank: int, name: str, full: torch.Tensor) -> torch.Tensor:
     """Rank ``rank``'s part of the full MoE-model parameter ``name``: its experts' rows of the
     stacked expert weights, every other parameter whole (works on the ``meta`` device)."""
-    if name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
+    if is_expert_weight(name):
         e0, e1 = expert_shard_range(num_routed_experts(cfg), ep, rank)
         return full[e0:e1]
     return full
@@ -124,14 +144,10 @@ class ExpertParallelMoe(nn.Module):
 
     def __init__(self, model, group=None):
         family_cls = _FAMILIES[self.family]
-        if model.contract is None:
-            raise BindingRefused("expert-parallel model: install a contract on the model first")
         ep, rank = group_size_rank(group)
-        contract, cfg = model.contract, model.cfg
-        arch = "cpu" if model.embed.device.type == "cpu" else runtime_arch()
         # every rank refuses here, before any weight is cut or any collective is entered
-        check_topology(contract, RuntimeFacts(arch=arch, ep=ep),
-                       model.tp_problems(contract, 1) + ep_problems(model, contract, ep))
+        check_ep(model, ep)
+        contract, cfg = model.contract, model.cfg
         # the family's own structure on the meta device (no memory), then this rank's tensors
         family_cls.__init__(self, cfg, dtype=model.embed.dtype, device="meta")
         for name, full in model.named_parameters():
@@ -188,5 +204,5 @@ class ExpertParallelHybridMoe(ExpertParallelMoe, HybridMoeModel):
 
 _EP_CLASSES = {"mla_moe": ExpertParallelMlaMoe, "hybrid_moe": ExpertParallelHybridMoe}
 
-__all__ = ["EP_REGION_IMPLS", "ExpertParallelHybridMoe", "ExpertParallelMlaMoe", "ExpertParallelMoe", "TRAINER_CASES",
-           "cut_parameter", "ep_problems", "num_routed_experts"]
+__all__ = ["EP_FAMILIES", "EP_REGION_IMPLS", "ExpertParallelHybridMoe", "ExpertParallelMlaMoe", "ExpertParallelMoe",
+           "TRAINER_CASES", "check_ep", "cut_parameter", "ep_problems", "is_expert_weight", "num_routed_experts"]

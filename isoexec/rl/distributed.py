@@ -1,7 +1,10 @@
 """The synchronous RL run on N data-parallel ranks (``torchrun --nproc_per_node=N -m isoexec.cli run``).
 
-Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = the world size) and
-a colocated engine: with full weights (``engine_tp: 1``, the default), or, with ``engine_tp: t``
+Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = the world size; with
+``trainer_ep: e`` (MoE families) ``isoexec.dist.fsdp.ExpertParallelTrainer``, the same data
+parallelism with each MoE layer's routed experts dealt over the e consecutive ranks
+``[g * e, (g + 1) * e)`` instead of sharded by FSDP2) and a colocated engine: with full weights
+(``engine_tp: 1``, the default), or, with ``engine_tp: t``
 (dense and hybrid families), a tensor-parallel engine (``isoexec.model.tensor_parallel``) sharded over its engine group, the t consecutive
 ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 
@@ -20,7 +23,8 @@ ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 - **the live check.** Each rank also counts the tokens its own engine sampled whose logprob
   differs (bitwise) from the trainer's score; the counts are gathered, written to the metrics as
   ``live_check_differing_per_rank``, and any non-zero count stops every rank before the backward.
-- **weight sync.** ``full_parameters()`` gathers the fp32 masters whole on every rank; each rank's
+- **weight sync.** ``full_parameters()`` gathers the fp32 masters whole on every rank (under
+  ``trainer_ep`` the expert slices too, over their ep group); each rank's
   engine runs the contract handshake with the trainer contract of rank 0 (its encoded bytes,
   broadcast once and checked equal to every rank's own) and copies them in.
 
@@ -82,6 +86,21 @@ def check_engine_tp(cfg, world_size: int) -> None:
     if world_size % tp:
         raise ConfigError(f"rl config: engine_tp={tp} does not divide the world of {world_size} ranks (engine "
                           "groups are whole runs of consecutive ranks); pick an engine_tp that divides it")
+
+
+def check_trainer_ep(cfg, world_size: int) -> None:
+    """Refuse a trainer ep the world cannot hold: it must divide the world size, and a one-process
+    run has no experts to deal out (one ``ConfigError`` line, from the configuration and the world
+    size alone, on every rank). The contract's ep claim is checked by the trainer itself, before its
+    first collective (``ExpertParallelTrainer``)."""
+    ep = cfg.trainer_ep
+    if ep > 1 and world_size == 1:
+        raise ConfigError(f"rl config: trainer_ep={ep} deals the trainer's experts over {ep} ranks, and this run is "
+                          f"one process: start it under torchrun with a multiple of {ep} processes, or set "
+                          "trainer_ep: 1")
+    if world_size % ep:
+        raise ConfigError(f"rl config: trainer_ep={ep} does not divide the world of {world_size} ranks (ep groups are "
+                          "whole runs of consecutive ranks); pick a trainer_ep that divides it")
 
 
 def engine_groups(world_size: int, tp: int) -> list:

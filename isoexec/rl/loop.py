@@ -38,6 +38,7 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.warmup import warm_up_engine
 from ..errors import ConfigError, IsoExecError
 from ..model import save_checkpoint
+from ..model.ep_moe import EP_FAMILIES
 from ..model.tensor_parallel import TENSOR_PARALLEL, tensor_parallel
 from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
@@ -106,6 +107,7 @@ class RLConfig:
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
     engine_tp: int = 1                      # engine tensor-parallel size in a distributed run (dense, hybrid)
+    trainer_ep: int = 1                     # trainer expert-parallel size in a distributed run (MoE families)
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
     checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
@@ -140,6 +142,9 @@ class RLConfig:
         if self.engine_tp > 1 and self.family not in TENSOR_PARALLEL:
             bad(f"engine_tp={self.engine_tp}: the engine under tensor parallelism is built for the "
                 f"{' and '.join(TENSOR_PARALLEL)} families, not {self.family}")
+        if self.trainer_ep > 1 and self.family not in EP_FAMILIES:
+            bad(f"trainer_ep={self.trainer_ep}: the trainer under expert parallelism is built for the "
+                f"{' and '.join(EP_FAMILIES)} families, not {self.family}")
         TrainConfig.from_dict({"seed": self.seed, **self.train})   # e.g. rs_kind needs rs_threshold
         try:
             EngineConfig(**self.engine)
@@ -290,6 +295,7 @@ class RLRun:
         # in a process group (torchrun, even of one rank): the sharded trainer and the collectives
         self.distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rl_dist.check_engine_tp(cfg, self.world)
+        rl_dist.check_trainer_ep(cfg, self.world)
         if self.distributed:
             # refusals from the configuration and the folder alone: every rank, before any collective
             rl_dist.check_world(cfg, self.world)
@@ -327,9 +333,14 @@ class RLRun:
         if self.distributed:
             if self.warmup_record is None and cfg.warmup_sft_steps and not cfg.checkpoint:
                 rl_dist.check_warmup_batch(min(cfg.warmup_batch_size, len(self.problems[:128])), self.world)
-            from ..dist.fsdp import FSDPTrainer   # the first collectives: the mesh, the sharding
+            from ..dist.fsdp import ExpertParallelTrainer, FSDPTrainer   # the first collectives: the meshes
 
-            self.trainer = FSDPTrainer(self.trainer_model, train_cfg)
+            if cfg.trainer_ep > 1:   # its own cut of the model (experts over trainer_ep ranks); the contract's
+                # ep claim is refused before its first collective, on every rank (TopologyRefused)
+                self.trainer = ExpertParallelTrainer(self.trainer_model, train_cfg, cfg.trainer_ep)
+                self.trainer_model = self.trainer.model
+            else:
+                self.trainer = FSDPTrainer(self.trainer_model, train_cfg)
             # every engine handshakes with the trainer contract rank 0 holds; the ranks must agree on it
             mine = encode(self.contract)
             theirs = rl_dist.all_gather(mine)

@@ -18,6 +18,20 @@ bits). Parameters no token of a rank reached still take part with zero gradients
 (``set_reduce_scatter_unused_params``), so every rank's reduce-scatter has the same size even when
 ranks route to different experts.
 
+Parameters left out (``ignored``): the expert-parallel trainer keeps each rank's routed-expert
+slices out of FSDP2 (``fully_shard``'s ``ignored_params``): they differ from rank to rank (FSDP2
+would take them for shards of one parameter, and cannot cut 6 experts over 4 ranks as 1, 2, 1, 2)
+and their gradients are reduced over other ranks than the replicated parameters'
+(``ep_adamw.py``). They stay plain parameters in the model's own dtype, untouched by the fp32
+conversion and the mixed-precision cast (the optimizer keeps their fp32 masters), and no FSDP2
+collective reads them. That trainer leaves the frozen parameters out too (GLM's router correction
+bias: fp32 in a bf16 model, which the mixed-precision cast would round to bf16; replicated, with
+no gradient to reduce). Every parameter FSDP2 still manages in an MoE model (attention or Gated
+DeltaNet, router, shared expert, norms, embedding, lm_head) is reached by every token, so each
+rank's backward gives all of them a gradient: torch 2.11's FSDP2, which lacks
+``set_reduce_scatter_unused_params``, shards such a model too; only an MoE model whose experts
+FSDP2 would shard is refused there.
+
 When parameters are gathered. FSDP2's hooks fire on a module's ``forward``; the unified models
 run their decoder layers inline (``hidden_states`` loops over ``self.layers`` and reads each
 layer's tensors), never calling a layer as a module. So the forward entry is the model's
@@ -37,11 +51,14 @@ gathered copy shadows.
 from __future__ import annotations
 
 import warnings
+from typing import Iterable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from isoexec.model.ep_moe import is_expert_weight
 
 from .reduce_scatter import RankOrderReduceScatter
 
@@ -56,39 +73,54 @@ def units(model: nn.Module) -> list[FSDPModule]:
     return [*model.layers, model]
 
 
-def compute_dtype(model: nn.Module) -> torch.dtype:
-    dtypes = {p.dtype for p in model.parameters()}
+def compute_dtype(model: nn.Module, ignored=frozenset()) -> torch.dtype:
+    dtypes = {p.dtype for p in model.parameters() if p not in ignored}
     if len(dtypes) != 1:
         raise ValueError(f"shard_model: the model's parameters have several dtypes {sorted(map(str, dtypes))}; "
                          "the trainer shards a model built in one dtype (fp32 or bf16)")
     return dtypes.pop()
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard ``model`` in place over ``mesh`` (a 1-D ``dp`` mesh); returns it. See the module
-    docstring for the units, the precision and when parameters are gathered."""
+def _routed_experts_sharded(model: nn.Module, ignored) -> bool:
+    """Whether FSDP2 would manage a routed-expert weight of an MoE-family model (one some rank's
+    tokens may not reach)."""
+    if getattr(model, "family", "dense") not in ("mla_moe", "hybrid_moe"):
+        return False
+    return any(is_expert_weight(n) and p not in ignored for n, p in model.named_parameters())
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = ()) -> nn.Module:
+    """Shard ``model`` in place over ``mesh`` (a 1-D ``dp`` mesh); returns it. ``ignored``:
+    parameters FSDP2 leaves alone (module docstring). See the module docstring for the units, the
+    precision and when parameters are gathered."""
+    ignored = set(ignored)
     if isinstance(model, FSDPModule):
         raise ValueError("shard_model: the model is already sharded")
     if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "hidden_states"):
         raise ValueError(f"shard_model: {type(model).__name__} is not a unified model (needs .layers and "
                          ".hidden_states)")
-    dtype = compute_dtype(model)
+    dtype = compute_dtype(model, ignored)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"shard_model: parameters are {dtype}; the trainer computes in fp32 or bf16")
     if dtype != torch.float32:
-        model.to(torch.float32)   # the shards are the fp32 masters; compute stays in `dtype`
+        # the shards are the fp32 masters; compute stays in `dtype` (the ignored parameters too)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p not in ignored:
+                    p.data = p.data.to(torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
+    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
     for unit in units(model):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_custom_reduce_scatter(RankOrderReduceScatter())
     if hasattr(model, "set_reduce_scatter_unused_params"):
         model.set_reduce_scatter_unused_params(True)
-    elif getattr(model, "family", "dense") in ("mla_moe", "hybrid_moe"):
+    elif _routed_experts_sharded(model, ignored):
         # an expert no token of this rank routed to has no gradient here; without the switch the
         # ranks would reduce-scatter different parameter lists (torch 2.11 lacks it; 2.13 has it)
         raise ValueError(f"shard_model: the {model.family} family needs FSDP2's "

@@ -45,7 +45,7 @@ bitwise the uninterrupted run at the same dp.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from isoexec.dist.mesh import DP, check_dp_mesh, dp_mesh
 from isoexec.dist.partition import sequence_share
+from isoexec.model.batch import ForwardBatch
 from isoexec.train.losses import policy_loss
 from isoexec.train.scoring import PackedSequences, score_logprobs
 from isoexec.train.trainer import TrainBatch, TrainConfig, Trainer, check_prompt_lens, merge_stats, pack_by_tokens
@@ -98,19 +99,53 @@ class FSDPTrainer(Trainer):
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _accumulate(self, groups: list[list[int]], sequences: Sequence[Sequence[int]], loss_of) -> list[tuple]:
-        """Forward and backward of each micro-batch (indices into ``sequences``) in order; the
-        last backward reduce-scatters. ``loss_of(idx, packed, flat)`` gives (loss, stats)."""
+    def _lockstep(self, passes_of: Callable[[int], int]) -> int:
+        """The forward passes this rank runs in a call in which rank q has ``passes_of(q)`` of its
+        own: here its own count (ranks may run different numbers). The expert-parallel trainer
+        runs the most of its ep group instead (each MoE layer is a collective of the group), the
+        extra ones empty. Every rank holds the whole batch, so it counts the others' passes itself."""
+        return passes_of(self.rank)
+
+    def _pack_counts(self, sequences: Sequence[Sequence[int]]) -> Callable[[int], int]:
+        """rank q -> the micro-batches its share of ``sequences`` packs into (scoring, SFT)."""
+        def count(q: int) -> int:
+            s0, s1 = sequence_share(len(sequences), self.dp, q)
+            return len(self._packs(sequences[s0:s1]))
+        return count
+
+    def _empty_pass(self, grad: bool) -> None:
+        """A forward (and with ``grad`` a backward) of no token: it takes part in the collectives
+        of the model's layers and adds nothing to any gradient."""
+        case = "trainer_fwd" if grad else "trainer_score"
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        with torch.enable_grad() if grad else torch.no_grad():
+            h = self.model.hidden_states(ids, ForwardBatch.packed([], case, self.device))
+            lp = self.model.token_logprobs(h, ids, case)
+        if grad:
+            lp.sum().backward()
+
+    def _accumulate(self, groups: list[list[int]], sequences: Sequence[Sequence[int]], loss_of,
+                    passes: Optional[int] = None) -> list[tuple]:
+        """Forward and backward of each micro-batch (indices into ``sequences``) in order, then
+        empty passes up to ``passes`` (``_lockstep``); the last backward reduce-scatters.
+        ``loss_of(idx, packed, flat)`` gives (loss, stats)."""
         out = []
+        passes = len(groups) if passes is None else passes
         set_gradient_sync(self.model, False)
         try:
-            for k, idx in enumerate(groups):
-                if k == len(groups) - 1:
+            for k in range(passes):
+                if k == passes - 1:
                     set_gradient_sync(self.model, True)
+                if k >= len(groups):
+                    self._empty_pass(grad=True)
+                    self.optimizer.accumulate_grads()
+                    continue
+                idx = groups[k]
                 packed = PackedSequences.from_lists([sequences[i] for i in idx], self.device)
                 flat = score_logprobs(self.model, packed, grad=True)
                 loss, st = loss_of(idx, packed, flat)
                 loss.backward()
+                self.optimizer.accumulate_grads()   # the expert slices' (ep_adamw.py); FSDP2 keeps the rest
                 out.append((float(loss.detach()), st))
         finally:
             set_gradient_sync(self.model, True)
@@ -122,8 +157,11 @@ class FSDPTrainer(Trainer):
         scores its share, then every rank receives all of them."""
         check_prompt_lens(sequences, prompt_lens)
         mine = self._share(len(sequences))
+        passes_of = self._pack_counts(sequences)
         try:
             lps = super().score([sequences[i] for i in mine], [prompt_lens[i] for i in mine])
+            for _ in range(self._lockstep(passes_of) - passes_of(self.rank)):
+                self._empty_pass(grad=False)
         finally:
             free_params(self.model)
         parts = self._all_gather([t.cpu() for t in lps])
@@ -151,9 +189,14 @@ class FSDPTrainer(Trainer):
             return {"loss": 0.0, "tokens": 0.0, "sequences": 0.0}
         denom = n_seqs if cfg.loss == "grpo" else n_tokens
         weights = corr.sequence_weights()
-        my_kept = [i for i in kept if i in mine]
-        groups = [[my_kept[j] for j in g]
-                  for g in pack_by_tokens([len(batch.sequences[i]) for i in my_kept], cfg.micro_batch_tokens)]
+
+        def groups_of(q):   # rank q's micro-batches of its kept sequences
+            s0, s1 = sequence_share(len(batch), self.dp, q)
+            kept_q = [i for i in kept if s0 <= i < s1]
+            return [[kept_q[j] for j in g]
+                    for g in pack_by_tokens([len(batch.sequences[i]) for i in kept_q], cfg.micro_batch_tokens)]
+
+        groups = groups_of(self.rank)
         null = not groups
         if null:                      # a share with no kept sequence: one masked micro-batch
             groups = [[mine[0]]]
@@ -169,7 +212,9 @@ class FSDPTrainer(Trainer):
                                mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high, kl_coef=cfg.kl_coef,
                                ref_logprobs=ref, weights=w, clip_ratio_c=cfg.clip_ratio_c, denom=denom)
 
-        done = self._accumulate(groups, batch.sequences, loss_of)
+        # a rank with no kept sequence runs one masked micro-batch (above): at least one pass
+        passes = self._lockstep(lambda q: max(1, len(groups_of(q))))
+        done = self._accumulate(groups, batch.sequences, loss_of, passes)
         local = [] if null else [(loss, _floats(st)) for loss, st in done]
         every = [item for part in self._all_gather(local) for item in part]   # global micro-batch order
         loss_total = 0.0
@@ -192,7 +237,7 @@ class FSDPTrainer(Trainer):
             logp = torch.cat(self._responses(packed, flat, [prompt_lens[i] for i in idx]))
             return -logp.sum() / n_tokens, {}
 
-        done = self._accumulate(groups, sequences, loss_of)
+        done = self._accumulate(groups, sequences, loss_of, self._lockstep(self._pack_counts(sequences)))
         loss_total = 0.0
         for part in self._all_gather([loss for loss, _ in done]):
             for loss in part:
@@ -202,9 +247,11 @@ class FSDPTrainer(Trainer):
 
     # ----------------------------------------------------------------------------- checkpoint
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter gathered whole (fp32 masters), by name; a collective: every rank calls it."""
+        """Every parameter gathered whole (fp32 masters), by name, frozen ones too (an engine's
+        weight update takes every parameter: GLM's router correction bias is frozen); a collective:
+        every rank calls it."""
         free_params(self.model)
-        return {n: p.detach().full_tensor() for n, p in zip(self.optimizer.names, self.optimizer.params)}
+        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
 
     def state_dict(self) -> dict:
         """The trainer's state for ``torch.distributed.checkpoint``: model and optimizer from
