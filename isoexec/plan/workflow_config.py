@@ -14,7 +14,7 @@ The config is read as the workflow reads it, so the plan is of the runs Snakemak
    chunk are those of the arm's contract.
 
 ``gpus`` (per node) times ``nodes`` is the data-parallel size of the trainer (FSDP2). The engine is whole on every GPU, or,
-with ``rl.settings.engine_tp: t`` (dense and hybrid families), sharded over t GPUs: its weights are
+with ``rl.settings.engine_tp: t`` (any family), sharded over t GPUs: its weights are
 the largest rank's shards (``tensor_parallel.rank_parameter_count``), its KV pages hold
 ``num_kv_heads / t`` heads and its recurrent-state slots ``1 / t`` of the value heads and conv channels.
 """

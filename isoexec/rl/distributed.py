@@ -5,7 +5,7 @@ Every rank holds the FSDP2 trainer (``isoexec.dist.fsdp.FSDPTrainer`` over dp = 
 parallelism with each MoE layer's routed experts dealt over the e consecutive ranks
 ``[g * e, (g + 1) * e)`` instead of sharded by FSDP2) and a colocated engine: with full weights
 (``engine_tp: 1``, the default), or, with ``engine_tp: t``
-(dense and hybrid families), a tensor-parallel engine (``isoexec.model.tensor_parallel``) sharded over its engine group, the t consecutive
+(every family; the MoE families eager, without CUDA graphs), a tensor-parallel engine (``isoexec.model.tensor_parallel``) sharded over its engine group, the t consecutive
 ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 
 - **generation.** Each generation round's prompts are dealt out in whole groups (a prompt and all

@@ -106,7 +106,7 @@ class RLConfig:
     top_p: float = 1.0
     dynamic_sampling: bool = True
     max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
-    engine_tp: int = 1                      # engine tensor-parallel size in a distributed run (dense, hybrid)
+    engine_tp: int = 1                      # engine tensor-parallel size in a distributed run
     trainer_ep: int = 1                     # trainer expert-parallel size in a distributed run (MoE families)
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
@@ -142,6 +142,12 @@ class RLConfig:
         if self.engine_tp > 1 and self.family not in TENSOR_PARALLEL:
             bad(f"engine_tp={self.engine_tp}: the engine under tensor parallelism is built for the "
                 f"{' and '.join(TENSOR_PARALLEL)} families, not {self.family}")
+        if self.engine_tp > 1 and self.family in EP_FAMILIES and self.engine.get("cuda_graphs"):
+            # the MoE layer's expert exchange reads its split sizes on the host, which a captured
+            # decode step cannot replay (tp_moe.py); refused here, before the warm-up and the engine
+            bad(f"engine_tp={self.engine_tp} with engine.cuda_graphs: the {self.family} engine under tensor "
+                "parallelism runs eager (its expert exchange sizes are read on the host); set "
+                "engine.cuda_graphs: false or engine_tp: 1")
         if self.trainer_ep > 1 and self.family not in EP_FAMILIES:
             bad(f"trainer_ep={self.trainer_ep}: the trainer under expert parallelism is built for the "
                 f"{' and '.join(EP_FAMILIES)} families, not {self.family}")

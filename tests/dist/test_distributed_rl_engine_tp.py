@@ -88,3 +88,14 @@ def test_an_engine_tp_the_world_cannot_hold_is_refused_with_one_line(world, tmp_
         RLRun(RLConfig.from_dict(dict(rw.TP_CFG, engine_tp=2)), tmp_path, log=lambda s: None)
     for family in ("mla_moe", "hybrid_moe"):   # every family has a tensor-parallel engine now
         assert RLConfig.from_dict(dict(rw.TP_CFG, family=family, model=f"{family}_tp_tiny", engine_tp=2)).engine_tp == 2
+
+
+def test_a_moe_engine_tp_with_cuda_graphs_is_refused_from_the_config():
+    """The MoE engine under TP runs eager (its expert exchange sizes are read on the host): asking for
+    CUDA graphs with it is one ConfigError line from the config, before any warm-up or engine."""
+    for family in ("mla_moe", "hybrid_moe"):
+        with pytest.raises(ConfigError, match="engine.cuda_graphs: false or engine_tp: 1"):
+            RLConfig.from_dict(dict(rw.TP_CFG, family=family, model=f"{family}_tp_tiny", engine_tp=2,
+                                    engine={"cuda_graphs": True}))
+        assert RLConfig.from_dict(dict(rw.TP_CFG, family=family, model=f"{family}_tp_tiny", engine_tp=1,
+                                       engine={"cuda_graphs": True})).engine_tp == 1
