@@ -18,13 +18,15 @@ blocks, ``inv_bs``), with the legacy native chunk baseline (and its blocked-inve
 A candidate other than ``PINNED`` gives other bits than the committed gates saw: picking one
 means a new ``gdn_cpr`` version and new GPU gates.
 
-``--native`` mode (issue #14): the native chunk forward, old ("legacy": CPR's prep and state kernels
-at TF32 plus an output kernel) against the WY kernels of ``native_wy.py`` (the pinned
-``NATIVE_WY`` and a few other ``NativeWYChoice`` tiles), and pinned CPR, per stage (trainer forward,
-trainer forward + backward, prefill, decode), each native candidate checked on the GPU (float64
-recurrence: relative L2 and max abs error with bf16 and fp32 values; engine one-shot and engine split
-+ decode against float64; two calls bitwise) and profiled by kernel; the published stock (FLA)
-timings and the 1.5x target ride along in the JSON. Usage on the GPU machine:
+``--native`` mode (issue #14): the native chunk path, old ("legacy": CPR's prep and state kernels
+at TF32 plus an output kernel, and the shared backward of ``chunk_backward.py``) against the WY
+kernels of ``native_wy.py`` and ``native_wy_backward.py`` (the pinned ``NATIVE_WY``, the WY forward
+with the shared backward, and other ``NativeWYChoice`` tiles), and pinned CPR, per stage (trainer
+forward, trainer forward + backward, prefill, decode), each native candidate checked on the GPU
+(float64 recurrence: relative L2 and max abs error with bf16 and fp32 values; engine one-shot and
+engine split + decode against float64; gradients against float64 autograd; two calls bitwise) and
+profiled by kernel; the published stock (FLA) timings and the 1.5x target ride along in the JSON.
+Usage on the GPU machine:
 
     python3 scripts/cpr_variant_sweep.py --out $OUT/cpr_sweep.json [--quick]
     python3 scripts/cpr_variant_sweep.py --native --out $OUT/native_sweep.json [--quick]
@@ -192,23 +194,27 @@ TARGET_RATIO = 1.5
 """Issue #14's target: the native composition within this factor of the stock kernels."""
 
 _P = nwy.NATIVE_WY
-NATIVE_CANDIDATES = [   # (name, chunk kind, NativeWYChoice)
-    ("legacy", "legacy", _P),
-    ("wy", "wy", _P),                                                  # pinned
-    ("wy_state_bv64", "wy", dataclasses.replace(_P, state_bv=64)),
-    ("wy_state_bv64_w8", "wy", dataclasses.replace(_P, state_bv=64, state_warps=8)),
-    ("wy_state_stages3", "wy", dataclasses.replace(_P, state_stages=3)),
-    ("wy_out_bv128_w8", "wy", dataclasses.replace(_P, out_bv=128, out_warps=8)),
-    ("wy_out_w8_stages3", "wy", dataclasses.replace(_P, out_warps=8, out_stages=3)),
-    ("wy_prep_w8", "wy", dataclasses.replace(_P, prep_warps=8)),
-    ("wy_bk32", "wy", dataclasses.replace(_P, bk=32)),
-    ("wy_tf32_operands", "wy", dataclasses.replace(_P, dot="tf32")),   # fp32 operands, TF32 dots
+_R = dataclasses.replace
+NATIVE_CANDIDATES = [   # (name, forward kind, NativeWYChoice, backward kind)
+    ("legacy", "legacy", _P, "shared"),                                # the old native path
+    ("wy", "wy", _P, "wy"),                                            # pinned
+    ("wy_fwd_shared_bwd", "wy", _P, "shared"),
+    ("wy_state_bv64", "wy", _R(_P, state_bv=64), "wy"),
+    ("wy_state_bv64_w8", "wy", _R(_P, state_bv=64, state_warps=8), "wy"),
+    ("wy_state_stages3", "wy", _R(_P, state_stages=3), "wy"),
+    ("wy_out_bv128_w8", "wy", _R(_P, out_bv=128, out_warps=8), "wy"),
+    ("wy_out_w8_stages3", "wy", _R(_P, out_warps=8, out_stages=3), "wy"),
+    ("wy_prep_w8", "wy", _R(_P, prep_warps=8), "wy"),
+    ("wy_bk32", "wy", _R(_P, bk=32), "wy"),
+    ("wy_bwd_warps", "wy", _R(_P, dhu_warps=4, dqk_warps=4, wyb_warps=8), "wy"),
+    ("wy_tf32_operands", "wy", _R(_P, dot="tf32"), "wy"),             # fp32 operands, TF32 dots
 ]
 QUICK_NATIVE_CANDIDATES = NATIVE_CANDIDATES[:2]
 
 
-def _use_native(kind, choice):
+def _use_native(kind, choice, bwd="wy"):
     nat.NATIVE_CHUNK_KIND = kind
+    nat.NATIVE_BWD_KIND = bwd
     nwy.NATIVE_WY = choice
 
 
@@ -272,6 +278,18 @@ def _native_check(dims, device, seed=8):
                         eng[r] = tmp
                     pos += 1
             row["engine_split_decode_rel_l2"] = _rel(eng, ref)
+            # gradients (the trainer's backward of this configuration) against float64 autograd
+            # through the torch chunk form, and a second backward's bits
+            from isoexec_kernels.gdn_core.chunk_form import torch_chunk_form
+
+            do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed)).to(device)
+            ref_in = [x.double().requires_grad_() for x in (q, k, v, g, beta)]
+            want = torch.autograd.grad(torch_chunk_form(*ref_in, cu, chunk=C), ref_in, do.double())
+            inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+            got = nat._trainer_backward(inputs, cu, C, do, "chunk")
+            got2 = nat._trainer_backward(inputs, cu, C, do, "chunk")
+            row["grad_rel_l2"] = {n: _rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta"), got, want)}
+            row["grad_differ_second_call"] = sum(_diff(a.float(), b.float()) for a, b in zip(got, got2))
         out[tag] = row
     return out
 
@@ -345,11 +363,11 @@ def native_main(args, device) -> int:
         dump()
 
     # legacy, the pinned WY tiles and CPR first: a run cut short by its time limit keeps those
-    for i, (name, kind, choice) in enumerate(cands):
+    for i, (name, kind, choice, bwd) in enumerate(cands):
         if i == 2:
             cpr_row()
-        row = dict(variant=name, kind=kind, choice=dataclasses.asdict(choice) if kind == "wy" else None)
-        _use_native(kind, choice)
+        row = dict(variant=name, kind=kind, bwd=bwd, choice=dataclasses.asdict(choice) if kind == "wy" else None)
+        _use_native(kind, choice, bwd)
         try:
             row["check"] = _native_check(dims, device)
             times, prof = _native_times(dims, sizes, device, rep_ms, True,
@@ -360,10 +378,11 @@ def native_main(args, device) -> int:
         except Exception as e:  # one failing candidate (compile, shared memory) must not end the sweep
             row["error"] = f"{type(e).__name__}: {e}"[:600]
         finally:
-            _use_native("wy", _P)
+            _use_native("wy", _P, "wy")
         result["rows"].append(row)
         chk = row.get("check", {})
         acc = "  ".join(f"{t}: rel_l2 {c['rel_l2']:.2e} max_abs {c['max_abs']:.2e} differ2 {c['differ_second_call']}"
+                        + (f" grad max rel_l2 {max(c['grad_rel_l2'].values()):.2e}" if "grad_rel_l2" in c else "")
                         for t, c in chk.items())
         print(f"{name:<20} " + (row.get("error") or "  ".join(
             f"{k} {row[k]:.3f}" for k in ("trainer_fwd_ms", "trainer_fwd_bwd_ms", "prefill_ms"))

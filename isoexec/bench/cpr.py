@@ -15,9 +15,10 @@ Ours: ``gdn_cpr_varlen`` / ``gdn_cpr_engine`` / ``gdn_cpr_decode``.
 
 Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs
-under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. All three
-trainer paths share the backward (gradient of the torch chunk form), so the trainer row differs
-only by the forward. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
+under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. CPR and
+recurrent-everywhere share the backward (``chunk_backward.py``, the gradient of the torch chunk
+form); native mixed takes its own WY backward on CUDA (``native_wy_backward.py``, stock rounding),
+as a stock stack would. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
 ``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
 (the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
 1.00x). ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on

@@ -24,10 +24,12 @@ CUDA: Triton kernels. The chunk path, by ``NATIVE_CHUNK_KIND``:
   the two in one run).
 The recurrent path runs CPR's per-token kernel over whole sequences; decode
 (``gdn_recurrent_decode``) is that kernel for one token: one program per (lane, head, Dv tile)
-that reads its state tile once, steps, and writes it back in place. Backward on CUDA (trainer): the
-gradient of ``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py`` (the same
-backward as CPR's, so fwd+bwd timings differ only in the forward). The legacy chunk path ran on
-the H200; the WY path only in the CPU interpreter so far.
+that reads its state tile once, steps, and writes it back in place. Backward on CUDA (trainer), by
+``NATIVE_BWD_KIND``: "wy" (default, chunk path only): the WY backward of ``native_wy_backward.py``
+at the forward's rounding (bf16 operands for bf16 values); "shared": the gradient of
+``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py``, CPR's backward (the
+recurrent composition always takes it). The legacy chunk path and the shared backward ran on the
+H200; the WY forward and backward only in the CPU interpreter and an sm_90 compile so far.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
 from .plan import _check, _host_lens, chunk_plan
 from .native_wy import WY_CHUNKS, wy_chunk_triton
+from .native_wy_backward import wy_chunk_backward_triton
 from .state import CHUNK, GDNState
 from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_state, tile_constants, triton_cdiv
 
@@ -50,6 +53,9 @@ by diagonal blocks merged by dots; ``scripts/cpr_variant_sweep.py`` times both."
 NATIVE_CHUNK_KIND = "wy"
 """The native chunk forward on CUDA: "wy" (``native_wy.py``) or "legacy" (CPR's prep and state
 kernels at TF32 plus ``_native_chunk_out_kernel``)."""
+NATIVE_BWD_KIND = "wy"
+"""The native chunk trainer's backward on CUDA: "wy" (``native_wy_backward.py``, the gradient of
+the WY forward's function at its rounding) or "shared" (``chunk_backward.py``, CPR's backward)."""
 
 
 @jit
@@ -158,6 +164,7 @@ class _TritonTrainerFn(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk, kind):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         ctx.chunk = chunk
+        ctx.kind = kind
         ctx.req = [x.requires_grad for x in (q, k, v, g, beta)]
         return _varlen_triton(q, k, v, g, beta, cu_seqlens, chunk, kind)
 
@@ -165,7 +172,23 @@ class _TritonTrainerFn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, g, beta, cu = ctx.saved_tensors
         inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
-        return (*chunk_form_backward(inputs, cu, ctx.chunk, do), None, None, None)
+        return (*_trainer_backward(inputs, cu, ctx.chunk, do, ctx.kind), None, None, None)
+
+
+def _trainer_backward(inputs, cu_seqlens, chunk, do, kind, bwd_kind=None):
+    """Gradients of the native trainer on CUDA (or CPU tensors under the interpreter): the chunk
+    path's own WY backward (``native_wy_backward.py``) when ``bwd_kind`` (default
+    ``NATIVE_BWD_KIND``) is "wy" and the chunk size is one the WY kernels take; otherwise (and for
+    the recurrent composition, and float64) the shared backward of ``chunk_form_backward``. Each
+    gradient has its input's dtype, None where the input needs none."""
+    bwd_kind = bwd_kind or NATIVE_BWD_KIND
+    if bwd_kind not in ("wy", "shared"):
+        raise ValueError(f"native backward kind must be 'wy' or 'shared'; got {bwd_kind!r}")
+    q = inputs[0]
+    if kind == "chunk" and bwd_kind == "wy" and chunk in WY_CHUNKS and q.dtype != torch.float64 and q.shape[0]:
+        grads = wy_chunk_backward_triton(*(x.detach() for x in inputs), cu_seqlens, do.detach(), chunk=chunk)
+        return [gr.to(x.dtype) if x.requires_grad else None for gr, x in zip(grads, inputs)]
+    return chunk_form_backward(inputs, cu_seqlens, chunk, do)
 
 
 def _varlen_triton(q, k, v, g, beta, cu_seqlens, chunk, kind):

@@ -90,7 +90,9 @@ class NativeWYChoice:
     """Numerics and tiles of the WY kernels (module docstring). ``dot``: operand precision of the
     large dots ("auto", "bf16", "tf32", "tf32x3", "ieee"); ``inv_dot``: precision of the blocked
     inverse's 16 x 16 merge dots; ``bk``: Dk block of the prep and output dots; ``state_bv`` /
-    ``out_bv``: Dv tile of the state and output kernels; warps and stages per kernel."""
+    ``out_bv``: Dv tile of the state and output kernels; warps and stages per kernel (the
+    backward's reverse pass takes the state kernel's Dv tile, its dVloc kernel the output kernel's
+    tiles; ``dhu_*``, ``dqk_warps``, ``wyb_warps``, ``bwd_stages``: the backward's own kernels)."""
 
     dot: str = "auto"
     inv_dot: str = "ieee"
@@ -103,6 +105,11 @@ class NativeWYChoice:
     out_warps: int = 4
     state_stages: int = 2
     out_stages: int = 2
+    dhu_warps: int = 8
+    dhu_stages: int = 2
+    dqk_warps: int = 8
+    wyb_warps: int = 4
+    bwd_stages: int = 2
 
 
 NATIVE_WY = NativeWYChoice()
@@ -443,6 +450,53 @@ def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: i
     (``fin_idx[b] < 0`` or an empty piece: not written; ``fin`` may be None). ``t_out``: the
     chunks' T = (I + A)^-1 [P, H, C, C] are stored there (tests). Returns o [T, H, Dv] fp32.
     CUDA tensors, or CPU tensors under the interpreter."""
+    f = wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, choice)
+    o = torch.empty(k.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
+    if f is None:
+        return o
+    if t_out is not None:
+        t_out.copy_(f.T)
+    choice, dm = f.choice, f.dims
+    q = _rows3(q)
+    obv = min(choice.out_bv, dm["DVP"])
+    _wy_out_kernel[(-(-dm["Dv"] // obv), dm["H"], f.P)](
+        q, f.kc, f.gc, f.states, f.vn, o, f.row0, f.nrow, dm["H"], dm["rep"], dm["Dk"], dm["Dv"],
+        q.stride(0), q.stride(1), f.kc.stride(0), f.kc.stride(1), o.stride(0), o.stride(1),
+        C=chunk, DKP=dm["DKP"], BK=dm["BK"], BV=obv, **f.num,
+        num_warps=choice.out_warps, num_stages=choice.out_stages)
+    return o
+
+
+@dataclass
+class WYParts:
+    """What the forward's first three kernels leave (``wy_forward_parts``): plan index tensors
+    (row0, nrow per chunk; chunk0, nchunk per piece), G [T, H] fp32, T [P, H, C, C], W
+    [P, H, C, Dk], k in the operand dtype ``kc`` [T, Hk, Dk] (k itself in the fp32 modes), the
+    states entering each chunk [P, H, Dk, Dv] and Vn [P, H, C, Dv]; ``num`` the kernels' numeric
+    constexprs, ``dims`` the sizes and tiles, ``st_dt`` the storage dtype."""
+
+    choice: NativeWYChoice
+    P: int
+    B: int
+    row0: torch.Tensor
+    nrow: torch.Tensor
+    chunk0: torch.Tensor
+    nchunk: torch.Tensor
+    gc: torch.Tensor
+    T: torch.Tensor
+    W: torch.Tensor
+    kc: torch.Tensor
+    states: torch.Tensor
+    vn: torch.Tensor
+    num: dict
+    dims: dict
+    st_dt: torch.dtype
+
+
+def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
+                     choice: NativeWYChoice | None = None) -> WYParts | None:
+    """The inverse, W/U and state kernels of the forward (arguments as ``wy_chunk_triton``); None
+    when there is no chunk. The backward recomputes the forward with this."""
     choice = choice or NATIVE_WY
     if chunk not in WY_CHUNKS:
         raise ValueError(f"the WY kernels take chunks of {WY_CHUNKS} tokens; got {chunk}")
@@ -454,15 +508,16 @@ def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: i
     B = len(lens)
     dot = _resolve_dot(choice, v.dtype)
     OP_DT, DOT_DT, PREC, st_dt = _dtypes(dot)
-    q, k, v = _rows3(q), _rows3(k), _rows3(v)
+    num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
+    k, v = _rows3(k), _rows3(v)
     g, beta = g.contiguous(), beta.contiguous()
     row0, nrow, _sidx, chunk0, nchunk, _s0, _ns = chunk_plan(starts, lens, C)
     P = len(row0)
-    o = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)
     if P == 0:
-        return o
+        return None
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     BK = min(choice.bk, DKP, DVP)
+    dims = dict(T=T, Hk=Hk, H=H, Dk=Dk, Dv=Dv, rep=rep, DKP=DKP, DVP=DVP, BK=BK)
     init_idx = list(range(B)) if init is not None else [-1] * B
     if fin is None:
         fin_idx = [-1] * B
@@ -474,10 +529,7 @@ def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: i
     Tm = torch.empty(P, H, C, C, dtype=st_dt, device=dev)
     _wy_inverse_kernel[(H, P)](
         k, g, beta, row0_t, nrow_t, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-        C=C, NB=C // 16, DKP=DKP, BK=BK, OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC, INV_PREC=choice.inv_dot,
-        num_warps=choice.prep_warps)
-    if t_out is not None:
-        t_out.copy_(Tm)
+        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
     W = torch.empty(P, H, C, Dk, dtype=st_dt, device=dev)
     U = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
     # k in the operand dtype for the state and output kernels: a copy when that is not k's dtype
@@ -486,24 +538,16 @@ def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: i
     _wy_wu_kernel[(nkb + -(-Dv // BK), H, P)](
         k, v, beta, row0_t, nrow_t, gc, Tm, W, U, kc, H, rep, Dk, Dv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), kc.stride(0), kc.stride(1),
-        C=C, BK=BK, NKB=nkb, OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC, STORE_KC=kc is not k,
-        num_warps=choice.wu_warps)
+        C=C, BK=BK, NKB=nkb, STORE_KC=kc is not k, **num, num_warps=choice.wu_warps)
     states = torch.empty(P, H, Dk, Dv, dtype=st_dt, device=dev)
     vn = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
     sbv = min(choice.state_bv, DVP)
-    # a missing init / fin is never dereferenced (index -1 masks the access): o stands in
+    # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in
     _wy_state_kernel[(B, H, -(-Dv // sbv))](
-        kc, gc, W, U, init if init is not None else o, states, vn, fin if fin is not None else o,
+        kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,
         row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t, H, rep, Dk, Dv, kc.stride(0), kc.stride(1),
-        C=C, DKP=DKP, BV=sbv, OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC,
-        num_warps=choice.state_warps, num_stages=choice.state_stages)
-    obv = min(choice.out_bv, DVP)
-    _wy_out_kernel[(-(-Dv // obv), H, P)](
-        q, kc, gc, states, vn, o, row0_t, nrow_t, H, rep, Dk, Dv,
-        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), o.stride(0), o.stride(1),
-        C=C, DKP=DKP, BK=BK, BV=obv, OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC,
-        num_warps=choice.out_warps, num_stages=choice.out_stages)
-    return o
+        C=C, DKP=DKP, BV=sbv, **num, num_warps=choice.state_warps, num_stages=choice.state_stages)
+    return WYParts(choice, P, B, row0_t, nrow_t, chunk0_t, nchunk_t, gc, Tm, W, kc, states, vn, num, dims, st_dt)
 
 
 # --------------------------------------------------------------------------- torch twin

@@ -1,7 +1,8 @@
 """Backward of the GDN chunk form (isoexec_kernels/gdn_core/chunk_backward.py): the torch reference
 twin and the fused Triton kernels against autograd through ``torch_chunk_form`` in float64, run-to-
 run determinism (two calls give the same bits), and the wiring (``chunk_form_backward``, hence
-``gdn_cpr_varlen`` and the native chunk trainer) on CUDA and under the Triton interpreter.
+``gdn_cpr_varlen``, and the native chunk trainer with ``NATIVE_BWD_KIND = "shared"``) on CUDA and
+under the Triton interpreter.
 
 Lengths cross the chunk grid (1, C - 1, C, C + 1, several chunks, an empty sequence); GQA with
 H = 2 Hk (and H = 3 Hk with Dk, Dv that are not powers of two in the masked case)."""
@@ -201,7 +202,10 @@ def test_chunk_backward_cuda_deterministic_at_trainer_size(kb):
 
 
 @pytest.mark.gpu
-def test_chunk_backward_cuda_through_trainer_autograd(kb):
+def test_chunk_backward_cuda_through_trainer_autograd(kb, monkeypatch):
+    # CPR's trainer takes this backward; the native chunk trainer takes it when asked for the shared
+    # backward (its default is its own WY backward, tests/kernels/test_gdn_native_wy.py)
+    monkeypatch.setattr(N, "NATIVE_BWD_KIND", "shared")
     xs, cu, do = _cuda(*make_inputs([700, 64, 129, 1], **QWEN35, seed=22))
     direct = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
     want = autograd64(xs, cu, do, G.CHUNK)

@@ -1,5 +1,6 @@
-"""The native Gated DeltaNet chunk forward in WY form (isoexec_kernels/gdn_core/native_wy.py): the
-stock-style baseline, so correctness at tolerance and determinism, not invariance.
+"""The native Gated DeltaNet chunk forward in WY form (isoexec_kernels/gdn_core/native_wy.py) and its
+backward (native_wy_backward.py): the stock-style baseline, so correctness at tolerance and
+determinism, not invariance.
 
 CPU: the torch twin (blocked inverse against ``torch.linalg.solve_triangular``; the twin against the
 float64 recurrence with initial and final states). Triton interpreter (``interp_case_*``): the kernels
@@ -7,12 +8,15 @@ against the float64 recurrence and the twin on ragged varlen batches (lengths of
 empty and one-token sequences, GQA rep 2 and 3, masked head dims), initial and final states, the
 blocked inverse against the triangular solve, the engine's prefill split plus decode continuing from
 the stored state, hazards (repeated keys, beta = 1, no decay, full decay), bf16 operands, and
-two calls giving the same bits. GPU cases at Qwen3.5 GDN sizes, marked gpu.
+two calls giving the same bits; the backward against autograd in float64 through
+``torch_chunk_form`` (the same function), against its twin with bf16 operands, repeated, and wired
+into the native trainer. GPU cases at Qwen3.5 GDN sizes, marked gpu.
 
 Tolerances (relative L2 against float64): fp32 operands ("tf32"/"ieee" modes; under the interpreter
 ``tl.dot`` is exact fp32) 1e-5, as the other fp32 kernels; bf16 operands 1e-2 (the twin with
-round-to-nearest-even is 3.8e-3 from float64 at Qwen3.5 sizes; under the interpreter, whose bf16
-cast truncates, the kernel is compared with the twin run with truncation).
+round-to-nearest-even is 3.8e-3 from float64 at Qwen3.5 sizes, forward and gradients alike; under
+the interpreter, whose bf16 cast truncates, the kernels are compared with the twins run with
+truncation).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import torch.nn.functional as F
 
 from isoexec_kernels import gdn_core as G
 from isoexec_kernels.gdn_core import native as N
+from isoexec_kernels.gdn_core import chunk_backward as CB
 from isoexec_kernels.gdn_core import native_wy as NW
-from isoexec_kernels.gdn_core.chunk_form import torch_recurrence
+from isoexec_kernels.gdn_core import native_wy_backward as NB
+from isoexec_kernels.gdn_core.chunk_form import torch_chunk_form, torch_recurrence
 from isoexec_kernels.gdn_core.plan import _host_lens, chunk_plan
 
 
@@ -82,6 +88,28 @@ def run_wy(inp, chunk, init=None, choice=None, t_out=None):
     return o, fin
 
 
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+def autograd64(inp, do, chunk):
+    """Gradients of sum(torch_chunk_form(inputs) * do) by autograd in float64."""
+    ref = [x.detach().double().requires_grad_() for x in inp[:5]]
+    return torch.autograd.grad(torch_chunk_form(*ref, inp[5], chunk=chunk), ref, do.double())
+
+
+def out_grad(inp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, H, Dv = inp[2].shape
+    return torch.randn(T, H, Dv, generator=gen).to(inp[2].device)
+
+
+def check_grads(kb, got, want, tol, what):
+    for name, a, b in zip(NAMES, got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32, (what, name, a.shape, b.shape, a.dtype)
+        err = kb.rel_l2(a, b)
+        assert err < tol, f"{what} d{name}: rel l2 {err:.3g} >= {tol}"
+
+
 def trunc_bf16(x):
     """fp32 -> bf16 by truncation, as the Triton interpreter converts."""
     x32 = x.float().contiguous()
@@ -122,6 +150,14 @@ def test_wy_torch_twin_matches_float64_recurrence_with_states(kb, dot, tol):
     o, S = NW.wy_chunk_torch(*inp, chunk=64, initial_state=init, output_final_state=True, dot=dot)
     assert kb.rel_l2(o, want) < tol
     assert kb.rel_l2(S, want_s) < tol
+
+
+@pytest.mark.parametrize("dot,tol", [("tf32", 1e-5), ("bf16", 1e-2)])
+def test_wy_backward_torch_twin_matches_float64_autograd(kb, dot, tol):
+    inp = make_inputs([70, 0, 75, 1, 64, 33], Hk=2, H=4, Dk=16, Dv=32, seed=4)
+    do = out_grad(inp, 5)
+    check_grads(kb, NB.wy_chunk_backward_torch(*inp, do, chunk=64, dot=dot), autograd64(inp, do, 64), tol,
+                f"twin {dot}")
 
 
 # --------------------------------------------------------------------------- Triton interpreter
@@ -250,6 +286,52 @@ def interp_case_native_wy_bf16_operands_match_twin(kb):
     assert kb.rel_l2(o, want) < 3e-2   # truncation (biased) rounding, about 1.5e-2 here
 
 
+def interp_case_native_wy_backward_matches_float64_autograd_and_repeats(kb):
+    # ragged lengths (partial chunks, an empty and a one-token sequence), GQA rep 2, C = 64 and 16
+    for C, lens in ((64, [70, 0, 75, 1, 64, 33]), (16, [20, 5, 16])):
+        inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=32, seed=20)
+        do = out_grad(inp, 21)
+        got = NB.wy_chunk_backward_triton(*inp, do, chunk=C, choice=FP32)
+        check_grads(kb, got, autograd64(inp, do, C), 1e-5, f"kernels C={C}")
+        check_grads(kb, got, NB.wy_chunk_backward_torch(*inp, do, chunk=C), 1e-5, f"vs twin C={C}")
+        again = NB.wy_chunk_backward_triton(*inp, do, chunk=C, choice=FP32)
+        for name, a, b in zip(NAMES, got, again):
+            kb.assert_bitwise(a, b, f"second call d{name}")
+
+
+def interp_case_native_wy_backward_masked_dims_rep3(kb):
+    inp = make_inputs([5, 70, 17], Hk=1, H=3, Dk=24, Dv=20, seed=22, v_dtype=torch.bfloat16)
+    do = out_grad(inp, 23)
+    check_grads(kb, NB.wy_chunk_backward_triton(*inp, do, chunk=64, choice=FP32), autograd64(inp, do, 64), 1e-5,
+                "masked dims")
+
+
+def interp_case_native_wy_backward_bf16_matches_twin_and_is_wired(kb):
+    inp = make_inputs([70, 0, 75, 33], Hk=1, H=2, Dk=16, Dv=32, seed=24, v_dtype=torch.bfloat16)
+    do = out_grad(inp, 25)
+    got = NB.wy_chunk_backward_triton(*inp, do, chunk=64)   # "auto" with bf16 values: bf16 operands
+    keep = NW.round_bf16
+    NW.round_bf16 = trunc_bf16   # the interpreter truncates where a GPU rounds to nearest even
+    try:
+        twin = NB.wy_chunk_backward_torch(*inp, do, chunk=64, dot="bf16")
+    finally:
+        NW.round_bf16 = keep
+    check_grads(kb, got, twin, 1e-3, "bf16 vs twin")
+    check_grads(kb, got, autograd64(inp, do, 64), 3e-2, "bf16 (truncating) vs float64")
+    # the native trainer's backward: this WY backward by default, the shared one on request; each
+    # gradient in its input's dtype, None where not required
+    inputs = [x.detach().requires_grad_(r) for x, r in zip(inp[:5], (True, True, True, False, True))]
+    assert N.NATIVE_BWD_KIND == "wy"
+    wired = N._trainer_backward(inputs, inp[5], 64, do, "chunk")
+    assert wired[3] is None and wired[2].dtype == torch.bfloat16
+    for i in (0, 1, 4):
+        kb.assert_bitwise(wired[i], got[i], f"wired d{NAMES[i]}")
+    shared = N._trainer_backward(inputs, inp[5], 64, do, "chunk", bwd_kind="shared")
+    direct = CB.chunk_backward_triton(*inp, do, chunk=64)
+    for i in (0, 1, 4):
+        kb.assert_bitwise(shared[i], direct[i], f"shared d{NAMES[i]}")
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_gdn_native_wy_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_gdn_native_wy", case)
@@ -315,3 +397,22 @@ def test_native_wy_cuda_same_inputs_same_bits_at_bench_size(kb):
     cu2 = torch.tensor([0, 256, 512], dtype=torch.int32, device="cuda")
     sub = [x[rows] for x in inp[:5]] + [cu2]
     assert kb.rel_l2(N.gdn_chunk_varlen(*sub), recurrence64(sub)[0]) < 1e-2
+
+
+@pytest.mark.gpu
+def test_native_wy_cuda_backward_matches_float64_repeats_and_is_the_trainer_gradient(kb):
+    lens = [300, 64, 1, 129, 0, 77]
+    inp = _cuda(make_inputs(lens, **QWEN35, seed=47, v_dtype=torch.bfloat16))
+    do = out_grad(inp, 48)
+    got = NB.wy_chunk_backward_triton(*inp, do)
+    check_grads(kb, got, autograd64(inp, do, G.CHUNK), 1e-2, "cuda bf16 vs float64")   # twin: 3.8e-3
+    again = NB.wy_chunk_backward_triton(*inp, do)
+    for name, a, b in zip(NAMES, got, again):
+        kb.assert_bitwise(a, b, f"second call d{name}")
+    leaves = [x.clone().requires_grad_() for x in inp[:5]]
+    (N.gdn_chunk_varlen(*leaves, inp[5]) * do).sum().backward()
+    for name, leaf, d in zip(NAMES, leaves, got):
+        kb.assert_bitwise(leaf.grad, d.to(leaf.dtype), f"gdn_chunk_varlen grad d{name}")
+    # fp32 operands at tf32x3: fp32-class gradients
+    exact = NB.wy_chunk_backward_triton(*inp, do, choice=NW.NativeWYChoice(dot="tf32x3"))
+    check_grads(kb, exact, autograd64(inp, do, G.CHUNK), 2e-5, "cuda tf32x3 vs float64")
