@@ -28,7 +28,7 @@ IMPLS = (
          constants={"CHUNK": Constant(CHUNK, arg="chunk")},
          doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
              "partial chunk in its state slot so every split gives the trainer's bits"),
-    Impl("gdn_chunk_native", "1", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
+    Impl("gdn_chunk_native", "2", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
          doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),
 )
