@@ -113,7 +113,7 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
     out += [
         "Engine pools: the settings `isoexec run` builds its engine with (isoexec.rl.loop.engine_config: "
         "engine.* of the config over one running sequence and full-length KV pages for every sequence of a "
-        "step), sized by the engine's own allocators; page size and GDN chunk from the arm's contract.",
+        "step that its engine group serves: prompts are dealt whole to dp / engine_tp groups), sized by the engine's own allocators; page size and GDN chunk from the arm's contract.",
         "Peak = every state held at once + the larger of the trainer's and the engine's activations "
         "(rollout and training alternate).",
         "Activations are an estimate, not an allocation: every tensor a layer passes between its ops, kept "

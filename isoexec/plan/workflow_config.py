@@ -31,6 +31,7 @@ from ..errors import ConfigError, IsoExecError
 from ..model.hybrid import contract_gdn_chunk
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
+from ..rl.distributed import check_engine_tp, check_world
 from ..rl.loop import RLConfig, engine_config
 from ..rl.warmup import resolved_dtype
 from ..train.trainer import TrainConfig
@@ -153,7 +154,9 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 run = RLConfig.from_dict({**settings, "family": family, "composition": comp, "model": name,
                                           "arch": arch, "seed": seed, "dataset": dataset})
                 train = TrainConfig.from_dict({"seed": seed, **run.train})
-                engine = engine_config(run)
+                check_world(run, plan.dp)          # what the run refuses at this world size, refused here
+                check_engine_tp(run, plan.dp)
+                engine = engine_config(run, plan.dp // run.engine_tp)   # one engine per engine group
             except IsoExecError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
             contract = build_contract(family, comp, arch, name)

@@ -173,12 +173,15 @@ def derive_seed(*parts: Any) -> int:
     return int.from_bytes(h[:5], "little")
 
 
-def engine_config(cfg: RLConfig) -> EngineConfig:
-    """The engine a run builds: room for every sequence of a step at once (one running sequence per
-    prompt x sample, KV pages for all of them at full length, as pages of 16 tokens, plus 64 spare),
-    a 2048-token step budget, and ``cfg.engine`` over these. The memory plan (isoexec/plan/) sizes
-    the engine's pools from the same settings."""
-    seqs = cfg.prompts_per_step * cfg.samples_per_prompt
+def engine_config(cfg: RLConfig, engine_groups: int = 1) -> EngineConfig:
+    """The engine a run builds: room for every sequence it serves in a generation round at once (one
+    running sequence per prompt x sample of its deal: with ``engine_groups`` engines, the largest
+    group's ``ceil(prompts_per_step / engine_groups)`` prompts, since prompts are dealt whole; KV
+    pages for all of them at full length, as pages of 16 tokens, plus 64 spare), a 2048-token step
+    budget, and ``cfg.engine`` over these. The memory plan (isoexec/plan/) sizes the engine's pools
+    from the same settings. The size changes no bit: the engine is batch invariant, and an engine
+    that runs out of pages preempts and recomputes (``engine.num_pages`` caps the pool)."""
+    seqs = -(-cfg.prompts_per_step // engine_groups) * cfg.samples_per_prompt
     pages = seqs * (cfg.max_prompt_tokens + cfg.max_response_tokens) // 16 + 64
     return EngineConfig(**{"max_num_seqs": seqs, "num_pages": pages, "max_num_batched_tokens": 2048, **cfg.engine})
 
@@ -357,7 +360,7 @@ class RLRun:
         else:
             self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
-        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg),
+        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg, self.engine_groups),
                              trainer_contract=self.trainer_contract)
         wb = cfg.wandb_config
         if wb.enabled:

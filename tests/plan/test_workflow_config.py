@@ -63,13 +63,40 @@ def test_activation_checkpointing_is_read_from_the_train_settings_and_shrinks_th
     assert plan_row(ck, 1 << 40).trainer_activations < plan_row(plain, 1 << 40).trainer_activations
 
 
+def test_each_engine_is_sized_for_its_engine_groups_deal_of_the_prompts(tmp_path):
+    """Prompts are dealt whole to the dp / engine_tp engine groups, so each engine holds the largest
+    group's share, ceil(prompts / groups) x samples sequences, and pages for them: the plan reads
+    the same rl.loop.engine_config the run builds its engine with."""
+    from isoexec.rl.loop import RLConfig, engine_config
+    (one,) = read_workflow_config(_write(tmp_path, tiny())).shapes
+    (four,) = read_workflow_config(_write(tmp_path, tiny(gpus=4), "four.yaml")).shapes
+    d = tiny(gpus=4)
+    d["rl"]["settings"]["engine_tp"] = 2
+    (tp2,) = read_workflow_config(_write(tmp_path, d, "tp2.yaml")).shapes
+    assert (one.max_num_seqs, four.max_num_seqs, tp2.max_num_seqs) == (8, 2, 4)
+    assert (one.num_pages, four.num_pages, tp2.num_pages) == (8 * 40 // 16 + 64, 2 * 40 // 16 + 64, 4 * 40 // 16 + 64)
+    cfg = RLConfig.from_dict(dict(tiny()["rl"]["settings"], prompts_per_step=6, mini_batch_size=2))
+    assert engine_config(cfg, 4).max_num_seqs == 2 * 2        # 6 prompts over 4 groups: 1, 1, 2, 2
+
+
+def test_a_world_the_run_would_refuse_is_refused_by_the_plan(tmp_path):
+    with pytest.raises(ConfigError, match="a world of 3 ranks must divide prompts_per_step=4"):
+        read_workflow_config(_write(tmp_path, tiny(gpus=3)))
+    d = tiny(gpus=2)
+    d["rl"]["settings"]["engine_tp"] = 4
+    with pytest.raises(ConfigError, match="engine_tp=4 does not divide the world of 2 ranks"):
+        read_workflow_config(_write(tmp_path, d))
+
+
 def test_gpus_is_the_data_parallel_size(tmp_path):
     (row,) = read_workflow_config(_write(tmp_path, tiny(gpus=4))).shapes
     assert row.dp == 4
 
 
 def test_gpus_per_node_times_nodes_is_the_data_parallel_size(tmp_path):
-    wf = read_workflow_config(_write(tmp_path, tiny(gpus=4, nodes=2)))
+    d = tiny(gpus=4, nodes=2)
+    d["rl"]["settings"].update(prompts_per_step=8, mini_batch_size=4)   # 8 ranks take whole groups
+    wf = read_workflow_config(_write(tmp_path, d))
     assert (wf.gpus, wf.nodes, wf.dp) == (4, 2, 8) and wf.shapes[0].dp == 8
 
 
