@@ -32,7 +32,7 @@ from ..model.hybrid import contract_gdn_chunk
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
 from ..rl.distributed import check_engine_tp, check_world
-from ..rl.loop import RLConfig, engine_config
+from ..rl.loop import RLConfig, engine_config, kv_page
 from ..rl.warmup import resolved_dtype
 from ..train.trainer import TrainConfig
 from ..yamlio import check_schema, load_yaml
@@ -156,10 +156,11 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 train = TrainConfig.from_dict({"seed": seed, **run.train})
                 check_world(run, plan.dp)          # what the run refuses at this world size, refused here
                 check_engine_tp(run, plan.dp)
-                engine = engine_config(run, plan.dp // run.engine_tp)   # one engine per engine group
+                contract = build_contract(family, comp, arch, name)
+                page_bytes, page_size = kv_page(run, cfg, contract)
+                engine = engine_config(run, plan.dp // run.engine_tp, page_bytes, page_size)   # one per engine group
             except IsoExecError as exc:
                 raise ConfigError(f"{where}: {exc}") from None
-            contract = build_contract(family, comp, arch, name)
             recurrent = isinstance(cfg, HybridConfig)
             shape = RunShape(
                 family=family, model=name, cfg=cfg, arms=(arm,), dtype=resolved_dtype(run), dp=plan.dp,

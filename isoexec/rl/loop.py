@@ -35,6 +35,7 @@ from ..contract import check as check_contract
 from ..contract import decode, encode
 from ..debug import first_divergence
 from ..engine import Engine, EngineConfig, SamplingParams
+from ..engine.engine import contract_page_size
 from ..engine.warmup import warm_up_engine
 from ..errors import ConfigError, IsoExecError
 from ..model import save_checkpoint
@@ -108,6 +109,7 @@ class RLConfig:
     max_refill_rounds: int = 2              # extra generation rounds per step; a shortfall is logged
     engine_tp: int = 1                      # engine tensor-parallel size in a distributed run
     trainer_ep: int = 1                     # trainer expert-parallel size in a distributed run (MoE families)
+    kv_cache_gib: Optional[float] = None    # cap on each engine's KV pool per GPU (GiB); None: no cap
     warmup_sft_steps: int = 0
     warmup_batch_size: int = 32              # sequences per SFT step (sampled from the solved problems)
     checkpoint_every: int = 1               # steps between checkpoints (and after the last); 0: never
@@ -167,22 +169,50 @@ class RLConfig:
         return WandbConfig(**self.wandb)
 
 
+def kv_page(cfg: RLConfig, model_cfg, contract) -> tuple[Optional[int], int]:
+    """(bytes of one KV page of this run's engine on one GPU, tokens per page): what
+    ``kv_cache_gib`` is divided by; (None, page size) without a cap."""
+    page_size = cfg.engine.get("page_size") or contract_page_size(contract) or 16
+    if cfg.kv_cache_gib is None:
+        return None, page_size
+    from ..plan.engine_pools import kv_bytes_per_page     # here: the plan package imports this module
+    return kv_bytes_per_page(model_cfg, page_size, shared_warmup.resolved_dtype(cfg), cfg.engine_tp), page_size
+
+
 def derive_seed(*parts: Any) -> int:
     """A 40-bit seed from (run seed, step, prompt, sample, ...): independent of batch order."""
     h = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).digest()
     return int.from_bytes(h[:5], "little")
 
 
-def engine_config(cfg: RLConfig, engine_groups: int = 1) -> EngineConfig:
+def engine_config(cfg: RLConfig, engine_groups: int = 1, kv_page_bytes: Optional[int] = None,
+                  page_size: int = 16) -> EngineConfig:
     """The engine a run builds: room for every sequence it serves in a generation round at once (one
     running sequence per prompt x sample of its deal: with ``engine_groups`` engines, the largest
     group's ``ceil(prompts_per_step / engine_groups)`` prompts, since prompts are dealt whole; KV
     pages for all of them at full length, as pages of 16 tokens, plus 64 spare), a 2048-token step
     budget, and ``cfg.engine`` over these. The memory plan (isoexec/plan/) sizes the engine's pools
     from the same settings. The size changes no bit: the engine is batch invariant, and an engine
-    that runs out of pages preempts and recomputes (``engine.num_pages`` caps the pool)."""
+    that runs out of pages preempts and recomputes (``engine.num_pages`` caps the pool).
+
+    ``cfg.kv_cache_gib`` caps the pages at what that many GiB hold, ``kv_page_bytes`` a page of
+    ``page_size`` tokens (every
+    attention layer, this GPU's heads: ``plan.engine_pools.kv_bytes_per_page``), as vLLM's memory
+    budget does; a cap that cannot hold one longest sequence is a ``ConfigError``. An explicit
+    ``engine.num_pages`` wins over both."""
     seqs = -(-cfg.prompts_per_step // engine_groups) * cfg.samples_per_prompt
-    pages = seqs * (cfg.max_prompt_tokens + cfg.max_response_tokens) // 16 + 64
+    longest = cfg.max_prompt_tokens + cfg.max_response_tokens
+    pages = seqs * longest // 16 + 64
+    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine:
+        if not kv_page_bytes:
+            raise ValueError("engine_config: kv_cache_gib needs the bytes of one KV page (kv_page_bytes)")
+        cap = int(cfg.kv_cache_gib * (1 << 30)) // kv_page_bytes
+        need = -(-longest // page_size)
+        if cap < need:
+            raise ConfigError(f"rl config: kv_cache_gib={cfg.kv_cache_gib} holds {cap:,} KV pages of "
+                              f"{kv_page_bytes:,} bytes, and one sequence of max_prompt_tokens + "
+                              f"max_response_tokens = {longest:,} tokens needs {need:,}; raise kv_cache_gib")
+        pages = min(pages, cap)
     return EngineConfig(**{"max_num_seqs": seqs, "num_pages": pages, "max_num_batched_tokens": 2048, **cfg.engine})
 
 
@@ -336,6 +366,8 @@ class RLRun:
         if cfg.engine_tp > 1:
             groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
             self.engine_model = tensor_parallel(self.engine_model, groups[self.engine_group])
+        # sized now, so that a kv_cache_gib too small for one sequence refuses before any work
+        self.engine_cfg = engine_config(cfg, self.engine_groups, *kv_page(cfg, self.trainer_model.cfg, self.contract))
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
         train_cfg = TrainConfig.from_dict({"seed": cfg.seed, **cfg.train})
         self.trainer_contract = self.contract
@@ -360,7 +392,7 @@ class RLRun:
         else:
             self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)
-        self.engine = Engine(self.engine_model, self.contract, engine_config(cfg, self.engine_groups),
+        self.engine = Engine(self.engine_model, self.contract, self.engine_cfg,
                              trainer_contract=self.trainer_contract)
         wb = cfg.wandb_config
         if wb.enabled:

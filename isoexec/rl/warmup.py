@@ -50,7 +50,7 @@ WARMUP_TRAIN_KEYS = ("lr", "betas", "eps", "weight_decay", "grad_clip", "micro_b
 NOT_WARMUP_KEYS = ("composition", "contract", "checkpoint", "model", "dataset", "synthetic", "steps",
                    "prompts_per_step", "samples_per_prompt", "mini_batch_size", "max_response_tokens",
                    "overlong_cache", "temperature", "top_p", "dynamic_sampling", "max_refill_rounds", "engine_tp",
-                   "trainer_ep", "checkpoint_every", "live_check", "train", "engine", "wandb")
+                   "trainer_ep", "kv_cache_gib", "checkpoint_every", "live_check", "train", "engine", "wandb")
 #: activation_checkpointing is not read for the warm-up's bits: a checkpointed layer recomputes the
 #: same forward, so its gradients are bitwise those without (tests/train/test_activation_checkpointing.py).
 NOT_WARMUP_TRAIN_KEYS = ("loss", "clip_low", "clip_high", "kl_coef", "pi_old", "tis_threshold", "rs_kind",

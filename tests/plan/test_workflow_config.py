@@ -79,6 +79,19 @@ def test_each_engine_is_sized_for_its_engine_groups_deal_of_the_prompts(tmp_path
     assert engine_config(cfg, 4).max_num_seqs == 2 * 2        # 6 prompts over 4 groups: 1, 1, 2, 2
 
 
+def test_kv_cache_gib_caps_the_plans_kv_pool_as_it_caps_the_runs(tmp_path):
+    from isoexec.plan.rows import plan_row
+    (free,) = read_workflow_config(_write(tmp_path, tiny())).shapes
+    d = tiny()
+    d["rl"]["settings"]["kv_cache_gib"] = 1e-4
+    (cap,) = read_workflow_config(_write(tmp_path, d, "cap.yaml")).shapes
+    assert cap.num_pages < free.num_pages
+    assert plan_row(cap, 1 << 40).kv_pool <= 1e-4 * (1 << 30) < plan_row(free, 1 << 40).kv_pool
+    d["rl"]["settings"]["kv_cache_gib"] = 1e-7
+    with pytest.raises(ConfigError, match="rl settings of dense arm isoexec: rl config: kv_cache_gib=1e-07 holds"):
+        read_workflow_config(_write(tmp_path, d, "small.yaml"))
+
+
 def test_a_world_the_run_would_refuse_is_refused_by_the_plan(tmp_path):
     with pytest.raises(ConfigError, match="a world of 3 ranks must divide prompts_per_step=4"):
         read_workflow_config(_write(tmp_path, tiny(gpus=3)))

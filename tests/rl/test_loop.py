@@ -75,3 +75,27 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path):
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]  # noqa: E731
     assert strip(a) == strip(b)
     assert any(x.get("train_updates", 0) for x in a), "no update happened: resume would be trivially equal"
+
+
+def test_a_kv_cache_cap_shrinks_the_engine_and_changes_no_metric(tmp_path):
+    """kv_cache_gib caps each engine's KV pages at what that budget holds; with room for three of
+    the step's eight sequences the engine queues and preempts, and under IsoExec every token,
+    logprob and metric is the uncapped run's. A cap below one longest sequence is refused in one
+    line before any work."""
+    from isoexec.errors import ConfigError
+    from isoexec.rl.loop import kv_page
+
+    full = RLRun(RLConfig.from_dict(dict(TINY, composition="isoexec")), tmp_path / "full", log=lambda s: None)
+    page_bytes, page_size = kv_page(RLConfig.from_dict(dict(TINY, kv_cache_gib=1.0)), full.trainer_model.cfg,
+                                    full.contract)
+    need = -(-(TINY["max_prompt_tokens"] + TINY["max_response_tokens"]) // page_size)
+    gib = 3 * need * page_bytes / (1 << 30)
+    capped = RLRun(RLConfig.from_dict(dict(TINY, composition="isoexec", kv_cache_gib=gib)), tmp_path / "cap",
+                   log=lambda s: None)
+    assert capped.engine.config.num_pages == 3 * need < full.engine.config.num_pages
+    a, b = full.run(), capped.run()
+    drop = lambda lines: [{k: v for k, v in x.items() if not k.startswith("time_")} for x in lines]  # noqa: E731
+    assert drop(a) == drop(b) and all(x["bitwise_equal_frac"] == 1.0 for x in b)
+    with pytest.raises(ConfigError, match=r"kv_cache_gib=.* holds \d+ KV pages .* needs \d+; raise kv_cache_gib"):
+        RLRun(RLConfig.from_dict(dict(TINY, kv_cache_gib=gib / (3 * need))), tmp_path / "tiny", log=lambda s: None)
+    assert not (tmp_path / "tiny").exists()
