@@ -273,13 +273,23 @@ class DenseModel(nn.Module):
             return torch.utils.checkpoint.checkpoint(layer_fn, x, use_reentrant=False)
         return layer_fn(x)
 
+    def run_layer(self, L: nn.Module, layer_fn, x: torch.Tensor) -> torch.Tensor:
+        """``layer_fn(x)``: decoder layer ``L`` (a module of ``self.layers``, whose tensors
+        ``layer_fn`` reads) on the residual stream ``x``, through ``checkpointed``. Every family's
+        layer loop calls each layer through here, so this is the one call per layer that names the
+        layer's module: the FSDP2 trainer replaces it on its model with a call of the layer's FSDP2
+        unit (``isoexec.dist.fsdp.shard``), which gathers L's parameters for this call and frees
+        them after it; the checkpoint stays inside that call, so a recompute in the backward runs
+        within the unit gathered again."""
+        return self.checkpointed(layer_fn, x)
+
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T] under ``batch.case``."""
         cfg, plan = self.cfg, self._plan(batch.case)
         x = plan["embed"](ids, self.embed)
         rope = self.rope_table()
         for i, L in enumerate(self.layers):
-            x = self.checkpointed(lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
+            x = self.run_layer(L, lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
         return plan["final_norm"](x, self.final_norm, cfg.rms_norm_eps)
 
     def _layer(self, plan, i: int, L, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:

@@ -247,7 +247,7 @@ class HybridModel(DenseModel):
         for L in self.layers:
             # j: the layer's index among the attention (KV cache) or the Gated DeltaNet (state) layers
             j = kv_layer if L.kind == "full_attention" else gdn_layer
-            x = self.checkpointed(lambda x, L=L, j=j: self._layer(plan, L, j, x, batch, rope), x)
+            x = self.run_layer(L, lambda x, L=L, j=j: self._layer(plan, L, j, x, batch, rope), x)
             kv_layer, gdn_layer = kv_layer + (L.kind == "full_attention"), gdn_layer + (L.kind != "full_attention")
         return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
 

@@ -250,7 +250,7 @@ class MlaMoeModel(DenseModel):
         x = plan["embed"](ids, self.embed)
         rope = self.rope_table()
         for i, L in enumerate(self.layers):
-            x = self.checkpointed(lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
+            x = self.run_layer(L, lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
         return plan["final_norm"](x, self.final_norm, eps)
 
     def _layer(self, plan, i: int, L, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .activations import LOGIT_FP32_COPIES
 from .memory import MemoryPlan
 from .rows import GIB, PlanRow
-from .states import STATE_LABELS, STATES
+from .states import GATHERED_LAYERS, REDUCE_BYTES, STATE_LABELS, STATES
 
 
 @dataclass(frozen=True)
@@ -109,13 +109,22 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
                    f"max_num_batched_tokens {s.max_num_batched_tokens:,}; largest micro-batch "
                    f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens"
                    f"{' (activation checkpointing)' if s.activation_checkpointing else ''}; activations: trainer "
-                   f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB.")
+                   f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB"
+                   + (f"; FSDP2 units: root {_count(r.units.root)} (embedding, final norm, lm_head), largest layer "
+                      f"{_count(r.units.layer)}: gathered {_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
+                      f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "") + ".")
     out += [
         "Engine pools: the settings `isoexec run` builds its engine with (isoexec.rl.loop.engine_config: "
         "engine.* of the config over one running sequence and full-length KV pages for every sequence of a "
         "step that its engine group serves: prompts are dealt whole to dp / engine_tp groups), sized by the engine's own allocators; page size and GDN chunk from the arm's contract.",
         "Peak = every state held at once + the larger of the trainer's and the engine's activations "
         "(rollout and training alternate).",
+        "FSDP2 (dp > 1, isoexec.dist.fsdp.shard): one unit per decoder layer plus the root; trainer weights are the "
+        f"root and {GATHERED_LAYERS} layers gathered in the compute dtype (each layer is gathered for its forward "
+        "and again for its backward and freed after each; FSDP2 prefetches one more), gradients the fp32 shards "
+        f"plus one unit's reduce-scatter ({REDUCE_BYTES} bytes per element: the fp32 input and the rank-order "
+        "sum's receive buffer) while the root's compute-dtype gradient waits, or the root's own at the "
+        "backward's end if larger.",
         "Activations are an estimate, not an allocation: every tensor a layer passes between its ops, kept "
         "once for the backward, in the compute dtype, for the largest micro-batch (with activation "
         "checkpointing: each layer's input, plus the widest layer's tensors while it is recomputed), "

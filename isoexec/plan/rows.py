@@ -3,7 +3,8 @@ total against the GPU's memory, and the verdict.
 
 The peak is taken as everything held at once: the persistent states (trainer weights, fp32
 masters, Adam moments, the engine's weights, its KV pool and state slots) plus the gradients of a
-mini-batch, plus the larger of the two phases' activations (rollout and training alternate in the
+mini-batch (under FSDP2 the gathered units and the gradient in flight are added to the trainer
+weights and the gradients: ``states.FsdpUnits``), plus the larger of the two phases' activations (rollout and training alternate in the
 synchronous loop; the gradients are freed between mini-batches, so adding them to the rollout's
 activations overstates that phase a little, never the training one).
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from .activations import engine_activation_bytes, micro_batch_tokens, trainer_activation_bytes
 from .engine_pools import engine_weight_elements, kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
 from .params import ParamCount, count_parameters
-from .states import DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, bytes_per_param
+from .states import DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, FsdpUnits, bytes_per_param, fsdp_units
 from .workflow_config import RunShape
 
 GIB = 1 << 30
@@ -40,6 +41,7 @@ class PlanRow:
     trainer_activations: int
     engine_activations: int
     capacity: int                 # bytes of one GPU
+    units: FsdpUnits | None = None    # the FSDP2 units (dp > 1), counted into weights and grads
 
     @property
     def activations(self) -> int:
@@ -85,6 +87,10 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
     states = {s: int(params.trainable * getattr(pp, s)) for s in STATES}
     states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
     states["engine"] += params.frozen * FROZEN_BYTES
+    units = fsdp_units(shape.family, cfg) if shape.dp > 1 else None
+    if units is not None:
+        states["weights"] += units.gathered_bytes(shape.dtype)
+        states["grads"] += units.grads_in_flight_bytes(shape.dtype)
     if shape.engine_tp > 1:     # a tensor-parallel engine: this GPU's shards, not the whole model
         states["engine"] = engine_weight_elements(shape.family, cfg, shape.engine_tp) * b
     return PlanRow(
@@ -96,4 +102,4 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b,
             checkpointing=shape.activation_checkpointing),
         engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),
-        capacity=capacity_bytes)
+        capacity=capacity_bytes, units=units)

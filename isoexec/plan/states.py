@@ -7,12 +7,21 @@ Read off what the trainer and the engine keep (not a rule of thumb):
   fp32); AdamW's two fp32 moments; the gradients: the compute-dtype ``p.grad`` a backward leaves
   and the fp32 master gradient it is accumulated into (both exist until ``accumulate_grads`` has
   moved the last micro-batch's). 2 + 4 + 8 + (2 + 4) = 20 bytes in bf16.
-- FSDP2 over dp ranks (``isoexec.dist.fsdp``, dp > 1): the fp32 shards are the masters (4/dp)
-  and AdamW's moments are sharded with them (8/dp); during a mini-batch every parameter is gathered
-  whole in the compute dtype (the trainer gathers at the model's entry and frees after the
-  backward, docs/scale_out.md) and its unsharded gradient is accumulated in fp32 (FSDP2 keeps the
-  accumulated gradient in ``reduce_dtype`` when a rank packs several micro-batches: 4, whole),
-  then reduce-scattered into an fp32 sharded gradient (4/dp). 2 + 4/dp + 8/dp + (4 + 4/dp).
+- FSDP2 over dp ranks (``isoexec.dist.fsdp``, dp > 1): per parameter, the fp32 shards are the
+  masters (4/dp), AdamW's moments are sharded with them (8/dp), and so is the fp32 gradient that
+  every micro-batch's reduce-scatter adds into (4/dp); there is no whole copy. On top, per model
+  (``fsdp_units``: the units ``shard_model`` makes, one per decoder layer and the root with the
+  embedding, the final norm and lm_head):
+  - trainer weights, the gathered units in the compute dtype: the root, gathered from a pass's
+    entry through its backward, and ``GATHERED_LAYERS`` layers: a layer is gathered for its
+    forward and freed after it, gathered again for its backward and freed after it; FSDP2 gathers
+    the layer before it during a layer's backward (its default backward prefetch), and on a GPU
+    may issue the next layer's all-gather while one computes, so two at a time;
+  - gradients in flight, ``REDUCE_BYTES`` per element of the unit being reduced: its
+    compute-dtype gradient is copied into the fp32 reduce-scatter input (b + 4), then that input
+    and the receive buffer of the rank-order sum (``RankOrderReduceScatter``'s all_to_all) are
+    alive at once (4 + 4); meanwhile the root's compute-dtype gradient (lm_head's from the
+    backward's start) waits for the root's reduce-scatter, which comes last.
 - the engine (``RLRun.engine_model``): a second model in the compute dtype, whole on every GPU (a
   tensor-parallel engine's shards are counted in ``rows.plan_row``, not per parameter here).
 
@@ -24,8 +33,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..model import FAMILY_MODELS
+
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 FROZEN_BYTES = 4
+#: decoder layers gathered at once under FSDP2: the one running and the one prefetched
+GATHERED_LAYERS = 2
+#: bytes per element of a unit while its gradient is reduce-scattered (module docstring)
+REDUCE_BYTES = 8
 
 STATES = ("weights", "master", "adam", "grads", "engine")
 STATE_LABELS = {"weights": "trainer weights", "master": "fp32 master", "adam": "Adam m+v (fp32)",
@@ -59,9 +74,10 @@ class BytesPerParam:
             return {"weights": f"the model's parameters ({self.dtype})", "master": "an fp32 copy of each parameter",
                     "adam": "two fp32 moments", "grads": f"p.grad ({self.dtype}) + the fp32 master gradient",
                     "engine": engine}
-        return {"weights": f"every parameter gathered whole ({self.dtype}) for the mini-batch",
+        return {"weights": f"no whole copy: the fp32 shards (next row) are the weights; per row, the root and "
+                           f"{GATHERED_LAYERS} layers gathered ({self.dtype})",
                 "master": f"the fp32 shards (4 / {self.dp})", "adam": f"two fp32 moments, sharded (8 / {self.dp})",
-                "grads": f"the unsharded fp32 accumulation (4) + the fp32 sharded gradient (4 / {self.dp})",
+                "grads": f"the fp32 sharded gradient (4 / {self.dp}); per row, one unit's gradient in flight",
                 "engine": engine}
 
 
@@ -75,4 +91,33 @@ def bytes_per_param(dtype: str, dp: int) -> BytesPerParam:
     b = DTYPE_BYTES[dtype]
     if dp == 1:
         return BytesPerParam(dtype, 1, weights=b, master=4, adam=8, grads=b + 4, engine=b)
-    return BytesPerParam(dtype, dp, weights=b, master=4 / dp, adam=8 / dp, grads=4 + 4 / dp, engine=b)
+    return BytesPerParam(dtype, dp, weights=0, master=4 / dp, adam=8 / dp, grads=4 / dp, engine=b)
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """Parameter elements of the FSDP2 units ``isoexec.dist.fsdp.shard_model`` makes of a model:
+    the root (every parameter outside ``model.layers``: embedding, final norm, an untied lm_head)
+    and the largest decoder layer."""
+
+    root: int
+    layer: int
+
+    def gathered_bytes(self, dtype: str) -> int:
+        """Trainer weights under FSDP2: the root and ``GATHERED_LAYERS`` layers in ``dtype``."""
+        return DTYPE_BYTES[dtype] * (self.root + GATHERED_LAYERS * self.layer)
+
+    def grads_in_flight_bytes(self, dtype: str) -> int:
+        """Gradients beyond the fp32 shards: a layer's reduce-scatter while the root's gradient
+        waits, or the root's own reduce-scatter at the backward's end, whichever is larger."""
+        b = DTYPE_BYTES[dtype]
+        return max(b * self.root + REDUCE_BYTES * self.layer, REDUCE_BYTES * self.root)
+
+
+def fsdp_units(family: str, cfg) -> FsdpUnits:
+    """The units of ``family``'s model built from ``cfg``, counted on the ``meta`` device (no
+    memory): the same modules ``shard_model`` shards, so a change to a layer changes the plan."""
+    model = FAMILY_MODELS[family][0](cfg, device="meta")
+    layers = {id(p) for p in model.layers.parameters()}
+    return FsdpUnits(root=sum(p.numel() for p in model.parameters() if id(p) not in layers),
+                     layer=max(sum(p.numel() for p in L.parameters()) for L in model.layers))

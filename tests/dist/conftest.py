@@ -31,7 +31,7 @@ PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_mo
                  "tp_hybrid_worlds": ("tp_hybrid",),
                  "tp_moe_worlds": ("tp_moe",), "tp_moe_engine_worlds": ("tp_moe_engine",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
-                 "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume")}
+                 "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume"), "fsdp_layer_worlds": ("fsdp_layers",)}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
 # the output files are <folder>/run.out and run.err; run.rc appears (atomically) when it ends
 _RUN_TO_FILES = '"$@" > "$0/run.out" 2> "$0/run.err"; echo $? > "$0/run.rc.tmp"; mv "$0/run.rc.tmp" "$0/run.rc"'
@@ -197,3 +197,11 @@ def fsdp_checkpoint_worlds(dist_worlds):
 
     dp = fsdp_workers.CHECKPOINT_DP
     return _part(dist_worlds, "fsdp_save")[dp], _part(dist_worlds, "fsdp_resume")[dp]
+
+
+@pytest.fixture(scope="session")
+def fsdp_layer_worlds(dist_worlds):
+    """[rank results] of the watched FSDP2 model, in its world of fsdp_layer_workers.WORLD."""
+    import fsdp_layer_workers
+
+    return _part(dist_worlds, "fsdp_layers")[fsdp_layer_workers.WORLD]

@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # A: no clipping, so the step can be compared bit for bit with a single process whose
 # micro-batches are the ranks' shares. B: a clip that engages (tiny models' gradient norms are
 # well above 0.05), the default DAPO loss otherwise; for determinism and the tolerance comparison.
-# C: B with one sequence per micro-batch, so that a rank accumulates several before the reduction.
+# C: B with one sequence per micro-batch, so that a rank reduces several per mini-batch and adds them.
 # R: A with sequence rejection, to reject one rank's whole share (rejection_batch).
 CONFIGS = {"A": dict(lr=1e-3, weight_decay=0.01, grad_clip=None, micro_batch_tokens=4096),
            "B": dict(lr=1e-3, weight_decay=0.01, grad_clip=0.05, micro_batch_tokens=4096),

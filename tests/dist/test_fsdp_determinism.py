@@ -2,9 +2,9 @@
 within a stated fp32 tolerance of the single-process Trainer's step on the same global batch, for
 the tiny dense and hybrid models. Run B (fsdp_workers.py): one train call of two mini-batches (two
 AdamW updates, clipped, the second off-policy), twice per world; run C: the same with one sequence
-per micro-batch, so that each rank accumulates several micro-batches before the reduce-scatter
-(dense model, fp32 and bf16; not at dp = 4, where each rank's share of a mini-batch is one
-sequence and run C is run B)."""
+per micro-batch, so that each rank runs several micro-batches per mini-batch, each reduce-scattered
+and its reduced shard added into the shards' gradient (dense model, fp32 and bf16; not at dp = 4,
+where each rank's share of a mini-batch is one sequence and run C is run B)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ FAMILIES = tuple(f for f, _ in fw.CASES["determinism"])
 # tiny where the gradient is large against its rounding, up to lr per update where it is all
 # cancellation (a rounding-level gradient can change sign). So the bound is on the whole update
 # (relative L2 of the difference of the parameter changes), with the per-element change kept under
-# the hard Adam bound of 2 lr per update. Measured on this CPU (dp = 2 and 4, both families, runs B
-# and C): relative L2 0.8e-6 to 1.2e-6, the largest element 1.3e-4 lr to 3.9e-4 lr, about a fifth to
-# a quarter of the elements differ; the gradient norms agree to a few 1e-8 relative.
+# the hard Adam bound of 2 lr per update. Run C adds the micro-batches' reduced gradients (the sum
+# over micro-batches of rank-order sums, isoexec/dist/fsdp/trainer.py), a third association. Measured
+# on this CPU (dp = 2 and 4, both families, runs B and C): relative L2 0.96e-6 to 1.42e-6, the
+# largest element 2.7e-4 lr to 4.7e-4 lr, about a fifth to a quarter of the elements differ; the
+# gradient norms agree to a few 1e-8 relative.
 UPDATE_REL_L2 = 1e-4
 UPDATES = fw.N_SEQ // fw.MINI      # AdamW updates in a run
 GRAD_NORM_REL = 1e-6
@@ -114,10 +116,10 @@ def test_the_sharded_step_matches_one_process_within_the_stated_tolerance(worlds
 
 
 @pytest.mark.parametrize("dt", ["fp32", "bf16"])
-def test_at_dp_1_accumulating_micro_batches_on_the_gathered_parameters_is_the_single_process_sum(worlds, job, dt):
-    """dp = 1, run C: FSDP2 accumulates the micro-batches' gradients on the gathered parameters
-    (fp32, and for bf16 its fp32 accumulation buffer) in order, as MasterAdamW accumulates them on
-    the masters: the same bits."""
+def test_at_dp_1_adding_each_micro_batch_s_reduced_gradient_is_the_single_process_sum(worlds, job, dt):
+    """dp = 1, run C: each micro-batch's backward "reduce-scatters" (at dp = 1 a copy of its fp32
+    gradient, bf16 cast to fp32) and FSDP2 adds it into the shard's gradient in order, as
+    MasterAdamW accumulates the micro-batches on the masters: the same bits."""
     want, want_stats = fw.single_run(job, "dense", fw.config("C"), fw.DTYPES[dt])
     got = worlds[1][0][f"dense/{dt}"]["C"]
     assert _differing(got["params"], want) == 0

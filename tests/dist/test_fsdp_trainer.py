@@ -1,7 +1,8 @@
 """The FSDP2 trainer against the single-process Trainer, at dp = 1, 2 and 4 on gloo (CPU), for the
 tiny dense and hybrid models (and the dense one in bf16): the forward is bitwise (scoring and the
-training forward), and a step is bitwise the single-process step whose micro-batches are the
-ranks' shares (fsdp_workers.py builds both sides from the same seeds); the refusals come on
+training forward), and a step with one micro-batch per rank and mini-batch is bitwise the
+single-process step whose micro-batches are the ranks' shares (fsdp_workers.py builds both sides
+from the same seeds); the refusals come on
 every rank before any collective. One world per dp runs every case, beside the other files' cases
 (worlds.py); bits compared through integer views."""
 

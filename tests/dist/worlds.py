@@ -22,6 +22,8 @@ need runs in the same world of each size, one after the other, in the order of `
   in the world of 4 (ep_model_workers.py; test_ep_model.py)
 - ``fsdp_trainer``, ``fsdp_determinism``: the FSDP2 trainer at dp = 1, 2, 4 (fsdp_workers.py;
   test_fsdp_trainer.py, test_fsdp_determinism.py)
+- ``fsdp_layers``: the FSDP2 trainer's model watched at every layer's entry at dp = 2: when each
+  layer is gathered and freed (fsdp_layer_workers.py; test_fsdp_per_layer.py)
 - ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
   first is torn down (test_fsdp_checkpoint.py: a resume is only a resume in a new world)
 
@@ -50,6 +52,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import dist_workers  # noqa: E402
 import ep_model_workers  # noqa: E402
+import fsdp_layer_workers  # noqa: E402
 import fsdp_workers  # noqa: E402
 import tp_engine_workers  # noqa: E402
 import tp_hybrid_workers  # noqa: E402
@@ -72,6 +75,8 @@ PARTS = {
     "fsdp_trainer": (0, fsdp_workers.WORLD_SIZES, lambda job, ws, rank: fsdp_workers.plan_trainer(job["fsdp"], ws, rank)),
     "fsdp_determinism": (0, fsdp_workers.WORLD_SIZES,
                          lambda job, ws, rank: fsdp_workers.plan_determinism(job["fsdp"], ws, rank)),
+    "fsdp_layers": (0, (fsdp_layer_workers.WORLD,),
+                    lambda job, ws, rank: fsdp_layer_workers.plan(job["fsdp"], ws, rank)),
     "fsdp_save": (0, (fsdp_workers.CHECKPOINT_DP,), lambda job, ws, rank: fsdp_workers.plan_save(job["fsdp"], ws, rank)),
     "fsdp_resume": (1, (fsdp_workers.CHECKPOINT_DP,),
                     lambda job, ws, rank: fsdp_workers.plan_resume(job["fsdp"], ws, rank)),

@@ -1,12 +1,14 @@
 """Bytes per parameter per GPU: FSDP2 divides the sharded states (fp32 masters, Adam moments, the
-sharded gradient) by dp and nothing else; the one-process layout is what MasterAdamW really keeps."""
+sharded gradient) by dp and keeps no whole copy (what it gathers is per model: the root and two
+layers, ``FsdpUnits``; tests/dist/test_fsdp_per_layer.py measures it); the one-process layout is
+what MasterAdamW really keeps."""
 
 import pytest
 import torch
 
-from isoexec.model import build_model
+from isoexec.model import FAMILY_MODELS, build_model
 from isoexec.plan.params import count_parameters
-from isoexec.plan.states import STATES, bytes_per_param
+from isoexec.plan.states import STATES, bytes_per_param, fsdp_units
 from isoexec.train import MasterAdamW
 from isoexec.compose import load_model_config
 from isoexec.model_config import DenseConfig
@@ -18,8 +20,9 @@ def test_sharding_divides_the_sharded_states_by_dp(dtype, dp):
     two, n = bytes_per_param(dtype, 2), bytes_per_param(dtype, dp)
     assert n.master * dp == two.master * 2 == 4
     assert n.adam * dp == two.adam * 2 == 8
-    assert (n.grads - 4) * dp == (two.grads - 4) * 2 == 4        # the fp32 sharded gradient
-    assert (n.weights, n.engine) == (two.weights, two.engine)    # gathered whole / the engine's copy
+    assert n.grads * dp == two.grads * 2 == 4                    # the fp32 sharded gradient
+    assert n.weights == two.weights == 0                         # no whole copy: the units are per model
+    assert n.engine == two.engine                                # the engine's copy
 
 
 def test_one_process_in_bf16_holds_22_bytes_per_parameter():
@@ -49,3 +52,16 @@ def test_bad_sizes_are_refused():
         bytes_per_param("float16", 1)
     with pytest.raises(ValueError):
         bytes_per_param("bfloat16", 0)
+
+
+@pytest.mark.parametrize("family, name", [("dense", "dense_tiny"), ("hybrid", "hybrid_tiny"),
+                                          ("mla_moe", "mla_moe_tiny"), ("hybrid_moe", "hybrid_moe_tiny")])
+def test_the_fsdp_units_are_the_root_and_the_largest_layer_shard_model_would_make(family, name):
+    """Counted on the meta device: the largest decoder layer, and the root (every other parameter)."""
+    cls, cfg_cls = FAMILY_MODELS[family]
+    cfg = cfg_cls.from_hf(load_model_config(name)["hf_config"])
+    model = cls(cfg)
+    units = fsdp_units(family, cfg)
+    layers = [sum(p.numel() for p in L.parameters()) for L in model.layers]
+    assert units.layer == max(layers)
+    assert units.root + sum(layers) == sum(p.numel() for p in model.parameters()) == count_parameters(cfg).total

@@ -9,9 +9,10 @@ before the step, a non-finite norm skips the update, and the LR is set on every 
 elementwise, so a shard's update is bit for bit the single process's update of those elements
 given the same gradients; what differs is the norm's order of additions (``grad_norm.py``).
 
-Gradients: FSDP2's reduce-scatter leaves each shard's fp32 gradient sum on ``param.grad`` at the
-end of a mini-batch's last backward (the micro-batches of a rank accumulate before it), so
-``accumulate_grads`` has nothing to do; it exists because the trainer calls it.
+Gradients: every micro-batch's backward reduce-scatters, and FSDP2 adds the reduced fp32 shard
+into ``param.grad`` (the first one sets it), so at the end of a mini-batch ``param.grad`` is the
+shard's gradient sum and ``accumulate_grads`` has nothing to do; it exists because the trainer
+calls it.
 
 The torch optimizer's parameters are the model's own, so ``torch.distributed.checkpoint``'s
 ``get_state_dict`` / ``set_state_dict`` save and restore its state sharded (``trainer.py``).

@@ -25,11 +25,10 @@ routed experts dealt over ep ranks instead of sharded by FSDP2. N ranks, ep divi
   in rank order before the step (gather, then a fixed-order sum; no all_reduce).
 - **the step.** One clip over every gradient, each counted once (``grad_norm.py``), then AdamW on
   the shards and on the masters, the masters rounded into the slices.
-- **lockstep.** Each MoE layer's exchange is a collective of the ep group, so every rank of a group
-  must run the same number of forward (and backward) passes. Ranks pack their own sequences into
-  micro-batches by tokens, so their counts may differ: every rank works out the counts of its
-  group's ranks from the whole batch it holds (no communication) and runs empty passes (no token:
-  they join the exchanges and add nothing) up to the group's largest (``FSDPTrainer._lockstep``).
+- **lockstep.** Each MoE layer's exchange is a collective of the ep group, and each layer's
+  all-gather and reduce-scatter one of all N ranks, so every rank runs the same number of forward
+  (and backward) passes: the most of any rank, the extra ones empty (no token: they join the
+  exchanges and the collectives and add nothing), as under ``FSDPTrainer`` (``_lockstep``).
 
 What matches, and how (tests/dist/test_ep_trainer.py, gloo, CPU): the forward (scoring, the
 training forward) is bitwise the single-process ``Trainer``'s; a step is bitwise the same run to
@@ -51,8 +50,6 @@ Refused on every rank before any collective, in one line: an ep that does not di
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -95,16 +92,14 @@ class ExpertParallelTrainer(FSDPTrainer):
         self.ep_mesh, self.ep = ep_mesh(ep, device_type), ep
         self.ep_group, self.replica_group = self.ep_mesh.get_group(EP), self.ep_mesh.get_group(EP_REPLICA)
         self.replicas = self.dp // ep
-        first = self.rank - self.rank % ep
-        self.ep_ranks = range(first, first + ep)       # this rank's ep group, by global rank
         cut = ExpertParallelMoe(model, self.ep_group)
         experts = [(n, p) for n, p in cut.named_parameters() if is_expert_weight(n)]
         # frozen parameters stay out of FSDP2 too: replicated, no gradient, in their own dtype
         # (GLM's fp32 correction bias in a bf16 model; the mixed-precision cast would round it)
         frozen = [p for p in cut.parameters() if not p.requires_grad]
         self.model, self.config = shard_model(cut, mesh, ignored=[p for _, p in experts] + frozen), config
-        # the layers stay gathered through the backward (reshard_after_forward=False), so the
-        # recompute sees the same weights
+        # the checkpoint runs inside each layer's FSDP2 unit (shard.py): the recompute in the
+        # backward reads the layer gathered again, and runs its MoE exchanges again
         cut.activation_checkpointing = config.activation_checkpointing
         self.optimizer = ExpertParallelAdamW(
             cut, [n for n, _ in experts], self.group, self.dp, self.replica_group, self.replicas, ep,
@@ -112,10 +107,6 @@ class ExpertParallelTrainer(FSDPTrainer):
             weight_decay=config.weight_decay, grad_clip=config.grad_clip)
         self._rng = torch.Generator().manual_seed(config.seed)
         self.rl_updates = 0
-
-    def _lockstep(self, passes_of: Callable[[int], int]) -> int:
-        """The most passes of any rank of this rank's ep group (module docstring, "lockstep")."""
-        return max(passes_of(q) for q in self.ep_ranks)
 
     # ----------------------------------------------------------------------------- weights
     def _whole_experts(self, name: str) -> torch.Tensor:

@@ -32,16 +32,35 @@ rank's backward gives all of them a gradient: torch 2.11's FSDP2, which lacks
 ``set_reduce_scatter_unused_params``, shards such a model too; only an MoE model whose experts
 FSDP2 would shard is refused there.
 
-When parameters are gathered. FSDP2's hooks fire on a module's ``forward``; the unified models
-run their decoder layers inline (``hidden_states`` loops over ``self.layers`` and reads each
-layer's tensors), never calling a layer as a module. So the forward entry is the model's
-``hidden_states``, registered with ``register_fsdp_forward_method``: it gathers the root, then
-every layer in order (``unshard``), then runs. The gathered parameters stay until the backward's
-end, where FSDP2 reduce-scatters the gradients and frees them (``reshard_after_backward``), or
-until ``free_params`` after a forward without a graph. Nothing is freed between one layer's
-forward and the next: freeing a layer after its forward and gathering it again for its backward
-(FSDP2's ``reshard_after_forward``), and checkpointing activations per layer, both need a call
-boundary around each layer that the model classes do not have (docs/scale_out.md).
+When parameters are gathered: one layer at a time. FSDP2's hooks fire around a module's forward
+method; the unified models run each decoder layer through ``model.run_layer(L, layer_fn, x)`` (the
+layer loop's one call per layer, which names the layer's module; it runs ``layer_fn(x)``,
+checkpointed when activation checkpointing is on), never calling the layer as a module. So each
+layer gets a small forward method, ``fsdp_run(layer_fn, x) = layer_fn(x)``, registered with
+``register_fsdp_forward_method``, and the sharded model's ``run_layer`` calls the model's own
+``run_layer`` through it. The layer units reshard after forward:
+
+- forward: a layer is gathered in its pre-forward hook and freed in its post-forward hook, with
+  or without a graph (scoring frees each layer as it goes). On a GPU the next layer's all-gather
+  may be issued while this one computes (FSDP2's streams; the CPU runs ahead), so up to two layers
+  are gathered; on the CPU one;
+- backward: the post-forward hook put a hook on the layer's output, which gathers the layer again
+  when its gradient arrives (FSDP2's pre-backward; it also gathers the layer before it, FSDP2's
+  default backward prefetch: again at most two); with activation checkpointing the recompute runs
+  then, inside the gathered unit (the checkpoint is inside ``fsdp_run``, torchtitan's order); once
+  the gradient of the layer's input is complete, the post-backward reduce-scatters the layer's
+  gradients and frees the layer.
+
+The root unit (embedding, final norm, lm_head) is gathered at the entry of ``hidden_states`` (the
+root's registered forward method) and is not freed after the forward (``reshard_after_forward``
+False: lm_head runs after ``hidden_states`` returns, in ``token_logprobs``); the backward's end frees
+it, or ``free_params`` after a forward without a graph.
+
+Every backward reduce-scatters (the trainer never turns gradient sync off): FSDP2 adds each
+micro-batch's reduced fp32 shard into ``param.grad`` (in micro-batch order), so between
+micro-batches a rank holds its shards and their gradients and nothing gathered. Every rank must
+therefore run the same number of forward and backward passes: each one is a series of collectives
+(``trainer.py``, lockstep).
 
 Between optimizer steps everything is sharded: the trainer frees the parameters after every
 forward-only pass, and the backward frees them, so the optimizer only ever writes shards that no
@@ -50,6 +69,7 @@ gathered copy shadows.
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Iterable
 
@@ -66,6 +86,12 @@ from .reduce_scatter import RankOrderReduceScatter
 # op on that view would skip its pre-backward hook. Nothing here writes into it (scoring indexes
 # rows out of it, a copy), so the warning is silenced for this one call.
 _VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
+
+
+def _layer_forward(layer: nn.Module, layer_fn, x: torch.Tensor) -> torch.Tensor:
+    """A layer unit's forward method (``fsdp_run``): FSDP2's pre- and post-forward hooks run
+    around this call, and its post-backward hook attaches to ``x``, which FSDP2 passes in."""
+    return layer_fn(x)
 
 
 def units(model: nn.Module) -> list[FSDPModule]:
@@ -96,9 +122,10 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
     ignored = set(ignored)
     if isinstance(model, FSDPModule):
         raise ValueError("shard_model: the model is already sharded")
-    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "hidden_states"):
-        raise ValueError(f"shard_model: {type(model).__name__} is not a unified model (needs .layers and "
-                         ".hidden_states)")
+    if not isinstance(getattr(model, "layers", None), nn.ModuleList) or not hasattr(model, "hidden_states") \
+            or not hasattr(model, "run_layer"):
+        raise ValueError(f"shard_model: {type(model).__name__} is not a unified model (needs .layers, "
+                         ".hidden_states and .run_layer)")
     dtype = compute_dtype(model, ignored)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"shard_model: parameters are {dtype}; the trainer computes in fp32 or bf16")
@@ -110,10 +137,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
                     p.data = p.data.to(torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
-    kw = dict(mesh=mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
+    kw = dict(mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     for layer in model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+        fully_shard(layer, reshard_after_forward=True, **kw)
+    # the root stays gathered after its forward: lm_head runs after hidden_states returns
+    fully_shard(model, reshard_after_forward=False, **kw)
     for unit in units(model):
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
@@ -127,14 +155,15 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
                          f"set_reduce_scatter_unused_params (an expert may get no gradient on a rank), "
                          f"which torch {torch.__version__} does not have")
 
-    run = model.hidden_states
+    for layer in model.layers:
+        layer.fsdp_run = types.MethodType(_layer_forward, layer)
+        register_fsdp_forward_method(layer, "fsdp_run")
+    run_layer = model.run_layer      # the model's own: checkpointed inside the unit's call
 
-    def gather_layers_then_run(*args, **kwargs):
-        for layer in model.layers:     # runs after the root's pre-forward (FSDP2's lazy init)
-            layer.unshard()
-        return run(*args, **kwargs)
+    def run_layer_in_its_unit(L, layer_fn, x):
+        return L.fsdp_run(lambda x: run_layer(L, layer_fn, x), x)
 
-    model.hidden_states = gather_layers_then_run
+    model.run_layer = run_layer_in_its_unit
     register_fsdp_forward_method(model, "hidden_states")
     fsdp_run = model.hidden_states
 
@@ -151,11 +180,3 @@ def free_params(model: nn.Module) -> None:
     """Free every gathered parameter (no communication); the shards stay."""
     for unit in units(model):
         unit.reshard()
-
-
-def set_gradient_sync(model: nn.Module, sync: bool) -> None:
-    """``sync=False``: the next backward passes accumulate gradients on the gathered parameters
-    and keep them gathered (no communication); ``sync=True``: the next backward reduce-scatters
-    the accumulated gradients and frees the gathered parameters."""
-    model.set_requires_gradient_sync(sync)
-    model.set_reshard_after_backward(sync)

@@ -14,13 +14,22 @@ advantages and rollout logprobs); each takes a fixed share of the work:
   GRPO). Each rank packs its kept sequences into micro-batches of ``micro_batch_tokens``, and each
   micro-batch's loss is its share of the mini-batch loss, exactly as in ``Trainer.backward``; the
   sum over ranks of their gradients is therefore the mini-batch gradient.
-- **the gradient.** A rank's micro-batches accumulate on the gathered parameters (fp32, in order,
-  no communication; FSDP2's ``set_requires_gradient_sync(False)``), and the last one's backward
-  reduce-scatters the sum, the ranks added in rank order (``reduce_scatter.py``). Ranks may pack
-  different numbers of micro-batches. A rank whose whole share was rejected still runs one
-  forward and backward (its first sequence, every token masked: zero loss, zero gradient) so that
-  it takes part in the all-gather and the reduce-scatter; if the whole mini-batch was rejected no
-  rank runs anything and the update is skipped, as in ``Trainer.train``.
+- **the gradient.** Every micro-batch's backward reduce-scatters its gradients layer by layer,
+  the ranks added in rank order (``reduce_scatter.py``), and FSDP2 adds the reduced fp32 shard
+  into the shard's gradient, in micro-batch order: between micro-batches a rank holds only its
+  shards (``shard.py``: each layer is gathered for its forward and again for its backward, then
+  freed). This is the memory-frugal order of the fp32 additions: the sum over micro-batches of
+  each micro-batch's rank-order sum, where keeping every layer's unsharded gradient until the
+  last micro-batch would reduce the sum of a rank's micro-batches once (a whole unsharded fp32
+  gradient per rank, which a model of the paper's size cannot hold beside the rest).
+- **lockstep.** Every forward and backward pass is a series of collectives (each layer's
+  all-gather, each layer's reduce-scatter), so every rank runs the same number of passes: ranks
+  pack their own sequences into micro-batches by tokens, so their counts may differ; each rank
+  works out every rank's count from the whole batch it holds (no communication) and runs empty
+  passes (no token: they join the collectives and add nothing) up to the largest (``_lockstep``).
+  A rank whose whole share was rejected still runs one forward and backward (its first sequence,
+  every token masked: zero loss, zero gradient); if the whole mini-batch was rejected no rank runs
+  anything and the update is skipped, as in ``Trainer.train``.
 - **the step.** ``ShardedAdamW`` on the fp32 shards, clipped by a fixed-order sharded norm.
 - **the statistics.** Each rank's per-micro-batch statistics and loss shares are gathered and
   merged in global order (rank order, micro-batch order within a rank) by the single-process
@@ -31,10 +40,13 @@ What matches a single process, and how (tests/dist/test_fsdp_trainer.py):
 - the forward is bitwise: a sequence's logprobs do not depend on the batch around it, and FSDP2
   only gathers the parameters (an fp32 or bf16 copy), so ``score`` and the training forward give
   the single-process ``Trainer``'s bits at any dp;
-- the step is bitwise equal to a single-process step whose micro-batches are the ranks' shares
-  (the same per-rank gradients, added in the same order) when the clip does not engage;
-- against a single process that packs the mini-batch differently, the gradient's fp32 sums run in
-  another order, so the step agrees within a tolerance (stated in the test);
+- with one micro-batch per rank and mini-batch, the step is bitwise equal to a single-process
+  step whose micro-batches are the ranks' shares (the same per-rank gradients, added in the same
+  order) when the clip does not engage;
+- with several micro-batches per rank the sum is over micro-batches of rank-order sums, an
+  association no single process makes (it adds one micro-batch after another), and against a
+  single process that packs the mini-batch differently the gradient's fp32 sums run in another
+  order too: the step agrees within a tolerance (stated in tests/dist/test_fsdp_determinism.py);
 - run to run at a fixed dp everything is bitwise: every reduction has a fixed order.
 
 Checkpoints: ``save(path)`` / ``load(path)`` write and read a sharded checkpoint with
@@ -61,7 +73,7 @@ from isoexec.train.scoring import PackedSequences, score_logprobs
 from isoexec.train.trainer import TrainBatch, TrainConfig, Trainer, check_prompt_lens, merge_stats, pack_by_tokens
 
 from .adamw import ShardedAdamW
-from .shard import free_params, set_gradient_sync, shard_model
+from .shard import free_params, shard_model
 
 
 def _floats(stats: dict) -> dict:
@@ -80,8 +92,8 @@ class FSDPTrainer(Trainer):
         self.dp, self.rank = check_dp_mesh(mesh)
         self.mesh, self.group = mesh, mesh.get_group(DP)
         self.model, self.config = shard_model(model, mesh), config
-        # the layers stay gathered through the backward (reshard_after_forward=False), so the
-        # recompute sees the same weights
+        # the checkpoint runs inside each layer's FSDP2 unit (shard.py): the recompute in the
+        # backward reads the layer gathered again, the same bits
         model.activation_checkpointing = config.activation_checkpointing
         self.optimizer = ShardedAdamW(model, self.group, self.dp, lr=config.lr, betas=config.betas, eps=config.eps,
                                       weight_decay=config.weight_decay, grad_clip=config.grad_clip)
@@ -101,10 +113,9 @@ class FSDPTrainer(Trainer):
 
     def _lockstep(self, passes_of: Callable[[int], int]) -> int:
         """The forward passes this rank runs in a call in which rank q has ``passes_of(q)`` of its
-        own: here its own count (ranks may run different numbers). The expert-parallel trainer
-        runs the most of its ep group instead (each MoE layer is a collective of the group), the
-        extra ones empty. Every rank holds the whole batch, so it counts the others' passes itself."""
-        return passes_of(self.rank)
+        own: the most of any rank, the extra ones empty (module docstring, "lockstep"). Every rank
+        holds the whole batch, so it counts the others' passes itself."""
+        return max(passes_of(q) for q in range(self.dp))
 
     def _pack_counts(self, sequences: Sequence[Sequence[int]]) -> Callable[[int], int]:
         """rank q -> the micro-batches its share of ``sequences`` packs into (scoring, SFT)."""
@@ -127,28 +138,23 @@ class FSDPTrainer(Trainer):
     def _accumulate(self, groups: list[list[int]], sequences: Sequence[Sequence[int]], loss_of,
                     passes: Optional[int] = None) -> list[tuple]:
         """Forward and backward of each micro-batch (indices into ``sequences``) in order, then
-        empty passes up to ``passes`` (``_lockstep``); the last backward reduce-scatters.
-        ``loss_of(idx, packed, flat)`` gives (loss, stats)."""
+        empty passes up to ``passes`` (``_lockstep``); every backward reduce-scatters, and FSDP2
+        adds the reduced shards into the shards' gradients. ``loss_of(idx, packed, flat)`` gives
+        (loss, stats)."""
         out = []
         passes = len(groups) if passes is None else passes
-        set_gradient_sync(self.model, False)
-        try:
-            for k in range(passes):
-                if k == passes - 1:
-                    set_gradient_sync(self.model, True)
-                if k >= len(groups):
-                    self._empty_pass(grad=True)
-                    self.optimizer.accumulate_grads()
-                    continue
-                idx = groups[k]
-                packed = PackedSequences.from_lists([sequences[i] for i in idx], self.device)
-                flat = score_logprobs(self.model, packed, grad=True)
-                loss, st = loss_of(idx, packed, flat)
-                loss.backward()
-                self.optimizer.accumulate_grads()   # the expert slices' (ep_adamw.py); FSDP2 keeps the rest
-                out.append((float(loss.detach()), st))
-        finally:
-            set_gradient_sync(self.model, True)
+        for k in range(passes):
+            if k >= len(groups):
+                self._empty_pass(grad=True)
+                self.optimizer.accumulate_grads()
+                continue
+            idx = groups[k]
+            packed = PackedSequences.from_lists([sequences[i] for i in idx], self.device)
+            flat = score_logprobs(self.model, packed, grad=True)
+            loss, st = loss_of(idx, packed, flat)
+            loss.backward()
+            self.optimizer.accumulate_grads()   # the expert slices' (ep_adamw.py); FSDP2 accumulates the rest
+            out.append((float(loss.detach()), st))
         return out
 
     # ------------------------------------------------------------------------------- scoring
