@@ -5,7 +5,7 @@ Their sizes come from the allocators the engine itself calls (``KVCache.allocate
 ``GDNState.allocate``), run on the ``meta`` device: the same shapes and dtypes, no memory. So a
 change to what a page or a state slot holds changes the plan with it.
 
-- KV: one cache per attention layer (``cfg.num_kv_layers``: every layer for dense and mla_moe,
+- KV (counted by ``isoexec.engine.kv_pool_bytes``, which the run's ``kv_cache_gib`` uses too): one cache per attention layer (``cfg.num_kv_layers``: every layer for dense and mla_moe,
   the full-attention layers of the hybrids), K and V each ``[num_pages, page_size, num_kv_heads,
   head_dim]`` in the model dtype (mla_moe caches the expanded K/V, ``num_heads`` rows of
   ``attn_width``).
@@ -23,27 +23,10 @@ import torch
 
 from isoexec_kernels.gdn_core import GDNState
 
-from ..model import FAMILY_MODELS, KVCache
+from ..engine.kv_pool_bytes import TORCH_DTYPES, kv_bytes_per_page, kv_pool_bytes  # noqa: F401 (the plan's API)
+from ..model import FAMILY_MODELS
 from ..model.tensor_parallel import rank_parameter_count
 from ..model_config import HybridConfig
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def kv_pool_bytes(cfg, num_pages: int, page_size: int, dtype: str, engine_tp: int = 1) -> int:
-    """Bytes of the engine's KV cache on one GPU: every attention layer's K and V pages, of the
-    ``num_kv_heads / engine_tp`` heads a tensor-parallel engine's rank caches."""
-    n_layers = getattr(cfg, "num_kv_layers", cfg.num_layers)
-    if n_layers == 0:
-        return 0
-    kv = KVCache.allocate(n_layers, num_pages, page_size, cfg.num_kv_heads // engine_tp, cfg.head_dim,
-                          TORCH_DTYPES[dtype], "meta")
-    return sum(t.nbytes for t in kv.k + kv.v)
-
-
-def kv_bytes_per_page(cfg, page_size: int, dtype: str, engine_tp: int = 1) -> int:
-    """What one more KV page costs (all layers): the unit in which a pool can be shrunk."""
-    return kv_pool_bytes(cfg, 1, page_size, dtype, engine_tp)
 
 
 def engine_weight_elements(family: str, cfg, engine_tp: int) -> int:

@@ -36,6 +36,7 @@ from ..contract import decode, encode
 from ..debug import first_divergence
 from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.engine import contract_page_size
+from ..engine.kv_pool_bytes import kv_bytes_per_page
 from ..engine.warmup import warm_up_engine
 from ..errors import ConfigError, IsoExecError
 from ..model import save_checkpoint
@@ -175,7 +176,6 @@ def kv_page(cfg: RLConfig, model_cfg, contract) -> tuple[Optional[int], int]:
     page_size = cfg.engine.get("page_size") or contract_page_size(contract) or 16
     if cfg.kv_cache_gib is None:
         return None, page_size
-    from ..plan.engine_pools import kv_bytes_per_page     # here: the plan package imports this module
     return kv_bytes_per_page(model_cfg, page_size, shared_warmup.resolved_dtype(cfg), cfg.engine_tp), page_size
 
 
