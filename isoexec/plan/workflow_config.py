@@ -26,8 +26,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..compose import build_contract, load_model_config
+from ..enforce import RuntimeFacts, check_topology
 from ..engine.engine import contract_page_size
 from ..errors import ConfigError, IsoExecError
+from ..model import FAMILY_MODELS
 from ..model.hybrid import contract_gdn_chunk
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
@@ -157,6 +159,10 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 check_world(run, plan.dp)          # what the run refuses at this world size, refused here
                 check_engine_tp(run, plan.dp)
                 contract = build_contract(family, comp, arch, name)
+                if run.engine_tp > 1:      # the run's cut refuses a tp the contract or the heads do not allow
+                    model = FAMILY_MODELS[family][0](cfg, device="meta")
+                    check_topology(contract, RuntimeFacts(arch=arch, tp=run.engine_tp),
+                                   model.tp_problems(contract, run.engine_tp))
                 page_bytes, page_size = kv_page(run, cfg, contract)
                 engine = engine_config(run, plan.dp // run.engine_tp, page_bytes, page_size)   # one per engine group
             except IsoExecError as exc:

@@ -197,15 +197,15 @@ def engine_config(cfg: RLConfig, engine_groups: int = 1, kv_page_bytes: Optional
 
     ``cfg.kv_cache_gib`` caps the pages at what that many GiB hold, ``kv_page_bytes`` a page of
     ``page_size`` tokens (every
-    attention layer, this GPU's heads: ``plan.engine_pools.kv_bytes_per_page``), as vLLM's memory
+    attention layer, this GPU's heads: ``engine.kv_pool_bytes.kv_bytes_per_page``), as vLLM's memory
     budget does; a cap that cannot hold one longest sequence is a ``ConfigError``. An explicit
     ``engine.num_pages`` wins over both."""
     seqs = -(-cfg.prompts_per_step // engine_groups) * cfg.samples_per_prompt
     longest = cfg.max_prompt_tokens + cfg.max_response_tokens
     pages = seqs * longest // 16 + 64
-    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine:
-        if not kv_page_bytes:
-            raise ValueError("engine_config: kv_cache_gib needs the bytes of one KV page (kv_page_bytes)")
+    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine and kv_page_bytes is None:
+        raise ValueError("engine_config: kv_cache_gib needs the bytes of one KV page (kv_page_bytes)")
+    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine and kv_page_bytes:   # 0: no KV layers
         cap = int(cfg.kv_cache_gib * (1 << 30)) // kv_page_bytes
         need = -(-longest // page_size)
         if cap < need:

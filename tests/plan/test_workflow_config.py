@@ -72,10 +72,13 @@ def test_each_engine_is_sized_for_its_engine_groups_deal_of_the_prompts(tmp_path
     (four,) = read_workflow_config(_write(tmp_path, tiny(gpus=4), "four.yaml")).shapes
     d = tiny(gpus=4)
     d["rl"]["settings"]["engine_tp"] = 2
-    (tp2,) = read_workflow_config(_write(tmp_path, d, "tp2.yaml")).shapes
-    assert (one.max_num_seqs, four.max_num_seqs, tp2.max_num_seqs) == (8, 2, 4)
-    assert (one.num_pages, four.num_pages, tp2.num_pages) == (8 * 40 // 16 + 64, 2 * 40 // 16 + 64, 4 * 40 // 16 + 64)
+    # the workflow's compositions (isoexec, native) pin tp to 1: the run's cut would refuse engine_tp 2
+    with pytest.raises(ConfigError, match="rl settings of dense arm isoexec: topology refused: tp=2 is not in the"):
+        read_workflow_config(_write(tmp_path, d, "tp2.yaml"))
+    assert (one.max_num_seqs, four.max_num_seqs) == (8, 2)
+    assert (one.num_pages, four.num_pages) == (8 * 40 // 16 + 64, 2 * 40 // 16 + 64)
     cfg = RLConfig.from_dict(dict(tiny()["rl"]["settings"], prompts_per_step=6, mini_batch_size=2))
+    assert engine_config(cfg, 2).max_num_seqs == 3 * 2        # 4 ranks at engine_tp 2: two engine groups
     assert engine_config(cfg, 4).max_num_seqs == 2 * 2        # 6 prompts over 4 groups: 1, 1, 2, 2
 
 
