@@ -196,8 +196,7 @@ def engine_config(cfg: RLConfig, engine_groups: int = 1, kv_page_bytes: Optional
     that runs out of pages preempts and recomputes (``engine.num_pages`` caps the pool).
 
     ``cfg.kv_cache_gib`` caps the pages at what that many GiB hold, ``kv_page_bytes`` a page of
-    ``page_size`` tokens (every
-    attention layer, this GPU's heads: ``engine.kv_pool_bytes.kv_bytes_per_page``), as vLLM's memory
+    ``page_size`` tokens (every attention layer, this GPU's heads: ``kv_page``), as vLLM's memory
     budget does; a cap that cannot hold one longest sequence is a ``ConfigError``. An explicit
     ``engine.num_pages`` wins over both."""
     seqs = -(-cfg.prompts_per_step // engine_groups) * cfg.samples_per_prompt
