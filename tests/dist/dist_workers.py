@@ -10,6 +10,7 @@ computations on the same machine: no stored bit patterns.
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 import sys
 
 sys.modules.setdefault("fla", None)
@@ -202,6 +203,38 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _plan_entry(rank: int, world_size: int, port: int, out_dir: str, plan, job: dict) -> None:
+    """One rank of a world spawned by :func:`spawn_plan_world`: one torch thread, a gloo group,
+    ``plan(job, world_size, rank, out_dir)`` (a dict with a ``times`` dict of monotonic stamps, kept
+    relative to the rank's start) or the traceback, saved as ``rank<r>.pt``."""
+    import datetime
+    import os
+    import time
+    import traceback
+
+    t0 = time.monotonic()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    try:
+        res = plan(job, world_size, rank, out_dir)
+        res["times"] = {k: round(v - t0, 2) for k, v in res["times"].items()}
+    except Exception:
+        res = {"__error__": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn_plan_world(plan, world_size: int, out_dir, job: dict) -> list[dict]:
+    """Every rank's result of ``plan`` (a module-level function, so the spawned ranks can import it)
+    in one world of ``world_size`` gloo processes."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_plan_entry, args=(world_size, _free_port(), str(out_dir), plan, job), nprocs=world_size, join=True)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 
 def bit_report(a: torch.Tensor, b: torch.Tensor) -> dict:

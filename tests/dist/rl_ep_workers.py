@@ -9,18 +9,13 @@ world size, as ``isoexec run`` under torchrun would, and saves its results to
 
 from __future__ import annotations
 
-import datetime
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 from rl_workers import CFG, WARM, RecordingRun, _refusal  # noqa: E402
 from isoexec.rl.loop import RLConfig, RLRun  # noqa: E402
@@ -62,24 +57,8 @@ def _plan(job, ws, rank, out_dir) -> dict:
     return res
 
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, job: dict) -> None:
-    t0 = time.monotonic()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
-    try:
-        res = _plan(job, world_size, rank, out_dir)
-        res["times"] = {k: round(v - t0, 2) for k, v in res["times"].items()}
-    except Exception:
-        res = {"__error__": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
 def run_world(world_size: int, out_dir: Path, job: dict) -> list[dict]:
     """Every rank's results of one world of ``world_size`` gloo processes."""
-    from dist_workers import _free_port
+    from dist_workers import spawn_plan_world
 
-    mp.spawn(_entry, args=(world_size, _free_port(), str(out_dir), job), nprocs=world_size, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return spawn_plan_world(_plan, world_size, out_dir, job)
