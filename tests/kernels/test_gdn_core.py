@@ -15,25 +15,12 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from gdn_inputs import make_inputs
 from isoexec_kernels import gdn_core as G
 from isoexec_kernels.gdn_core import native as N
 
 SMALL = dict(Hk=2, H=4, Dk=16, Dv=16, C=16)
-
-
-def make_inputs(lens, Hk, H, Dk, Dv, seed, v_dtype=torch.float32, dtype=torch.float32, g_scale=0.5):
-    """Random GDN inputs: q, k L2-normalised (q scaled by Dk^-0.5), g <= 0, beta in (0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1)
-    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1) * Dk ** -0.5
-    v = torch.randn(T, H, Dv, generator=gen, dtype=dtype).to(v_dtype)
-    g = -torch.rand(T, H, generator=gen, dtype=dtype) * g_scale
-    beta = torch.rand(T, H, generator=gen, dtype=dtype)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    return q, k, v, g, beta, cu
 
 
 def assert_same(kb, a, b, what):
