@@ -202,16 +202,17 @@ def engine_config(cfg: RLConfig, engine_groups: int = 1, kv_page_bytes: Optional
     seqs = -(-cfg.prompts_per_step // engine_groups) * cfg.samples_per_prompt
     longest = cfg.max_prompt_tokens + cfg.max_response_tokens
     pages = seqs * longest // 16 + 64
-    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine and kv_page_bytes is None:
-        raise ValueError("engine_config: kv_cache_gib needs the bytes of one KV page (kv_page_bytes)")
-    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine and kv_page_bytes:   # 0: no KV layers
-        cap = int(cfg.kv_cache_gib * (1 << 30)) // kv_page_bytes
-        need = -(-longest // page_size)
-        if cap < need:
-            raise ConfigError(f"rl config: kv_cache_gib={cfg.kv_cache_gib} holds {cap:,} KV pages of "
-                              f"{kv_page_bytes:,} bytes, and one sequence of max_prompt_tokens + "
-                              f"max_response_tokens = {longest:,} tokens needs {need:,}; raise kv_cache_gib")
-        pages = min(pages, cap)
+    if cfg.kv_cache_gib is not None and "num_pages" not in cfg.engine:
+        if kv_page_bytes is None:
+            raise ValueError("engine_config: kv_cache_gib needs the bytes of one KV page (kv_page_bytes)")
+        if kv_page_bytes:          # 0: a model without attention layers has no pages to cap
+            cap = int(cfg.kv_cache_gib * (1 << 30)) // kv_page_bytes
+            need = -(-longest // page_size)
+            if cap < need:
+                raise ConfigError(f"rl config: kv_cache_gib={cfg.kv_cache_gib} holds {cap:,} KV pages of "
+                                  f"{kv_page_bytes:,} bytes, and one sequence of max_prompt_tokens + "
+                                  f"max_response_tokens = {longest:,} tokens needs {need:,}; raise kv_cache_gib")
+            pages = min(pages, cap)
     return EngineConfig(**{"max_num_seqs": seqs, "num_pages": pages, "max_num_batched_tokens": 2048, **cfg.engine})
 
 
