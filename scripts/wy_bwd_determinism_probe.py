@@ -36,6 +36,8 @@ class Spy:
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
+            # the inputs as the launch found them (dg and dk are read and then written)
+            self.last = (grid, [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args], dict(kw))
             self.kernel[grid](*args, **kw)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
@@ -54,9 +56,11 @@ def run_once(inp, do, choice, poison):
         if t.is_floating_point():
             t.fill_(float("nan"))
         return t
+    spies = {}
     try:
         for (m, n), k in saved.items():
-            setattr(m, n, Spy(k, n, log))
+            spies[n] = Spy(k, n, log)
+            setattr(m, n, spies[n])
         if poison:
             torch.empty = poisoned
         grads = NB.wy_chunk_backward_triton(*inp, do, choice=choice)
@@ -64,7 +68,28 @@ def run_once(inp, do, choice, poison):
         torch.empty = empty
         for (m, n), k in saved.items():
             setattr(m, n, k)
-    return grads, log
+    return grads, log, spies
+
+
+def replay_wy(last):
+    """Re-launches the WY-part kernel on the captured inputs, twice per ``KK_MODE``, with its
+    intermediates (k k^T, dT, dA, R) stored: which of them differ between the two launches."""
+    grid, args, kw = last
+    out = {}
+    for mode in (0, 1, 2):
+        runs = []
+        for _ in range(2):
+            a = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+            P, H = grid[1], grid[0]
+            C = kw["C"]
+            dbg = torch.full((P, H, 4, C, C), float("nan"), device=a[0].device)
+            a[13] = dbg   # dbg_ptr
+            NB._wyb_wy_kernel[grid](*a, **kw, KK_MODE=mode, DBG=True)
+            runs.append(dict(dg=a[10], dv=a[11], dbeta=a[12], dk=a[9], kk=dbg[:, :, 0], dT=dbg[:, :, 1],
+                             dA=dbg[:, :, 2], R=dbg[:, :, 3]))
+        out[f"kk_mode{mode}"] = {n: int((bits(runs[0][n]) != bits(runs[1][n])).sum()) for n in runs[0]}
+        print(f"   replay KK_MODE={mode}: {out[f'kk_mode{mode}']}", flush=True)
+    return out
 
 
 def bits(x):
@@ -93,8 +118,8 @@ def main() -> int:
         for dqk in (8, 4):
             choice = dataclasses.replace(NW.NATIVE_WY, wyb_warps=wyb, dqk_warps=dqk)
             case = dict(wyb_warps=wyb, dqk_warps=dqk, runs={})
-            g1, l1 = run_once(inp, do, choice, False)
-            g2, l2 = run_once(inp, do, choice, False)
+            g1, l1, spies = run_once(inp, do, choice, False)
+            g2, l2, _ = run_once(inp, do, choice, False)
             case["final_differing"] = {n: int((bits(a) != bits(b)).sum()) for n, a, b in zip(names, g1, g2)}
             launches = []
             for (n1, s1), (n2, s2) in zip(l1, l2):
@@ -106,9 +131,10 @@ def main() -> int:
                         diffs[f"arg{i}{list(a.shape)}"] = d
                 launches.append(dict(kernel=n1, differing=diffs))
             case["launches"] = launches
-            g3, l3 = run_once(inp, do, choice, True)
+            g3, l3, _ = run_once(inp, do, choice, True)
             case["poisoned_nan"] = {n: int(torch.isnan(a).sum()) for n, a in zip(names, g3)}
             case["poisoned_vs_clean_differing"] = {n: int((bits(a) != bits(b)).sum()) for n, a, b in zip(names, g1, g3)}
+            case["wy_kernel_replays"] = replay_wy(spies["_wyb_wy_kernel"].last)
             report["cases"].append(case)
             print(json.dumps(dict((k, v) for k, v in case.items() if k != "launches")), flush=True)
             for ln in launches:

@@ -238,10 +238,11 @@ def _wyb_dqk_kernel(
 @jit
 def _wyb_wy_kernel(
     k_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, dw_ptr, dvn_ptr, row0_ptr, nrow_ptr,
-    dk_ptr, dg_ptr, dv_ptr, db_ptr,
+    dk_ptr, dg_ptr, dv_ptr, db_ptr, dbg_ptr,
     H, REP, DK, DV, s_kt, s_kh, s_vt, s_vh, s_bt,
     C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, KK_MODE: tl.constexpr = 0,
+    DBG: tl.constexpr = False,
 ):
     # One program per (value head h, chunk p): through the WY representation. Reads dW, dU = dVn,
     # the dk and dG parts of ``_wyb_dqk_kernel``; writes dv, dbeta, dk (completed), dg.
@@ -276,19 +277,36 @@ def _wyb_wy_kernel(
         dbeta += tl.sum(dVb * V, axis=1)
     # dW: dT += dW (k beta e^G)^T; k k^T
     kk = tl.zeros((C, C), dtype=tl.float32)
+    if KK_MODE == 2:
+        for d0 in range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            Ka = tl.load(kb + t[:, None] * s_kt + dc[None, :], mask=ok[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
+            Kb = tl.load(kb + t[:, None] * s_kt + dc[None, :], mask=ok[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
+            kk = tl.dot(Ka, tl.trans(Kb), kk, input_precision=PREC)
     for d0 in range(0, DKP, BK):
         dc = d0 + tl.arange(0, BK)
         dm = dc[None, :] < DK
         K = tl.load(kb + t[:, None] * s_kt + dc[None, :], mask=ok[:, None] & dm, other=0.0).to(tl.float32)
         dW = tl.load(dw_ptr + pc * (C * DK) + t[:, None] * DK + dc[None, :], mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
         dT = tl.dot(dW, tl.trans((K * coef[:, None]).to(OP_DT).to(DOT_DT)), dT, input_precision=PREC)
-        Ko = K.to(OP_DT).to(DOT_DT)
-        kk = tl.dot(Ko, tl.trans(Ko), kk, input_precision=PREC)
+        if KK_MODE == 0:
+            Ko = K.to(OP_DT).to(DOT_DT)
+            kk = tl.dot(Ko, tl.trans(Ko), kk, input_precision=PREC)
+        elif KK_MODE == 1:
+            Kb = tl.load(kb + t[:, None] * s_kt + dc[None, :], mask=ok[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
+            kk = tl.dot(K.to(OP_DT).to(DOT_DT), tl.trans(Kb), kk, input_precision=PREC)
     # dA = strict_lower(-T^T dT T^T); through A = beta KK Gam
     X = tl.dot(TmT, dT.to(OP_DT).to(DOT_DT), input_precision=PREC)
     dA = tl.where(strict, -tl.dot(X.to(OP_DT).to(DOT_DT), TmT, input_precision=PREC), 0.0)
     Gam = tl.where(strict, tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
     R = dA * kk * Gam
+    if DBG:   # intermediates for scripts/wy_bwd_determinism_probe.py: [P, H, 4, C, C] fp32
+        cc = t[:, None] * C + t[None, :]
+        tl.store(dbg_ptr + pc * (4 * C * C) + cc, kk)
+        tl.store(dbg_ptr + pc * (4 * C * C) + C * C + cc, dT)
+        tl.store(dbg_ptr + pc * (4 * C * C) + 2 * C * C + cc, dA)
+        tl.store(dbg_ptr + pc * (4 * C * C) + 3 * C * C + cc, R)
     dbeta += tl.sum(R, axis=1)
     PA = R * beta[:, None]
     dG = tl.load(dg_ptr + (r0 + t) * H + h, mask=ok, other=0.0) + tl.sum(PA, axis=1) - tl.sum(PA, axis=0)
@@ -363,7 +381,7 @@ def wy_chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = C
             num_stages=choice.bwd_stages)
         del dsn
         _wyb_wy_kernel[(H, P)](
-            kc, v, beta, f.gc, f.T, dw, dvn, f.row0, f.nrow, dk_h, dg, dv, dbeta, H, rep, Dk, Dv,
+            kc, v, beta, f.gc, f.T, dw, dvn, f.row0, f.nrow, dk_h, dg, dv, dbeta, dbeta, H, rep, Dk, Dv,
             kc.stride(0), kc.stride(1), v.stride(0), v.stride(1), beta.stride(0),
             C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **f.num, num_warps=choice.wyb_warps,
             num_stages=choice.bwd_stages)
