@@ -82,11 +82,13 @@ def replay_wy(last):
             a = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
             P, H = grid[1], grid[0]
             C = kw["C"]
-            dbg = torch.full((P, H, 4, C, C), float("nan"), device=a[0].device)
+            dbg = torch.full((P, H, 5, C, C), float("nan"), device=a[0].device)
             a[13] = dbg   # dbg_ptr
             NB._wyb_wy_kernel[grid](*a, **kw, KK_MODE=mode, DBG=True)
             runs.append(dict(dg=a[10], dv=a[11], dbeta=a[12], dk=a[9], kk=dbg[:, :, 0], dT=dbg[:, :, 1],
-                             dA=dbg[:, :, 2], R=dbg[:, :, 3]))
+                             dA=dbg[:, :, 2], R=dbg[:, :, 3], dbeta_vpart=dbg[:, :, 4, 0],
+                             dG_after_PA=dbg[:, :, 4, 1], dbeta_after_R=dbg[:, :, 4, 2],
+                             dG_before_cumsum=dbg[:, :, 4, 3], dbeta_final=dbg[:, :, 4, 4]))
         out[f"kk_mode{mode}"] = {n: int((bits(runs[0][n]) != bits(runs[1][n])).sum()) for n in runs[0]}
         print(f"   replay KK_MODE={mode}: {out[f'kk_mode{mode}']}", flush=True)
     return out

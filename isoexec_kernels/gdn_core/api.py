@@ -87,9 +87,10 @@ about 0.8 GB at B=256, H=32, D=128; freed after the step, reused inside a CUDA g
 
 Backward (trainer): the gradient of the chunk form of the same function
 (``chunk_form.torch_chunk_form``), recomputed in the backward by ``chunk_form_backward``: on CUDA
-the fused Triton kernels of ``chunk_backward.py`` (tf32x3 dots, fixed reduction orders, no
-atomics: deterministic run to run), elsewhere autograd through the torch chunk form; correct at
-tolerance, not on the invariant path (the rollout never differentiates).
+the native chunk path's WY backward kernels (``native_wy_backward.py``, by ``CPR_BWD_KIND``; bf16
+operands with fp32 accumulation for bf16 values, fixed reduction orders, no atomics: deterministic
+run to run), elsewhere autograd through the torch chunk form; correct at tolerance, not on the
+invariant path (the rollout never differentiates).
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ from .plan import _check
 from .reference import gdn_cpr_decode_reference, gdn_cpr_engine_reference, gdn_cpr_varlen_reference
 from .state import CHUNK, GDNState
 from .triton_kernels import gdn_cpr_decode_triton, gdn_cpr_engine_triton, gdn_cpr_varlen_triton
+
+
+CPR_BWD_KIND = "wy"
+"""The CPR trainer's backward kernels (``chunk_form_backward``'s ``kernels``): "wy", the native
+chunk path's WY backward (the gradient at the stock kernels' rounding; only forward bits must
+agree between trainer and engine, so the backward takes the fastest deterministic form), or
+"shared", the tf32x3 backward of ``chunk_backward.py`` (CPR's until #14)."""
 
 
 def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
@@ -122,7 +130,7 @@ class _CPRVarlenFn(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, g, beta, cu = ctx.saved_tensors
         inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
-        grads = chunk_form_backward(inputs, cu, ctx.chunk, do)
+        grads = chunk_form_backward(inputs, cu, ctx.chunk, do, kernels=CPR_BWD_KIND)
         return (*grads, None, None)
 
 

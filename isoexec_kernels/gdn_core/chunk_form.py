@@ -91,20 +91,30 @@ def _use_triton_backward(q) -> bool:
     return q.dtype != torch.float64 and (want_triton(q) or triton_usable(q))
 
 
-def chunk_form_backward(inputs, cu_seqlens, chunk, grad_out):
+def chunk_form_backward(inputs, cu_seqlens, chunk, grad_out, kernels: str = "shared"):
     """Gradients of the torch chunk form (``chunk_form.torch_chunk_form``) at ``inputs``
     = (q, k, v, g, beta): the backward of every trainer path of this package. CUDA tensors (or
-    CPU tensors under the Triton interpreter) take the fused Triton backward of
-    ``chunk_backward.py``; others (and float64) differentiate ``torch_chunk_form`` by autograd.
-    Each returned gradient has its input's dtype (None where the input needs none)."""
+    CPU tensors under the Triton interpreter) take fused Triton kernels, by ``kernels``:
+    "shared", those of ``chunk_backward.py`` (tf32x3 dots, fp32 storage); "wy", the WY backward of
+    ``native_wy_backward.py`` (the stock kernels' form and rounding: bf16 operands for bf16
+    values, TF32 for fp32; chunks of ``WY_CHUNKS`` only, others take "shared"). Both are the
+    gradient of one function at different roundings, deterministic run to run (fixed orders, no
+    atomics); the forward's bits do not depend on the choice. Other tensors (and float64)
+    differentiate ``torch_chunk_form`` by autograd. Each returned gradient has its input's dtype
+    (None where the input needs none)."""
+    if kernels not in ("shared", "wy"):
+        raise ValueError(f"GDN backward kernels must be 'shared' or 'wy'; got {kernels!r}")
     q = inputs[0]
     if q.shape[0] == 0:   # no token (a data-parallel rank holding no sequence): nothing to chunk
         return [torch.zeros_like(x) if x.requires_grad else None for x in inputs]
     if _use_triton_backward(q):
-        from .chunk_backward import chunk_backward_triton
+        from .native_wy import WY_CHUNKS
 
-        grads = chunk_backward_triton(*(x.detach() for x in inputs), cu_seqlens, grad_out.detach(),
-                                      chunk=chunk)
+        if kernels == "wy" and chunk in WY_CHUNKS:
+            from .native_wy_backward import wy_chunk_backward_triton as backward
+        else:
+            from .chunk_backward import chunk_backward_triton as backward
+        grads = backward(*(x.detach() for x in inputs), cu_seqlens, grad_out.detach(), chunk=chunk)
         return [gr.to(orig.dtype) if orig.requires_grad else None for gr, orig in zip(grads, inputs)]
     with torch.enable_grad():
         xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]

@@ -40,7 +40,6 @@ from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
 from .plan import _check, _host_lens, chunk_plan
 from .native_wy import WY_CHUNKS, wy_chunk_triton
-from .native_wy_backward import wy_chunk_backward_triton
 from .state import CHUNK, GDNState
 from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_state, tile_constants, triton_cdiv
 
@@ -184,11 +183,7 @@ def _trainer_backward(inputs, cu_seqlens, chunk, do, kind, bwd_kind=None):
     bwd_kind = bwd_kind or NATIVE_BWD_KIND
     if bwd_kind not in ("wy", "shared"):
         raise ValueError(f"native backward kind must be 'wy' or 'shared'; got {bwd_kind!r}")
-    q = inputs[0]
-    if kind == "chunk" and bwd_kind == "wy" and chunk in WY_CHUNKS and q.dtype != torch.float64 and q.shape[0]:
-        grads = wy_chunk_backward_triton(*(x.detach() for x in inputs), cu_seqlens, do.detach(), chunk=chunk)
-        return [gr.to(x.dtype) if x.requires_grad else None for gr, x in zip(grads, inputs)]
-    return chunk_form_backward(inputs, cu_seqlens, chunk, do)
+    return chunk_form_backward(inputs, cu_seqlens, chunk, do, kernels=bwd_kind if kind == "chunk" else "shared")
 
 
 def _varlen_triton(q, k, v, g, beta, cu_seqlens, chunk, kind):

@@ -301,15 +301,19 @@ def _wyb_wy_kernel(
     dA = tl.where(strict, -tl.dot(X.to(OP_DT).to(DOT_DT), TmT, input_precision=PREC), 0.0)
     Gam = tl.where(strict, tl.exp(tl.where(strict, G[:, None] - G[None, :], 0.0)), 0.0)
     R = dA * kk * Gam
-    if DBG:   # intermediates for scripts/wy_bwd_determinism_probe.py: [P, H, 4, C, C] fp32
+    if DBG:   # intermediates for scripts/wy_bwd_determinism_probe.py: [P, H, 5, C, C] fp32
         cc = t[:, None] * C + t[None, :]
-        tl.store(dbg_ptr + pc * (4 * C * C) + cc, kk)
-        tl.store(dbg_ptr + pc * (4 * C * C) + C * C + cc, dT)
-        tl.store(dbg_ptr + pc * (4 * C * C) + 2 * C * C + cc, dA)
-        tl.store(dbg_ptr + pc * (4 * C * C) + 3 * C * C + cc, R)
+        tl.store(dbg_ptr + pc * (5 * C * C) + cc, kk)
+        tl.store(dbg_ptr + pc * (5 * C * C) + C * C + cc, dT)
+        tl.store(dbg_ptr + pc * (5 * C * C) + 2 * C * C + cc, dA)
+        tl.store(dbg_ptr + pc * (5 * C * C) + 3 * C * C + cc, R)
+        tl.store(dbg_ptr + pc * (5 * C * C) + 4 * C * C + t, dbeta)
     dbeta += tl.sum(R, axis=1)
     PA = R * beta[:, None]
     dG = tl.load(dg_ptr + (r0 + t) * H + h, mask=ok, other=0.0) + tl.sum(PA, axis=1) - tl.sum(PA, axis=0)
+    if DBG:
+        tl.store(dbg_ptr + pc * (5 * C * C) + 4 * C * C + C + t, dG)
+        tl.store(dbg_ptr + pc * (5 * C * C) + 4 * C * C + 2 * C + t, dbeta)
     D = dA * beta[:, None] * Gam
     DD = (D + tl.trans(D)).to(OP_DT).to(DOT_DT)
     # dk += dKb beta e^G + (D + D^T) k, dKb = T^T dW
@@ -326,6 +330,9 @@ def _wyb_wy_kernel(
         kbk = tl.sum(dKb * K, axis=1)
         dG += kbk * coef
         dbeta += kbk * eG
+    if DBG:
+        tl.store(dbg_ptr + pc * (5 * C * C) + 4 * C * C + 3 * C + t, dG)
+        tl.store(dbg_ptr + pc * (5 * C * C) + 4 * C * C + 4 * C + t, dbeta)
     dg = tl.cumsum(dG, axis=0, reverse=True)
     tl.store(dg_ptr + (r0 + t) * H + h, dg, mask=ok)
     tl.store(db_ptr + (r0 + t) * H + h, dbeta, mask=ok)

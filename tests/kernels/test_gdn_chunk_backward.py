@@ -1,8 +1,8 @@
 """Backward of the GDN chunk form (isoexec_kernels/gdn_core/chunk_backward.py): the torch reference
 twin and the fused Triton kernels against autograd through ``torch_chunk_form`` in float64, run-to-
-run determinism (two calls give the same bits), and the wiring (``chunk_form_backward``, hence
-``gdn_cpr_varlen``, and the native chunk trainer with ``NATIVE_BWD_KIND = "shared"``) on CUDA and
-under the Triton interpreter.
+run determinism (two calls give the same bits), and the wiring (``chunk_form_backward``, and
+``gdn_cpr_varlen`` / the native chunk trainer with ``CPR_BWD_KIND`` / ``NATIVE_BWD_KIND`` =
+"shared") on CUDA and under the Triton interpreter.
 
 Lengths cross the chunk grid (1, C - 1, C, C + 1, several chunks, an empty sequence); GQA with
 H = 2 Hk (and H = 3 Hk with Dk, Dv that are not powers of two in the masked case)."""
@@ -125,12 +125,12 @@ def interp_case_chunk_backward_triton_matches_float64_repeats_and_is_wired(kb):
     second = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
     for name, a, b in zip(NAMES, first, second):
         kb.assert_bitwise(a, b, f"second call d{name}")
-    # wiring: gdn_cpr_varlen's autograd -> chunk_form_backward -> the Triton backward (under the
-    # interpreter CPU tensors take it); sum(o * do) gives the backward exactly dO = do
+    # wiring: chunk_form_backward(kernels="shared") -> the Triton backward (under the interpreter
+    # CPU tensors take it); sum(o * do) gives the backward exactly dO = do
     leaves = [x.clone().requires_grad_() for x in xs]
-    (G.gdn_cpr_varlen(*leaves, cu, chunk=C) * do).sum().backward()
-    for name, leaf, b in zip(NAMES, leaves, first):
-        kb.assert_bitwise(leaf.grad, b, f"gdn_cpr_varlen grad d{name}")
+    wired = chunk_form_backward(leaves, cu, C, do, kernels="shared")
+    for name, w, b in zip(NAMES, wired, first):
+        kb.assert_bitwise(w, b, f"chunk_form_backward d{name}")
 
 
 def interp_case_chunk_backward_triton_masked_dims_rep3_bf16_values_strided(kb):
@@ -203,9 +203,10 @@ def test_chunk_backward_cuda_deterministic_at_trainer_size(kb):
 
 @pytest.mark.gpu
 def test_chunk_backward_cuda_through_trainer_autograd(kb, monkeypatch):
-    # CPR's trainer takes this backward; the native chunk trainer takes it when asked for the shared
-    # backward (its default is its own WY backward, tests/kernels/test_gdn_native_wy.py)
+    # CPR's trainer and the native chunk trainer take this backward when asked for the shared one
+    # (their default is the WY backward, tests/kernels/test_gdn_native_wy.py)
     monkeypatch.setattr(N, "NATIVE_BWD_KIND", "shared")
+    monkeypatch.setattr(G.api, "CPR_BWD_KIND", "shared")
     xs, cu, do = _cuda(*make_inputs([700, 64, 129, 1], **QWEN35, seed=22))
     direct = CB.chunk_backward_triton(*xs, cu, do, chunk=G.CHUNK)
     want = autograd64(xs, cu, do, G.CHUNK)

@@ -316,6 +316,13 @@ def interp_case_native_wy_backward_bf16_matches_twin_and_is_wired(kb):
     direct = CB.chunk_backward_triton(*inp, do, chunk=64)
     for i in (0, 1, 4):
         kb.assert_bitwise(shared[i], direct[i], f"shared d{NAMES[i]}")
+    # CPR's trainer takes the same WY backward (its forward bits are its own; the gradient is the
+    # same function's, at the stock kernels' rounding)
+    assert G.api.CPR_BWD_KIND == "wy"
+    leaves = [x.clone().requires_grad_() for x in inp[:5]]
+    (G.gdn_cpr_varlen(*leaves, inp[5], chunk=64) * do).sum().backward()
+    for name, leaf, d in zip(NAMES, leaves, got):
+        kb.assert_bitwise(leaf.grad, d.to(leaf.dtype), f"gdn_cpr_varlen grad d{name}")
 
 
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
@@ -395,10 +402,11 @@ def test_native_wy_cuda_backward_matches_float64_repeats_and_is_the_trainer_grad
     again = NB.wy_chunk_backward_triton(*inp, do)
     for name, a, b in zip(NAMES, got, again):
         kb.assert_bitwise(a, b, f"second call d{name}")
-    leaves = [x.clone().requires_grad_() for x in inp[:5]]
-    (N.gdn_chunk_varlen(*leaves, inp[5]) * do).sum().backward()
-    for name, leaf, d in zip(NAMES, leaves, got):
-        kb.assert_bitwise(leaf.grad, d.to(leaf.dtype), f"gdn_chunk_varlen grad d{name}")
+    for fn in (N.gdn_chunk_varlen, G.gdn_cpr_varlen):   # both trainers take this backward
+        leaves = [x.clone().requires_grad_() for x in inp[:5]]
+        (fn(*leaves, inp[5]) * do).sum().backward()
+        for name, leaf, d in zip(NAMES, leaves, got):
+            kb.assert_bitwise(leaf.grad, d.to(leaf.dtype), f"{fn.__name__} grad d{name}")
     # fp32 operands at tf32x3: fp32-class gradients
     exact = NB.wy_chunk_backward_triton(*inp, do, choice=NW.NativeWYChoice(dot="tf32x3"))
     check_grads(kb, exact, autograd64(inp, do, G.CHUNK), 2e-5, "cuda tf32x3 vs float64")
