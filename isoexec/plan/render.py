@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from .activations import LOGIT_FP32_COPIES
+from .expert_slices import REPLICA_SUM_BYTES
 from .memory import MemoryPlan
 from .rows import GIB, PlanRow
 from .states import GATHERED_LAYERS, REDUCE_BYTES, STATE_LABELS, STATES
@@ -54,6 +55,16 @@ def _engine_line(rows) -> str:
             "rank's shards, its KV pages the rank's kv heads), else whole on every GPU.")
 
 
+def _trainer_line(wf, rows) -> str:
+    if wf.dp == 1:
+        return "one process (isoexec.train.Trainer)"
+    out = f"FSDP2 over dp = {wf.dp} (isoexec.dist.fsdp)"
+    if any(r.shape.trainer_ep > 1 for r in rows):
+        out += (", the routed experts over trainer_ep GPUs where a row's `trainer EP` says so (each GPU its "
+                "slice whole, isoexec.dist.fsdp.ExpertParallelTrainer)")
+    return out
+
+
 def header_lines(plan: MemoryPlan) -> list[str]:
     wf = plan.workflow
     out = [f"Memory plan of {wf.path}: run {wf.run_name!r}, arch {wf.arch}, gpus {wf.gpus}"
@@ -61,8 +72,7 @@ def header_lines(plan: MemoryPlan) -> list[str]:
            + (f" (merged over {_shown(wf.merged_over)}, as `snakemake --configfile` does)" if wf.merged_over else "")
            + ".",
            f"GPU memory: {plan.gpu_gib:g} GiB per GPU ({plan.gpu_note}).",
-           f"Trainer: {'one process (isoexec.train.Trainer)' if wf.dp == 1 else f'FSDP2 over dp = {wf.dp} (isoexec.dist.fsdp)'}; "
-           + _engine_line(plan.rows)]
+           f"Trainer: {_trainer_line(wf, plan.rows)}; " + _engine_line(plan.rows)]
     if not wf.rl_enabled:
         out.append("rl.enabled is false: the workflow starts no RL run; the plan is of the runs its settings describe.")
     return out
@@ -70,7 +80,8 @@ def header_lines(plan: MemoryPlan) -> list[str]:
 
 def tables(rows: list[PlanRow]) -> list[Table]:
     out = []
-    layouts = list(dict.fromkeys(r.per_param for r in rows))
+    layouts = list(dict.fromkeys([r.per_param for r in rows] + [r.expert_per_param for r in rows
+                                                                  if r.expert_per_param]))
     for pp in layouts:
         notes = pp.notes()
         body = [[STATE_LABELS[s], _bytes(getattr(pp, s)), notes[s]] for s in STATES]
@@ -86,13 +97,15 @@ def tables(rows: list[PlanRow]) -> list[Table]:
                        _count(p.norms), _count(p.lm_head) if p.lm_head else "tied", f"{p.total:,}"]
                       for (fam, model), p in models.items()],
                      set(range(2, 9))))
-    head = ["family", "arms", "params", "dp", "engine TP", *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state",
-            "activations", "total", "GPU", "verdict"]
+    # the trainer's expert-parallel size, where a row has one (a config without leaves the table as it was)
+    ep = any(r.shape.trainer_ep > 1 for r in rows)
+    head = ["family", "arms", "params", "dp", "engine TP", *(["trainer EP"] if ep else []),
+            *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state", "activations", "total", "GPU", "verdict"]
     body = []
     for r in rows:
         s = r.shape
         body.append([s.family, ", ".join(s.arms), _count(r.params.total), str(s.dp), str(s.engine_tp),
-                     *[_gib(r.states[k]) for k in STATES], _gib(r.kv_pool),
+                     *([str(s.trainer_ep)] if ep else []), *[_gib(r.states[k]) for k in STATES], _gib(r.kv_pool),
                      _gib(r.recurrent_state) if r.recurrent_state else "-", _gib(r.activations), _gib(r.total),
                      _gib(r.capacity), r.verdict()])
     out.append(Table("Per GPU, GiB", head, body, set(range(2, len(head) - 1))))
@@ -110,9 +123,24 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
                    f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens"
                    f"{' (activation checkpointing)' if s.activation_checkpointing else ''}; activations: trainer "
                    f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB"
-                   + (f"; FSDP2 units: root {_count(r.units.root)} (embedding, final norm, lm_head), largest layer "
-                      f"{_count(r.units.layer)}: gathered {_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
-                      f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "") + ".")
+                   + (f"; FSDP2 units: root {_count(r.units.root)} (embedding, final norm, lm_head), largest layer"
+                      f"{' without its routed experts' if r.experts else ''} {_count(r.units.layer)}: gathered "
+                      f"{_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
+                      f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "")
+                   + (_expert_note(r) if r.experts else "") + ".")
+    if any(r.experts for r in rows):
+        out.append(
+            "Expert-parallel trainer (trainer_ep > 1, isoexec.dist.fsdp.ExpertParallelTrainer): the ranks form "
+            "dp / trainer_ep groups of trainer_ep consecutive GPUs, each group one copy of every MoE layer's routed "
+            "experts, each GPU its slice of whole experts (the largest rank's counted when trainer_ep does not "
+            "divide them); the slice is out of FSDP2, held whole in the compute dtype with its fp32 master and two "
+            "fp32 moments, and its gradients are slice-sized: p.grad in the compute dtype beside the fp32 master "
+            "gradient, plus one expert weight in flight after the backward (the fp32 copy of its p.grad, or its "
+            f"replica sum: {REPLICA_SUM_BYTES} bytes per element per replica). Every other parameter is sharded by "
+            "FSDP2 over all dp GPUs, its units without the experts (gathered and in flight). Activations: the "
+            "estimate counts a GPU's own tokens' top-k expert rows; under expert parallelism its experts run the "
+            "rows the ep group sends them instead (the same count under balanced routing, more under imbalance), "
+            "and the exchange's send and receive buffers are not counted.")
     out += [
         "Engine pools: the settings `isoexec run` builds its engine with (isoexec.rl.loop.engine_config: "
         "engine.* of the config over one running sequence and full-length KV pages for every sequence of a "
@@ -137,6 +165,19 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         "(loading refuses a tensor whose shape differs).",
     ]
     return out
+
+
+def _expert_note(r: PlanRow) -> str:
+    """A row's expert-parallel slice: who holds what, and its bytes."""
+    x, dtype = r.experts, r.shape.dtype
+    per_gpu = " or ".join(map(str, sorted(set(x.experts_per_rank))))     # 7 over 2: "3 or 4"
+    groups = f"{x.replicas} ep group{'s' if x.replicas > 1 else ''}"
+    sb = x.state_bytes(dtype)
+    return (f"; trainer_ep {x.ep}: {groups} of {x.ep} GPUs, each GPU {per_gpu} of the "
+            f"{x.experts} routed experts of every MoE layer, a slice of {_count(x.slice)} of "
+            f"{_count(x.total)} expert weights: weights {_gib(sb['weights'])}, fp32 master {_gib(sb['master'])}, "
+            f"Adam {_gib(sb['adam'])}, gradients {_gib(sb['grads'])} + in flight "
+            f"{_gib(x.grads_in_flight_bytes(dtype))} GiB")
 
 
 def _text_table(t: Table) -> str:

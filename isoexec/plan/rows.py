@@ -7,6 +7,11 @@ mini-batch (under FSDP2 the gathered units and the gradient in flight are added 
 weights and the gradients: ``states.FsdpUnits``), plus the larger of the two phases' activations (rollout and training alternate in the
 synchronous loop; the gradients are freed between mini-batches, so adding them to the rollout's
 activations overstates that phase a little, never the training one).
+
+With ``trainer_ep`` > 1 the routed experts leave the FSDP2 layout: the parameters FSDP2 still
+shards take ``bytes_per_param`` at dp = every GPU, this GPU's expert slice takes
+``expert_slices``'s bytes (the largest rank's slice), and the gradient in flight is the larger of
+FSDP2's (units without the experts, during the backward) and one expert weight's (after it).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass
 from .activations import engine_activation_bytes, micro_batch_tokens, trainer_activation_bytes
 from .engine_pools import engine_weight_elements, kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
 from .params import ParamCount, count_parameters
-from .states import DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, FsdpUnits, bytes_per_param, fsdp_units
+from .expert_slices import ExpertSlices, expert_slices
+from .states import (DTYPE_BYTES, FROZEN_BYTES, STATES, BytesPerParam, FsdpUnits, bytes_per_param,
+                     expert_bytes_per_param, fsdp_units)
 from .workflow_config import RunShape
 
 GIB = 1 << 30
@@ -42,6 +49,8 @@ class PlanRow:
     engine_activations: int
     capacity: int                 # bytes of one GPU
     units: FsdpUnits | None = None    # the FSDP2 units (dp > 1), counted into weights and grads
+    experts: ExpertSlices | None = None          # trainer_ep > 1: this GPU's routed-expert slice
+    expert_per_param: BytesPerParam | None = None   # trainer_ep > 1: the experts' bytes per parameter
 
     @property
     def activations(self) -> int:
@@ -85,12 +94,20 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
     params = count_parameters(cfg)
     pp = bytes_per_param(shape.dtype, shape.dp)
     states = {s: int(params.trainable * getattr(pp, s)) for s in STATES}
+    experts = expert_pp = None
+    if shape.trainer_ep > 1:    # the routed experts out of FSDP2: the rest sharded, this GPU's slice whole
+        experts = expert_slices(shape.family, cfg, shape.trainer_ep, shape.dp)
+        expert_pp = expert_bytes_per_param(shape.dtype, shape.dp, shape.trainer_ep)
+        for s, slice_bytes in experts.state_bytes(shape.dtype).items():
+            states[s] = int((params.trainable - experts.total) * getattr(pp, s)) + slice_bytes
     states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
     states["engine"] += params.frozen * FROZEN_BYTES
-    units = fsdp_units(shape.family, cfg) if shape.dp > 1 else None
+    units = fsdp_units(shape.family, cfg, shape.trainer_ep) if shape.dp > 1 else None
     if units is not None:
         states["weights"] += units.gathered_bytes(shape.dtype)
-        states["grads"] += units.grads_in_flight_bytes(shape.dtype)
+        # FSDP2's reduce-scatter runs in the backward, the expert weights' after it: never at once
+        states["grads"] += max(units.grads_in_flight_bytes(shape.dtype),
+                               experts.grads_in_flight_bytes(shape.dtype) if experts else 0)
     if shape.engine_tp > 1:     # a tensor-parallel engine: this GPU's shards, not the whole model
         states["engine"] = engine_weight_elements(shape.family, cfg, shape.engine_tp) * b
     return PlanRow(
@@ -102,4 +119,4 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b,
             checkpointing=shape.activation_checkpointing),
         engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),
-        capacity=capacity_bytes, units=units)
+        capacity=capacity_bytes, units=units, experts=experts, expert_per_param=expert_pp)

@@ -24,6 +24,12 @@ Read off what the trainer and the engine keep (not a rule of thumb):
     backward's start) waits for the root's reduce-scatter, which comes last.
 - the engine (``RLRun.engine_model``): a second model in the compute dtype, whole on every GPU (a
   tensor-parallel engine's shards are counted in ``rows.plan_row``, not per parameter here).
+- the expert-parallel trainer (``rl.settings.trainer_ep: e`` > 1, the MoE families): every
+  parameter but the routed experts is FSDP2-sharded over all N GPUs as above (dp = N); the routed
+  experts leave FSDP2 and each GPU holds its slice of them whole, ``1 / e`` of the experts when e
+  divides E: compute-dtype weights, fp32 masters, two fp32 moments, and a slice-sized ``p.grad`` plus
+  fp32 master gradient (``expert_bytes_per_param``; the exact slice and what is in flight:
+  ``expert_slices``). The FSDP2 units then hold no expert (``fsdp_units(..., trainer_ep)``).
 
 Frozen parameters (``requires_grad=False``: mla_moe's fp32 router correction bias) are fp32 in
 both models and have no master, moments or gradient.
@@ -34,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model import FAMILY_MODELS
+from ..model.ep_moe import is_expert_weight
 
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4}
 FROZEN_BYTES = 4
@@ -58,6 +65,7 @@ class BytesPerParam:
     adam: float
     grads: float
     engine: float
+    ep: int = 1                   # > 1: the routed experts' layout under the expert-parallel trainer
 
     @property
     def total(self) -> float:
@@ -65,11 +73,22 @@ class BytesPerParam:
 
     @property
     def trainer(self) -> str:
+        if self.ep > 1:
+            return f"routed experts, trainer_ep = {self.ep} of {self.dp} GPUs"
         return "Trainer, one process" if self.dp == 1 else f"FSDP2 over dp = {self.dp}"
 
     def notes(self) -> dict[str, str]:
         """What each state is, for the table's legend."""
         engine = f"the engine's own model ({self.dtype}), whole on every GPU"
+        if self.ep > 1:
+            b, e = DTYPE_BYTES[self.dtype], self.ep
+            return {"weights": f"this GPU's slice of the experts ({self.dtype}, {b} / {e}), held whole: not "
+                               "in FSDP2, never gathered",
+                    "master": f"the slice's fp32 masters (4 / {e}, ExpertParallelAdamW)",
+                    "adam": f"two fp32 moments of the slice (8 / {e})",
+                    "grads": f"the slice's p.grad ({self.dtype}) + its fp32 master gradient (({b} + 4) / {e}); "
+                             "per row, one expert weight's in flight",
+                    "engine": engine}
         if self.dp == 1:
             return {"weights": f"the model's parameters ({self.dtype})", "master": "an fp32 copy of each parameter",
                     "adam": "two fp32 moments", "grads": f"p.grad ({self.dtype}) + the fp32 master gradient",
@@ -79,6 +98,26 @@ class BytesPerParam:
                 "master": f"the fp32 shards (4 / {self.dp})", "adam": f"two fp32 moments, sharded (8 / {self.dp})",
                 "grads": f"the fp32 sharded gradient (4 / {self.dp}); per row, one unit's gradient in flight",
                 "engine": engine}
+
+
+def expert_slice_bytes_per_element(dtype: str) -> dict[str, float]:
+    """Bytes per element of the expert-parallel trainer's expert slice, per trainer state: the
+    compute-dtype weights, an fp32 master, two fp32 moments, and the compute-dtype ``p.grad`` beside
+    the fp32 master gradient (``expert_slices`` module docstring)."""
+    b = DTYPE_BYTES[dtype]
+    return {"weights": b, "master": 4, "adam": 8, "grads": b + 4}
+
+
+def expert_bytes_per_param(dtype: str, dp: int, ep: int) -> BytesPerParam:
+    """Bytes per routed-expert parameter of the model on one GPU with the trainer's experts over
+    ``ep`` of ``dp`` GPUs: the slice's bytes per element over ``ep`` (exact when ``ep`` divides the
+    experts; the rows count the largest rank's slice exactly)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: the trainer computes in {' or '.join(DTYPE_BYTES)}")
+    if not 1 < ep <= dp:
+        raise ValueError(f"trainer_ep {ep}: the expert layout needs 1 < ep <= dp ({dp})")
+    per = expert_slice_bytes_per_element(dtype)
+    return BytesPerParam(dtype, dp, **{s: v / ep for s, v in per.items()}, engine=DTYPE_BYTES[dtype], ep=ep)
 
 
 def bytes_per_param(dtype: str, dp: int) -> BytesPerParam:
@@ -114,10 +153,17 @@ class FsdpUnits:
         return max(b * self.root + REDUCE_BYTES * self.layer, REDUCE_BYTES * self.root)
 
 
-def fsdp_units(family: str, cfg) -> FsdpUnits:
+def fsdp_units(family: str, cfg, trainer_ep: int = 1) -> FsdpUnits:
     """The units of ``family``'s model built from ``cfg``, counted on the ``meta`` device (no
-    memory): the same modules ``shard_model`` shards, so a change to a layer changes the plan."""
+    memory): the same modules ``shard_model`` shards, so a change to a layer changes the plan.
+    With ``trainer_ep`` > 1 the parameters ``ExpertParallelTrainer`` leaves out of FSDP2 are not in
+    them: the routed-expert slices and the frozen ones (its ``ignored``)."""
     model = FAMILY_MODELS[family][0](cfg, device="meta")
+
+    def managed(named) -> int:
+        return sum(p.numel() for n, p in named
+                   if trainer_ep == 1 or (p.requires_grad and not is_expert_weight(n)))
+
     layers = {id(p) for p in model.layers.parameters()}
-    return FsdpUnits(root=sum(p.numel() for p in model.parameters() if id(p) not in layers),
-                     layer=max(sum(p.numel() for p in L.parameters()) for L in model.layers))
+    return FsdpUnits(root=managed((n, p) for n, p in model.named_parameters() if id(p) not in layers),
+                     layer=max(managed(L.named_parameters()) for L in model.layers))

@@ -17,6 +17,13 @@ The config is read as the workflow reads it, so the plan is of the runs Snakemak
 with ``rl.settings.engine_tp: t`` (any family), sharded over t GPUs: its weights are
 the largest rank's shards (``tensor_parallel.rank_parameter_count``), its KV pages hold
 ``num_kv_heads / t`` heads and its recurrent-state slots ``1 / t`` of the value heads and conv channels.
+With ``rl.settings.trainer_ep: e`` (the MoE families) the trainer is the expert-parallel one: the
+routed experts over groups of e GPUs (``expert_slices``), the rest sharded by FSDP2 over every GPU.
+Settings either run would refuse are refused here by the run's own checks: ``check_trainer_ep``
+(e must divide the world, and a one-process run has no experts to deal) and, as
+``ExpertParallelTrainer`` does before its meshes, ``ep_moe.check_ep`` on the model with the arm's
+contract installed (the contract's ep claim, more ranks than routed experts); ``RLConfig`` refuses a
+family without routed experts.
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ from ..enforce import RuntimeFacts, check_topology
 from ..engine.engine import contract_page_size
 from ..errors import ConfigError, IsoExecError
 from ..model import FAMILY_MODELS
+from ..model.ep_moe import check_ep
 from ..model.hybrid import contract_gdn_chunk
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
-from ..rl.distributed import check_engine_tp, check_world
+from ..rl.distributed import check_engine_tp, check_trainer_ep, check_world
 from ..rl.loop import RLConfig, engine_config, kv_page
 from ..rl.warmup import resolved_dtype
 from ..train.trainer import TrainConfig
@@ -65,6 +73,7 @@ class RunShape:
     micro_batch_budget: int         # TrainConfig.micro_batch_tokens
     longest_sequence: int           # max_prompt_tokens + max_response_tokens
     activation_checkpointing: bool = False   # TrainConfig.activation_checkpointing
+    trainer_ep: int = 1             # the trainer's expert-parallel size (1: the experts sharded by FSDP2)
 
     def plan_key(self) -> tuple:
         """Arms with equal keys get one row (their numbers are the same)."""
@@ -109,6 +118,15 @@ def _default(schema: dict, *keys: str):
     for k in keys:
         node = node["properties"][k]
     return node.get("default")
+
+
+def check_trainer_ep_topology(family: str, cfg, contract, arch: str, ep: int) -> None:
+    """Refuse what ``ExpertParallelTrainer`` refuses before its meshes at ``ep``, with its own check
+    (``ep_moe.check_ep``: the contract's ep claim, more ranks than routed experts), on the family's
+    model built on the ``meta`` device with ``contract`` installed, as the run installs it."""
+    model = FAMILY_MODELS[family][0](cfg, device="meta")
+    model.install(contract, RuntimeFacts(arch=arch))
+    check_ep(model, ep, arch)
 
 
 def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> WorkflowPlan:
@@ -158,11 +176,14 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 train = TrainConfig.from_dict({"seed": seed, **run.train})
                 check_world(run, plan.dp)          # what the run refuses at this world size, refused here
                 check_engine_tp(run, plan.dp)
+                check_trainer_ep(run, plan.dp)
                 contract = build_contract(family, comp, arch, name)
                 if run.engine_tp > 1:      # the run's cut refuses a tp the contract or the heads do not allow
                     model = FAMILY_MODELS[family][0](cfg, device="meta")
                     check_topology(contract, RuntimeFacts(arch=arch, tp=run.engine_tp),
                                    model.tp_problems(contract, run.engine_tp))
+                if run.trainer_ep > 1:
+                    check_trainer_ep_topology(family, cfg, contract, arch, run.trainer_ep)
                 page_bytes, page_size = kv_page(run, cfg, contract)
                 engine = engine_config(run, plan.dp // run.engine_tp, page_bytes, page_size)   # one per engine group
             except IsoExecError as exc:
@@ -177,7 +198,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 micro_batch_budget=train.micro_batch_tokens,
                 longest_sequence=run.max_prompt_tokens + run.max_response_tokens,
-                activation_checkpointing=train.activation_checkpointing)
+                activation_checkpointing=train.activation_checkpointing, trainer_ep=run.trainer_ep)
             key = shape.plan_key()
             rows[key] = replace(rows[key], arms=rows[key].arms + (arm,)) if key in rows else shape
     plan.shapes = list(rows.values())
