@@ -97,7 +97,7 @@ def check(choice: NW.NativeWYChoice, dot: str = "bf16", Dk: int = 128, Dv: int =
                      dict(C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **num), choice.dqk_warps, choice.bwd_stages),
             _compile(NB._wyb_wy_kernel, dict(k_ptr=st, v_ptr="*bf16", b_ptr=f32, gc_ptr=f32, t_ptr=st, dw_ptr=st,
                                              dvn_ptr=st, dbg_ptr=f32, **grads, **idx),
-                     dict(C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **num), choice.wyb_warps, choice.bwd_stages),
+                     dict(C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, KK_MODE=NB.WYB_KK_MODE, **num), choice.wyb_warps, choice.bwd_stages),
         ]
     return out
 

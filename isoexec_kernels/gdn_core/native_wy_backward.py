@@ -61,6 +61,14 @@ from .plan import _host_lens
 from .state import CHUNK
 
 
+WYB_KK_MODE = 2
+"""How ``_wyb_wy_kernel`` forms k k^T: 0 as a dot of one loaded tile with its own transpose inside
+the dT loop; 1 the same loop with the transposed operand loaded a second time; 2 in a loop of its
+own, both operands loaded separately. On the H200 (Triton 3.6) mode 0 gave dg and dbeta that
+differed between two calls on the same inputs (every other gradient equal);
+``scripts/wy_bwd_determinism_probe.py`` replays the kernel in each mode."""
+
+
 # --------------------------------------------------------------------------- Triton kernels
 
 
@@ -390,7 +398,7 @@ def wy_chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = C
         _wyb_wy_kernel[(H, P)](
             kc, v, beta, f.gc, f.T, dw, dvn, f.row0, f.nrow, dk_h, dg, dv, dbeta, dbeta, H, rep, Dk, Dv,
             kc.stride(0), kc.stride(1), v.stride(0), v.stride(1), beta.stride(0),
-            C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **f.num, num_warps=choice.wyb_warps,
+            C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **f.num, KK_MODE=WYB_KK_MODE, num_warps=choice.wyb_warps,
             num_stages=choice.bwd_stages)
     # GQA: value heads kh*REP .. kh*REP + REP - 1 share key head kh (one fixed-order sum)
     dq = dq_h.view(T, Hk, rep, Dk).sum(2)
