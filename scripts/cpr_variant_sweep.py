@@ -199,8 +199,8 @@ NATIVE_CANDIDATES = [   # (name, forward kind, NativeWYChoice, backward kind)
     ("legacy", "legacy", _P, "shared"),                                # the old native path
     ("wy", "wy", _P, "wy"),                                            # pinned
     ("wy_fwd_shared_bwd", "wy", _P, "shared"),
-    ("wy_state_bv64", "wy", _R(_P, state_bv=64), "wy"),
-    ("wy_state_bv64_w8", "wy", _R(_P, state_bv=64, state_warps=8), "wy"),
+    ("wy_state_bv32", "wy", _R(_P, state_bv=32), "wy"),               # pinned until the 616e196 sweep
+    ("wy_state_w8", "wy", _R(_P, state_warps=8), "wy"),
     ("wy_state_stages3", "wy", _R(_P, state_stages=3), "wy"),
     ("wy_out_bv128_w8", "wy", _R(_P, out_bv=128, out_warps=8), "wy"),
     ("wy_out_w8_stages3", "wy", _R(_P, out_warps=8, out_stages=3), "wy"),
