@@ -23,6 +23,7 @@ from typing import Callable
 from . import registry
 from .contract import (
     STANDARD_CASES,
+    TOPOLOGY_KINDS,
     Bounds,
     Case,
     Claims,
@@ -73,7 +74,7 @@ COMPOSITION_SCHEMA: dict = {
                 "topology": {"type": "array", "items": {
                     "type": "object", "additionalProperties": False, "required": ["axis", "kind", "domain", "proof"],
                     "properties": {"axis": {"enum": ["tp", "ep", "sp", "pp", "dp", "cp"]},
-                                   "kind": {"enum": ["invariant", "pinned"]},
+                                   "kind": {"enum": list(TOPOLOGY_KINDS)},
                                    "domain": {"type": "array", "minItems": 1, "items": {"type": "integer",
                                                                                       "minimum": 1}},
                                    "proof": _NAME}}},

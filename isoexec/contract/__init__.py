@@ -9,6 +9,7 @@ from .schema import (
     ROW_PARALLEL_OPS,
     SCHEMA_VERSION,
     STANDARD_CASES,
+    TOPOLOGY_KINDS,
     Bounds,
     Case,
     Claims,

@@ -22,12 +22,21 @@ SHAPES = ("static", "variable")
 HALVES = ("function", "deployment")
 DISCHARGE_KINDS = ("gate", "equivalence_proof", "neutrality_proof")
 TOPOLOGY_AXES = ("tp", "ep", "sp", "pp", "dp", "cp")
-TOPOLOGY_KINDS = ("invariant", "pinned")
+TOPOLOGY_KINDS = ("invariant", "pinned", "variant")
+"""What a topology claim says about the sizes of its ``domain`` (docs/contract.md): ``invariant``,
+every size computes the bits of size 1 (one process), so trainer and engine may run at different
+sizes of it; ``pinned``, a run must be at a size of the domain and nothing is said across sizes (the
+single-process compositions pin every axis to [1]); ``variant``, every size of the domain runs and
+the bits depend on the size (a stock collective adds the ranks' partials in the backend's order),
+so nothing is claimed across sizes and a tolerance of 0 cannot be claimed beside it (validate.py)."""
 
 ROW_PARALLEL_OPS = ("o_proj", "down_proj", "gdn_out_proj")
 """The ops a tensor-parallel model runs row-parallel (K cut between ranks, the ranks' partial sums
-added): a contract claiming a tp size above 1 must pin ``K_LEAVES`` (L, the K leaves of that sum,
-the same at every tp) on their regions, divisible by every claimed size (docs/scale_out.md). The
+added). Their ``K_LEAVES`` says how that sum is made: pinned (L, the K leaves of the sum, the same
+at every tp), the leaves are gathered and added in one fixed order; not pinned, the ranks' partials
+are summed by the backend's ``all_reduce``. So a contract claiming tp ``invariant`` above 1 must pin
+it on their regions, divisible by every claimed size, and one claiming tp ``variant`` must not pin
+it there (validate.py; docs/scale_out.md). The
 dense family's o_proj and down_proj, and the hybrid family's Gated DeltaNet out_proj besides; the
 MoE families' are the same ops (MLA's o_proj, mla_moe's dense down_proj, hybrid_moe's o_proj and
 out_proj): their MoE layers add nothing across ranks (isoexec/model/tp_moe.py)."""
@@ -153,6 +162,10 @@ class ExecutionContract:
 
     def entries_for(self, case: str) -> tuple[Entry, ...]:
         return tuple(e for e in self.composition if case in e.cases)
+
+    def topology_claim(self, axis: str) -> Optional[TopologyClaim]:
+        """The claim about ``axis`` (None if the contract makes none)."""
+        return next((t for t in self.claims.topology if t.axis == axis), None)
 
     def entry_for(self, op: str, case: str) -> Optional[Entry]:
         """The entry whose region holds logical ``op`` in ``case`` (None if uncovered)."""

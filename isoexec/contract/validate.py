@@ -3,8 +3,10 @@
 The rules (docs/contract.md): case ids are unique and entries only name declared cases; in every case
 each logical op belongs to exactly one region (an op uncovered in some case is a violation, not a
 default); a contract that claims a tolerance of 0 has a discharge on every function-half entry;
-claims name known cases and axes; a tp claim above 1 comes with a pinned K_LEAVES, divisible by
-every claimed size, on each row-parallel region; stored identities equal recomputed ones.
+claims name known cases and axes; a tp claim above 1 of kind invariant comes with a pinned
+K_LEAVES, divisible by every claimed size, on each row-parallel region, and one of kind variant
+with none there (its sums are all_reduce); a variant claim above 1 and a tolerance of 0 exclude each
+other; stored identities equal recomputed ones.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def validate(c: ExecutionContract, required_ops: frozenset[str] | None = None) -
         if t.axis == "tp":
             for msg in tp_leaf_problems(c, t.domain):
                 add(f"{p}.domain", msg)
+        if t.kind == "variant" and any(d > 1 for d in t.domain) and c.claims.claims_zero_tolerance:
+            # the trainer and the engine may run at different sizes of the axis (the RL run's trainer
+            # at tp 1, its engine at engine_tp), whose bits the claim says differ
+            add(f"{p}.kind", f"axis {t.axis!r} is claimed variant (its bits depend on its size) beside a "
+                "tolerance of 0 between cases, which a trainer and an engine at different sizes cannot keep: "
+                "claim it invariant, or claim no tolerance of 0")
     for i, s in enumerate(c.claims.state):
         if not s.invalidated_by:
             add(f"$.claims.state[{i}].invalidated_by", f"state {s.id!r} names no invalidating event")
@@ -126,18 +134,29 @@ def validate(c: ExecutionContract, required_ops: frozenset[str] | None = None) -
 
 
 def tp_leaf_problems(c: ExecutionContract, sizes) -> list[str]:
-    """Why ``c`` cannot serve the tensor-parallel ``sizes``: a row-parallel region (o_proj,
-    down_proj, gdn_out_proj: ``ROW_PARALLEL_OPS``) must pin its K leaf count L (``K_LEAVES``) and every size above 1 must divide it, so
-    that each rank holds L/tp whole leaves and every size adds the same L partials in one order."""
+    """Why ``c`` cannot serve the tensor-parallel ``sizes``, from its row-parallel regions (o_proj,
+    down_proj, gdn_out_proj: ``ROW_PARALLEL_OPS``), whose ``K_LEAVES`` says how the ranks' partials
+    are summed. Under a tp claim of kind ``variant`` they are summed by ``all_reduce``, so no such
+    region pins ``K_LEAVES`` (a pin would promise a fixed leaf order that the claim disowns).
+    Otherwise each must pin its K leaf count L and every size above 1 must divide it, so that each
+    rank holds L/tp whole leaves and every size adds the same L partials in one order."""
     out = []
     big = sorted(s for s in set(sizes) if s > 1)
     if not big:
         return out
+    claim = c.topology_claim("tp")
+    variant = claim is not None and claim.kind == "variant"
     for e in c.composition:
         rows = [o for o in e.region if o in ROW_PARALLEL_OPS]
         if not rows or e.half != "function":
             continue
         leaves = e.constants.get(K_LEAVES)
+        if variant:
+            if leaves is not None:
+                out.append(f"tp={', '.join(map(str, big))}: the tp claim is variant (row-parallel partials summed by "
+                           f"all_reduce), but row-parallel region {e.region_name!r} pins {K_LEAVES}={leaves!r}, a "
+                           "fixed leaf order: drop the pin, or claim tp invariant")
+            continue
         if leaves is None:
             sizes_text = ", ".join(map(str, big))
             out.append(f"tp={sizes_text}: row-parallel region {e.region_name!r} (impl {e.impl.id}) pins no "

@@ -35,11 +35,16 @@ gradient stays sharded like the input; the weight gradient is each rank's own co
 gradient is a fixed-leaf sum over tokens, as in the single-process linear. On CPU the reference's
 output columns are independent of one another, so these gradients also equal the single-process
 ones (tests/dist/ checks it); that is a fact of the CPU twin, not a promise.
+
+``all_reduce_row_parallel_linear`` is the stock way, partials summed by ``all_reduce``: what the
+native tensor-parallel composition runs (``configs/compositions/native_tp4.yaml``, bits that depend
+on tp), and the negative control of the tests and gates.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from isoexec_kernels import _ref
 from isoexec_kernels.gemm import linear
@@ -109,14 +114,40 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return out.reshape(*x.shape[:-1], N)
 
 
-def all_reduce_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                                   in_features: int, leaves: int, group=None) -> torch.Tensor:
-    """The stock row-parallel linear, for negative controls (same signature as
-    :func:`row_parallel_linear`): this rank's whole K shard as one fp32 partial (one K loop over
-    the shard), ``all_reduce(SUM)``, then the bias and one rounding. Its bits depend on tp."""
-    import torch.distributed as dist
+class _AllReduceSumFn(torch.autograd.Function):
+    """This rank's partial [M, N] -> the ranks' partials summed by ``all_reduce(SUM)`` (the backend's
+    order), the same on every rank. Backward as ``_LeafSumFn``'s: the output is replicated and every
+    partial enters the sum with weight 1, so each rank's partial gets the output's gradient as it is
+    (Megatron's reduce-from-the-tensor-parallel-region); no communication."""
 
-    part = linear(x.reshape(-1, x.shape[-1]), weight, None, out_dtype=torch.float32)
-    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
-    out = part if bias is None else part + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    @staticmethod
+    def forward(ctx, part, group):
+        total = part.clone()   # all_reduce works in place; the partial stays what autograd saw
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_reduce_row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                   in_features: int | None = None, leaves: int | None = None, group=None,
+                                   linear=linear) -> torch.Tensor:
+    """The stock row-parallel linear, Megatron's and vLLM's ``RowParallelLinear`` (same call as
+    :func:`row_parallel_linear`): ``linear`` on this rank's K shard, in x's dtype, the ranks'
+    partials summed by ``all_reduce(SUM)`` in that dtype, then the bias. Its bits depend on tp
+    twice: each rank's partial is one K loop over its own shard, and the collective adds the
+    partials in an order of its own. The tensor-parallel models run it for a row-parallel region
+    whose contract entry pins no ``K_LEAVES`` (the native composition's ``torch_linear``, passed as
+    ``linear``: the region's bound kernel), which only a tp claim of kind ``variant`` allows at
+    tp > 1 (isoexec/model/tp_dense.py); with the default ``linear``, the invariant GEMM's plain K
+    loop of the shard, it is the negative control of the kernel tests. ``in_features`` and
+    ``leaves`` are not used (any K cut works: the caller's shards match). Differentiable: the
+    backward needs no communication (``_AllReduceSumFn``). A group of one sends nothing."""
+    tp, _ = group_size_rank(group)
+    part = linear(x.reshape(-1, x.shape[-1]), weight)
+    if tp > 1:
+        part = _AllReduceSumFn.apply(part, group)
+    out = part if bias is None else part + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])

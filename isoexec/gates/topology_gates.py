@@ -12,9 +12,12 @@ NCCL on a GPU, gloo on the CPU):
   traffic of ``engine_gates`` (mixed sampling, staggered arrivals, chunked prefill); its tokens and
   logprobs against the one-process engine's, and the one-process trainer recomputes every token
   it served;
-- negative control of the latter: the same engine with each rank's row-parallel partial summed by
-  the stock ``all_reduce`` (``isoexec.dist.all_reduce_row_parallel_linear``), which does not run
-  the contract's K leaves, so its logprobs differ.
+- negative control of the latter: the same engine under ``all_reduce_control(contract)``, the
+  gate's contract with its row-parallel regions' ``K_LEAVES`` unpinned (tp claimed ``variant``),
+  so the tensor-parallel model, which takes its row-parallel sum from the contract
+  (``TensorParallelDense._row_parallel``), sums each rank's partial by the stock ``all_reduce``
+  (``isoexec.dist.all_reduce_row_parallel_linear``) instead of the contract's K leaves, and its
+  logprobs differ. Every other region runs what the gate's contract says.
 
 Every rank computes its own comparisons; the runner gathers them (``gathered``) and rank 0 writes
 the artifact. The tp size and the backend are recorded in the artifact's shapes.
@@ -22,17 +25,19 @@ the artifact. The tp size and the backend are recorded in the artifact's shapes.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from ..dist import all_reduce_row_parallel_linear
+from ..contract import K_LEAVES, ROW_PARALLEL_OPS, ExecutionContract, check, frozen_mapping, with_identities
 from ..dist.launch import init_from_env
-from ..model import ForwardBatch, tp_dense, tp_hybrid, tp_moe
+from ..model import ForwardBatch
 from ..model.tensor_parallel import tensor_parallel
 from .compare import BitReport, compare_bits
 from .engine_gates import _generate, _results_reports, verify_engine_logprobs
@@ -45,9 +50,36 @@ ENGINE_SIZES = {"cpu": dict(requests=16, max_prompt=40, max_tokens=10),
 
 
 def claims_tp(contract) -> bool:
-    """Whether the contract claims a tp size above 1 (the gates have something to prove; the
-    single-process compositions pin every axis to [1])."""
-    return any(t.axis == "tp" and any(size > 1 for size in t.domain) for t in contract.claims.topology)
+    """Whether the contract claims the bits of one process at a tp size above 1 (kind
+    ``invariant``): the gates have something to prove. The single-process compositions pin every
+    axis to [1]; ``native_tp4`` claims tp ``variant``, bits that depend on tp, which promises
+    nothing for these gates to check."""
+    return any(t.axis == "tp" and t.kind == "invariant" and any(size > 1 for size in t.domain)
+               for t in contract.claims.topology)
+
+
+def all_reduce_control(contract: ExecutionContract) -> ExecutionContract:
+    """The negative control's contract: ``contract`` with no ``K_LEAVES`` pinned on its row-parallel
+    regions (``ROW_PARALLEL_OPS``; their discharges dropped, they prove nothing now), its tp claim
+    ``variant`` and no tolerance claimed, as such a contract must (validate.py). The
+    tensor-parallel model then sums those regions by ``all_reduce`` of their own kernel (the
+    invariant GEMM's K loop of each rank's shard) instead of the fixed leaf order, the one change;
+    it takes that choice from the contract, as every run does."""
+    entries = tuple(replace(e, constants=frozen_mapping({k: v for k, v in e.constants.items() if k != K_LEAVES}),
+                            discharge=None) if set(e.region) & set(ROW_PARALLEL_OPS) else e
+                    for e in contract.composition)
+    topology = tuple(replace(t, kind="variant", proof="stock-all-reduce") if t.axis == "tp" else t
+                     for t in contract.claims.topology)
+    claims = replace(contract.claims, topology=topology, tolerances=())
+    return check(with_identities(replace(contract, composition=entries, claims=claims)))
+
+
+def _under(model, contract: ExecutionContract):
+    """``model``'s weights under another contract: a shallow copy of the module (the parameters are
+    shared, not copied) with ``contract`` installed; ``model`` keeps its own."""
+    other = copy.copy(model)
+    other.install(contract)
+    return other
 
 
 @contextmanager
@@ -70,11 +102,6 @@ def process_group(arch: str):
             dist.destroy_process_group()
 
 
-# the modules whose row-parallel linear the negative control replaces (the hybrid model's attention
-# and Gated DeltaNet layers call tp_hybrid's, MLA's o_proj tp_moe's, every dense MLP tp_dense's)
-_ROW_PARALLEL_USERS = (tp_dense, tp_hybrid, tp_moe)
-
-
 def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:
     tpm = tensor_parallel(model)
     lens = list(TRAINER_LENS[arch])
@@ -91,23 +118,15 @@ def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple
 def tp_engine_generate_verify(model, contract, gen: torch.Generator, arch: str, stock_all_reduce: bool = False
                               ) -> tuple[list[BitReport], dict]:
     """The TP engine against the one-process engine on the same traffic, then generate-then-verify.
-    ``stock_all_reduce``: the negative control (row-parallel partials summed by ``all_reduce``)."""
+    ``stock_all_reduce``: the negative control, the TP engine under ``all_reduce_control(contract)``
+    (row-parallel partials summed by ``all_reduce``), against the same one-process engine."""
     sizes = ENGINE_SIZES[arch]
     state = gen.get_state()
     _, want = _generate(model, contract, gen, **sizes)
     gen.set_state(state)   # the same prompts, parameters and arrivals for the TP engine
-    tpm = tensor_parallel(model)
-    real = [m.row_parallel_linear for m in _ROW_PARALLEL_USERS]
-    if stock_all_reduce:
-        for m in _ROW_PARALLEL_USERS:
-            m.row_parallel_linear = all_reduce_row_parallel_linear
-    try:
-        # the control runs eagerly: the patched module function is what a captured graph would
-        # have frozen otherwise
-        _, got = _generate(tpm, contract, gen, **sizes, **({"cuda_graphs": False} if stock_all_reduce else {}))
-    finally:
-        for m, fn in zip(_ROW_PARALLEL_USERS, real):
-            m.row_parallel_linear = fn
+    served = all_reduce_control(contract) if stock_all_reduce else contract
+    tpm = tensor_parallel(_under(model, served) if stock_all_reduce else model)
+    _, got = _generate(tpm, served, gen, **sizes)
     reports = _results_reports(want, got) + [verify_engine_logprobs(model, got)]
     return reports, {**sizes, "tokens": sum(len(r.ids) for r in got)}
 
@@ -123,5 +142,5 @@ def group_info(arch: str) -> dict:
     return {"tp": dist.get_world_size(), "backend": dist.get_backend(), "arch": arch}
 
 
-__all__ = ["TOPOLOGY_GATES", "claims_tp", "gathered", "group_info", "process_group",
+__all__ = ["TOPOLOGY_GATES", "all_reduce_control", "claims_tp", "gathered", "group_info", "process_group",
            "tp_engine_generate_verify", "tp_trainer_logits"]

@@ -2,12 +2,16 @@
 
 One table for every caller that cuts a model over a tp group: the topology gates, the RL run's
 sharded engine (``engine_tp``) and the memory plan. A family without a row has no tensor-parallel
-model; its ``tp_problems`` refuses tp > 1 before anyone gets here.
+model; its ``tp_problems`` refuses tp > 1 before anyone gets here. ``tp_serving_problems`` is what
+the tensor-parallel models refuse at a size, before anything is cut: the model's ``tp_problems``,
+or under a tp claim of kind ``variant`` (``native_tp4``) its shape checks with the stock kernels
+allowed; a caller that checks a size without cutting (the memory plan) asks it the same question.
 """
 
 from __future__ import annotations
 
 from . import tp_dense, tp_hybrid, tp_moe
+from .tp_dense import tp_serving_problems
 
 #: family -> (its tensor-parallel model class, its ``cut_parameter(cfg, tp, rank, name, full)``);
 #: the MoE families' cut deals the routed experts out whole (``expert_shard_range``) and keeps the
@@ -36,4 +40,4 @@ def rank_parameter_count(model, tp: int, rank: int) -> int:
     return sum(cut(model.cfg, tp, rank, n, p).numel() for n, p in model.named_parameters())
 
 
-__all__ = ["TENSOR_PARALLEL", "rank_parameter_count", "tensor_parallel"]
+__all__ = ["TENSOR_PARALLEL", "rank_parameter_count", "tensor_parallel", "tp_serving_problems"]

@@ -9,10 +9,13 @@ installed and keeps, on this rank of the tensor-parallel ``group``, the shards o
     contiguous), the q/k/v bias likewise;
   * gate/up column-parallel in 64-column units (``column_shard_range(I, tp, rank, 64)``), which are
     exactly the K columns of down_proj's K leaves this rank holds (isoexec/dist/partition.py);
-  * o_proj and down_proj row-parallel (``row_parallel_linear``) with the contract's ``K_LEAVES``:
-    each rank computes its L/tp leaves' fp32 partials, all L are gathered and added in leaf order on
-    every rank; o_proj's input columns are this rank's heads, which ``DenseModel.tp_problems``
-    checks fall on whole K leaves;
+  * o_proj and down_proj row-parallel, summed as their contract entry says (``_row_parallel``, the
+    one place that decides it): with ``K_LEAVES`` pinned by ``row_parallel_linear``, each rank
+    computing its L/tp leaves' fp32 partials, all L gathered and added in leaf order on every rank
+    (o_proj's input columns are this rank's heads, which ``DenseModel.tp_problems`` checks fall on
+    whole K leaves); without, by ``all_reduce_row_parallel_linear``, the region's own kernel on the
+    rank's K shard and the partials all-reduced: the stock path of the native composition
+    (``native_tp4``, whose tp claim is ``variant``: its bits depend on tp);
   * the lm_head vocabulary-parallel (``vocab_shard_range``: whole leaves of 1024 logits) and the
     token logprob by ``vocab_parallel_token_logprobs``;
   * the embedding, the norms, RoPE and the residual stream replicated.
@@ -25,11 +28,19 @@ schedule (docs/scale_out.md). So under one contract, TP = 1, 2 and 4 and ``Dense
 process give the same hidden states, logits and token logprobs, bit for bit, on every rank
 (tests/dist/test_tp_dense_model.py, gloo on CPU).
 
-The size is checked before anything is cut or sent: ``check_topology`` with the model's own
-problems (``DenseModel.tp_problems``) refuses, in one error naming the sizes, a tp the contract
-does not claim, a tp that does not divide the row-parallel regions' ``K_LEAVES`` or the heads, and
-kernels other than the ones whose schedule the tensor-parallel layers reproduce. Every rank sees
-the same sizes, so every rank refuses and none waits in a collective.
+The size is checked before anything is cut or sent: ``check_topology`` with
+``tp_serving_problems`` (the model's own ``DenseModel.tp_problems``, or under a ``variant`` tp claim
+its shape checks with the stock kernels allowed) refuses, in one error naming the sizes, a tp the
+contract does not claim, a tp that does not divide the row-parallel regions' ``K_LEAVES`` or the
+heads, and kernels the tensor-parallel layers do not run. Every rank sees the same sizes, so every
+rank refuses and none waits in a collective.
+
+Under the native composition (``native_tp4``) every region runs its stock kernel as in one process,
+on the rank's columns or heads: the column-parallel linears are ``torch_linear`` on the rank's rows
+of the weight, the row-parallel sums are all-reduced (above), and the trainer cases' token logprob,
+which has no vocabulary-parallel form for a stock kernel, gathers whole rows and runs the contract's
+``logprob`` kernel on them. Its bits are close to one process's, not equal, and depend on tp
+(tests/dist/test_tp_native.py).
 
 The engine runs on it too (``engine_prefill``, ``engine_decode``, when the contract declares them):
 ``Engine(TensorParallelDense(model, group), contract)`` on every rank of the group. A rank's KV
@@ -54,9 +65,11 @@ import torch
 from torch import nn
 
 from isoexec_kernels.gemm import k_leaves_for
+from isoexec_kernels.logprob import REF_LEAF_V
 
-from ..contract import K_LEAVES
-from ..dist import (column_shard_range, replicated_input, row_parallel_linear,
+from .. import registry
+from ..contract import K_LEAVES, ExecutionContract
+from ..dist import (all_reduce_row_parallel_linear, column_shard_range, replicated_input, row_parallel_linear,
                     vocab_parallel_token_logprobs, vocab_shard_range)
 from ..dist.collectives import gather_in_rank_order, group_size_rank
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
@@ -68,6 +81,58 @@ from .dense import DenseModel
 TRAINER_CASES = ("trainer_fwd", "trainer_score")
 ENGINE_CASES = ("engine_prefill", "engine_decode")
 UNIT = 64  # gate/up column unit: one K block of down_proj
+
+#: the logprob kernel whose reference schedule ``vocab_parallel_token_logprobs`` reproduces on
+#: vocabulary slices; the trainer cases of a contract with another logprob kernel (the stock one)
+#: gather whole rows and run that kernel on them
+VOCAB_PARALLEL_LOGPROB = "logprob_fixed"
+
+#: {invariant kernel of an op (the model's ``tp_impls``): its stock twin}, the kernels the
+#: tensor-parallel layers also run under a tp claim of kind ``variant`` (native_tp4.yaml). Each
+#: computes an output column, head or channel from that column's, head's or channel's inputs alone,
+#: as its invariant twin does, so a rank runs it on its own shard (the logprob on whole rows):
+#: the stock GEMM, log-softmax, depthwise conv, Gated DeltaNet prep, chunked core and gated norm.
+#: Their bits are the stock kernels', not one process's. The MoE regions have none: the expert
+#: exchange runs the invariant ones only (ep_moe.EP_REGION_IMPLS).
+STOCK_TWINS = {"gemm_fixed_k": "torch_linear", "logprob_fixed": "torch_log_softmax",
+               "conv_fixed_taps": "torch_conv1d", "gdn_prep_fp32": "torch_gdn_prep",
+               "gdn_cpr": "gdn_chunk_native", "gated_rmsnorm_fixed": "torch_gated_rmsnorm"}
+
+
+def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str]:
+    """Why the tensor-parallel model of ``model`` cannot run ``contract`` at size ``tp`` (empty: it
+    can), for ``check_topology`` to report beside the contract's own topology problems; what every
+    tensor-parallel model's constructor checks before it cuts anything.
+
+    Under a tp claim of kind ``invariant`` (and at tp = 1) it is the model's ``tp_problems``: whole
+    heads (and experts) per rank, the row-parallel K leaves on the ranks' head boundaries, a whole
+    vocabulary leaf per rank, and the invariant kernels whose schedule the layers reproduce. Under
+    a ``variant`` claim the row-parallel sums are all-reduced (such a contract pins no K leaves
+    there: validate.py), so there are no leaf boundaries to meet, and each op may run its invariant
+    kernel or its stock twin (``STOCK_TWINS``); the shape problems stay."""
+    claim = contract.topology_claim("tp")
+    if tp == 1 or claim is None or claim.kind != "variant":
+        return model.tp_problems(contract, tp)
+    out = model.tp_problems(contract, 1)   # what holds at every tp: a pinned K_LEAVES above a region's K blocks
+    out += model.tp_head_problems(tp)
+    vocab_leaves = -(-model.cfg.vocab_size // REF_LEAF_V)
+    if vocab_leaves < tp:   # the lm_head is cut in whole vocabulary leaves (vocab_shard_range)
+        out.append(f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
+                   f"(vocab_size={model.cfg.vocab_size}); each rank needs a whole leaf")
+    runs: dict[str, set] = {}
+    for e in contract.composition:
+        if e.half == "function":
+            for o in e.region:
+                runs.setdefault(o, set()).add((e.impl.id, e.impl.arch))
+    for o, (impl, arch) in model.tp_impls().items():
+        twin = STOCK_TWINS.get(impl)
+        for got, got_arch in sorted(runs.get(o, ())):
+            if got == twin or (got == impl and arch in (None, got_arch)):
+                continue
+            want = impl + (f" on {arch}" if arch else "") + (f" or the stock {twin}" if twin else "")
+            out.append(f"region of {o} runs {got} ({got_arch}); under a variant tp claim at tp > 1 the "
+                       f"tensor-parallel layers run {want}")
+    return out
 
 
 def mlp_cut(cfg, tp: int, rank: int, unit: int):
@@ -131,6 +196,28 @@ class _LayerShard(nn.Module):
             setattr(self, name, None if full is None else nn.Parameter(cut(name, full.detach()).clone()))
 
 
+class _WholeRows(torch.autograd.Function):
+    """Forward: every rank's vocabulary slice [T, v1 - v0] of the logits rows gathered in rank order
+    into whole rows [T, V] (slices differ by up to one vocabulary leaf: padded to the widest to
+    travel, cut back). Backward: this rank's columns of the rows' gradient, which is the same on
+    every rank (every rank computes the same loss from the same rows)."""
+
+    @staticmethod
+    def forward(ctx, part, ranges, group, rank):
+        ctx.cols = ranges[rank]
+        tp = len(ranges)
+        width = max(b - a for a, b in ranges)
+        padded = part.new_zeros(part.shape[0], width)
+        padded[:, :part.shape[1]] = part
+        parts = gather_in_rank_order(padded, group, tp)
+        return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(ranges)], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        v0, v1 = ctx.cols
+        return grad[:, v0:v1], None, None, None
+
+
 class TensorParallelDense(nn.Module):
     """This rank's shards of ``model`` (a ``DenseModel`` with a contract installed) on ``group``
     (None: the default group, or one process if none is initialised). Module docstring.
@@ -151,7 +238,7 @@ class TensorParallelDense(nn.Module):
         contract, cfg = model.contract, model.cfg
         arch = "cpu" if model.embed.device.type == "cpu" else runtime_arch()
         # every rank refuses here, before any weight is cut or any collective is entered
-        check_topology(contract, RuntimeFacts(arch=arch, tp=tp), model.tp_problems(contract, tp))
+        check_topology(contract, RuntimeFacts(arch=arch, tp=tp), tp_serving_problems(model, contract, tp))
         self.cfg, self.contract, self.group, self.tp, self.rank = cfg, contract, group, tp, rank
         self.plans: dict[str, ExecutionPlan] = {c: model.plans[c] for c in TRAINER_CASES + ENGINE_CASES
                                                 if c in model.plans}
@@ -191,10 +278,14 @@ class TensorParallelDense(nn.Module):
         return {name: self.cut_parameter(name, t) if name in own else t for name, t in full.items()}
 
     @staticmethod
-    def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int:
+    def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int | None:
         """The K leaves of the region of ``op`` for the whole weight [n_full, k]: its pinned
-        ``K_LEAVES``, else the shape table's count for the whole shape (never the shard's)."""
-        pinned = plan[op].record.constants.get(K_LEAVES)
+        ``K_LEAVES``, else the shape table's count for the whole shape (never the shard's); None for
+        a kernel that has no K leaves to pass (the stock ``torch_linear``)."""
+        rec = plan[op].record
+        if K_LEAVES not in registry.impl(rec.impl_id, rec.impl_arch).constants:
+            return None
+        pinned = rec.constants.get(K_LEAVES)
         return k_leaves_for(n_full, k) if pinned is None else pinned
 
     def _column(self, plan, ops, x, weight, full_sizes, local_sizes, bias=None):
@@ -211,24 +302,39 @@ class TensorParallelDense(nn.Module):
         outs = []
         for g_ops, n_full, m, s in groups:
             leaves = self._leaves(plan, g_ops[0], n_full, K)
+            kw = {} if leaves is None else {"leaves": leaves}
             w = weight[s:s + m]
             b = None if bias is None else bias[s:s + m]
-            outs.append(plan[g_ops[0]](x, w, b, leaves=leaves) if b is not None else
-                        plan[g_ops[0]](x, w, leaves=leaves))
+            outs.append(plan[g_ops[0]](x, w, b, **kw) if b is not None else plan[g_ops[0]](x, w, **kw))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _row_parallel(self, plan: ExecutionPlan, op: str, x: torch.Tensor, weight: torch.Tensor,
+                      in_features: int) -> torch.Tensor:
+        """The row-parallel region of ``op`` on this rank's K shard (``x`` and the same columns of
+        the whole ``in_features``-wide weight), summed over the group as its contract entry says;
+        the one place that decides it. ``K_LEAVES`` pinned: ``row_parallel_linear``, the L leaves
+        gathered and added in leaf order, the bits of one process at every tp. Not pinned:
+        ``all_reduce_row_parallel_linear``, the region's own bound kernel on the shard and the
+        partials all-reduced, the stock sum, whose bits depend on tp; a contract leaves it unpinned
+        at tp > 1 only under a tp claim of kind ``variant`` (validate.py), and at tp = 1 it is the
+        region's kernel on the whole K, the one-process bits."""
+        leaves = plan[op].record.constants.get(K_LEAVES)
+        if leaves is not None:
+            return row_parallel_linear(x, weight, None, in_features=in_features, leaves=leaves, group=self.group)
+        return all_reduce_row_parallel_linear(x, weight, None, in_features=in_features, group=self.group,
+                                              linear=plan[op])
 
     # ------------------------------------------------------------------------------ forward
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank:
-        the bits of ``DenseModel.hidden_states`` under the same contract. An engine batch's KV
-        cache holds this rank's kv heads."""
+        the bits of ``DenseModel.hidden_states`` under the same contract (under the native
+        composition, the stock kernels' bits at this tp). An engine batch's KV cache holds this
+        rank's kv heads."""
         cfg, plan, tp = self.cfg, self._plan(batch.case), self.tp
         T = ids.shape[0]
         hd, eps = cfg.head_dim, cfg.rms_norm_eps
         nh, nkv = cfg.num_heads // tp, cfg.num_kv_heads // tp
         full_qkv = (cfg.q_size, cfg.kv_size, cfg.kv_size)
-        L_o = self._leaves(plan, "o_proj", cfg.hidden_size, cfg.q_size)
-        L_d = self._leaves(plan, "down_proj", cfg.hidden_size, cfg.intermediate_size)
         x = plan["embed"](ids, self.embed)
         for i, L in enumerate(self.layers):
             n = replicated_input(plan["attn_norm"](x, L.attn_norm, eps), self.group)
@@ -242,20 +348,18 @@ class TensorParallelDense(nn.Module):
             k = plan["rope"](k, batch.positions, self._rope, theta=cfg.rope_theta)
             v = v.reshape(T, nkv, hd)
             a = self._attention(plan, i, q, k, v, batch)
-            x = x + row_parallel_linear(a.reshape(T, nh * hd), L.o_weight, None, in_features=cfg.q_size,
-                                        leaves=L_o, group=self.group)
-            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps), L_d)
+            x = x + self._row_parallel(plan, "o_proj", a.reshape(T, nh * hd), L.o_weight, cfg.q_size)
+            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps))
         return plan["final_norm"](x, self.final_norm, eps)
 
-    def _mlp(self, plan: ExecutionPlan, L, n: torch.Tensor, leaves: int) -> torch.Tensor:
+    def _mlp(self, plan: ExecutionPlan, L, n: torch.Tensor) -> torch.Tensor:
         """The SwiGLU MLP of layer shard ``L`` on its normed input ``n`` (replicated): gate/up on
-        this rank's 64-column units, down_proj row-parallel over ``leaves`` K leaves."""
+        this rank's 64-column units, down_proj row-parallel (``_row_parallel``)."""
         inter = self.cfg.intermediate_size
         n = replicated_input(n, self.group)
         gu = self._column(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight, (inter, inter), (L.inter, L.inter))
         g, u = gu.split((L.inter, L.inter), dim=-1)
-        return row_parallel_linear(plan["act"](g, u), L.down_weight, None, in_features=inter, leaves=leaves,
-                                   group=self.group)
+        return self._row_parallel(plan, "down_proj", plan["act"](g, u), L.down_weight, inter)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -269,23 +373,31 @@ class TensorParallelDense(nn.Module):
         in rank order (a copy), for the sampler."""
         plan = self._plan(case)
         leaves = self._leaves(plan, "lm_head", self.cfg.vocab_size, hidden.shape[-1])
-        part = plan["lm_head"](replicated_input(hidden, self.group), self.lm_head_weight, leaves=leaves)
-        if case not in ENGINE_CASES or self.tp == 1:
+        kw = {} if leaves is None else {"leaves": leaves}
+        part = plan["lm_head"](replicated_input(hidden, self.group), self.lm_head_weight, **kw)
+        if case not in ENGINE_CASES:
             return part
-        # slices differ by up to one vocabulary leaf: pad to the widest, gather, cut each back
+        return self._whole_rows(part)
+
+    def _whole_rows(self, part: torch.Tensor) -> torch.Tensor:
+        """[T, V]: every rank's vocabulary slice of the logits rows gathered in rank order (a copy);
+        differentiable (``_WholeRows``)."""
+        if self.tp == 1:
+            return part
         ranges = [vocab_shard_range(self.cfg.vocab_size, self.tp, r) for r in range(self.tp)]
-        width = max(b - a for a, b in ranges)
-        padded = part.new_zeros(part.shape[0], width)
-        padded[:, :part.shape[1]] = part
-        parts = gather_in_rank_order(padded, self.group, self.tp)
-        return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(ranges)], dim=-1)
+        return _WholeRows.apply(part, ranges, self.group, self.rank)
 
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 token logprobs of ``logits`` as :meth:`logits` returns them for ``case``: whole
         rows (engine cases) through the contract's ``logprob`` region, as one process computes them;
-        vocabulary slices (trainer cases) through ``vocab_parallel_token_logprobs``."""
+        vocabulary slices (trainer cases) through ``vocab_parallel_token_logprobs``, or, under
+        another logprob kernel than ``VOCAB_PARALLEL_LOGPROB``, gathered into whole rows for it."""
+        logprob = self._plan(case)["logprob"]
         if case in ENGINE_CASES:
-            return self._plan(case)["logprob"](logits, targets)
+            return logprob(logits, targets)
+        if logprob.record.impl_id != VOCAB_PARALLEL_LOGPROB:
+            # a stock kernel has no vocabulary-parallel form: it runs on whole rows, as in one process
+            return logprob(self._whole_rows(logits), targets)
         return vocab_parallel_token_logprobs(logits, targets, vocab_size=self.cfg.vocab_size, group=self.group)
 
     def log_softmax_from_logits(self, logits: torch.Tensor, case: str) -> torch.Tensor:
@@ -301,4 +413,5 @@ class TensorParallelDense(nn.Module):
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 
-__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "UNIT", "cut_parameter", "mlp_cut"]
+__all__ = ["TensorParallelDense", "TRAINER_CASES", "ENGINE_CASES", "STOCK_TWINS", "UNIT", "VOCAB_PARALLEL_LOGPROB",
+           "cut_parameter", "mlp_cut", "tp_serving_problems"]

@@ -13,8 +13,9 @@ Gated attention layers (``full_attention``):
     and ``num_kv_heads / tp`` kv heads (GQA groups stay whole, both cuts are contiguous);
   * the zero-centred q/k norms, the partial rotary, attention and the sigmoid gate on the rank's
     heads: per-head (per-row, per-element) arithmetic, as in the dense model;
-  * o_proj row-parallel (``row_parallel_linear``) with the contract's ``K_LEAVES``; its input
-    columns are the rank's heads, which ``tp_problems`` checks fall on whole K leaves.
+  * o_proj row-parallel, summed as its contract entry says (``TensorParallelDense._row_parallel``:
+    with the contract's ``K_LEAVES`` the fixed leaf order, without it the stock all-reduce); its
+    input columns are the rank's heads, which ``tp_problems`` checks fall on whole K leaves.
 
 Gated DeltaNet layers (``linear_attention``): rank r holds the key heads
 ``[r * Hk / tp, (r + 1) * Hk / tp)`` and the value heads of those key heads,
@@ -37,8 +38,8 @@ group of value heads stays on one rank, and the rank's value head j reads its ke
     never mixes rows; its row grouping only bounds a temporary). The engine's state (boundary and
     running states, the open chunk's buffers) is per slot and head, so a rank's ``GDNState`` holds
     its own value heads and advances them as one process advances those heads;
-  * out_proj row-parallel with the contract's ``K_LEAVES``: its K columns are the value heads,
-    which ``tp_problems`` checks fall on whole K leaves;
+  * out_proj row-parallel as o_proj (the contract's ``K_LEAVES``, or the stock all-reduce): its K
+    columns are the value heads, which ``tp_problems`` checks fall on whole K leaves;
   * ``A_log`` and ``dt_bias`` cut by value head; the output norm's weight (one per channel of a
     head, shared by the heads) replicated.
 
@@ -51,6 +52,11 @@ vocabulary leaves than ranks, and regions run by other kernels than those whose 
 per-head schedule was read above. So under one contract, TP = 1, 2 and 4 and ``HybridModel`` in one
 process give the same hidden states, logits and token logprobs, bit for bit, on every rank
 (tests/dist/test_tp_hybrid_model.py, gloo on CPU).
+
+Under the native composition (``native_tp4``, tp claimed ``variant``) the same cut runs the stock
+kernels (``torch_conv1d``, ``torch_gdn_prep``, ``gdn_chunk_native``, ``torch_gated_rmsnorm``, per
+channel or per head as well) with all-reduced row-parallel sums: bits close to one process's that
+depend on tp (tp_dense.py, ``tp_serving_problems``; tests/dist/test_tp_native.py).
 
 The CUDA twins of those regions are per head too by their own schedules (a Triton program per row,
 or per (sequence or lane, head, Dv tile) in the core, with tiles fixed by Dk and Dv), but no GPU
@@ -71,7 +77,7 @@ from torch import nn
 
 from isoexec_kernels.gdn_core import GDNState
 
-from ..dist import replicated_input, row_parallel_linear, vocab_shard_range
+from ..dist import replicated_input, vocab_shard_range
 from ..enforce import ExecutionPlan
 from ..model_config import HybridConfig
 from .batch import ForwardBatch
@@ -188,20 +194,20 @@ class TensorParallelHybrid(TensorParallelDense):
     reset_recurrent_state = staticmethod(HybridModel.reset_recurrent_state)
 
     # ------------------------------------------------------------------------------ forward
-    def _gated_attention(self, plan: ExecutionPlan, kv_layer: int, L: _LayerShard, n, batch: ForwardBatch,
-                         leaves: int) -> torch.Tensor:
-        """The rank's heads of a gated attention layer; o_proj row-parallel over ``leaves``."""
+    def _gated_attention(self, plan: ExecutionPlan, kv_layer: int, L: _LayerShard, n, batch: ForwardBatch
+                         ) -> torch.Tensor:
+        """The rank's heads of a gated attention layer; o_proj row-parallel (``_row_parallel``)."""
         cfg, tp = self.cfg, self.tp
         qkv = self._column(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
                            (2 * cfg.q_size, cfg.kv_size, cfg.kv_size), L.sizes)
         # the one-process per-head steps (packed attention, or the paged cache of this rank's heads)
         a = HybridModel._gated_attention_heads(self, plan, kv_layer, L, qkv, cfg.num_heads // tp,
                                                cfg.num_kv_heads // tp, batch, self._rope)
-        return row_parallel_linear(a, L.o_weight, None, in_features=cfg.q_size, leaves=leaves, group=self.group)
+        return self._row_parallel(plan, "o_proj", a, L.o_weight, cfg.q_size)
 
-    def _gated_deltanet(self, plan: ExecutionPlan, gdn_layer: int, L: _LayerShard, n, batch: ForwardBatch,
-                        leaves: int) -> torch.Tensor:
-        """The rank's heads of a Gated DeltaNet layer; out_proj row-parallel over ``leaves``."""
+    def _gated_deltanet(self, plan: ExecutionPlan, gdn_layer: int, L: _LayerShard, n, batch: ForwardBatch
+                        ) -> torch.Tensor:
+        """The rank's heads of a Gated DeltaNet layer; out_proj row-parallel (``_row_parallel``)."""
         cfg = self.cfg
         proj = self._column(plan, ("gdn_in_proj", "gdn_ba_proj"), n, L.in_proj_weight,
                             (cfg.conv_dim + cfg.value_dim, 2 * cfg.linear_num_value_heads), L.sizes)
@@ -209,34 +215,25 @@ class TensorParallelHybrid(TensorParallelDense):
         # the engine on its conv windows and GDN state)
         o = HybridModel._gated_deltanet_heads(self, plan, gdn_layer, L, proj, self.gdn_key_heads,
                                               self.gdn_value_heads, batch)
-        return row_parallel_linear(o, L.out_weight, None, in_features=cfg.value_dim, leaves=leaves,
-                                   group=self.group)
-
-    def _mlp_leaves(self, plan: ExecutionPlan) -> int | None:
-        """down_proj's K leaves, which ``_mlp`` gets (the MoE variant, tp_moe.py, has no down_proj and
-        overrides both)."""
-        return self._leaves(plan, "down_proj", self.cfg.hidden_size, self.cfg.intermediate_size)
+        return self._row_parallel(plan, "gdn_out_proj", o, L.out_weight, cfg.value_dim)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank:
         the bits of ``HybridModel.hidden_states`` under the same contract. An engine batch's KV
         cache and recurrent state hold this rank's heads."""
         cfg, plan = self.cfg, self._plan(batch.case)
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        L_o = self._leaves(plan, "o_proj", h, cfg.q_size)
-        L_g = self._leaves(plan, "gdn_out_proj", h, cfg.value_dim)
-        L_d = self._mlp_leaves(plan)
+        eps = cfg.rms_norm_eps
         x = plan["embed"](ids, self.embed)
         kv_layer = gdn_layer = 0
         for L in self.layers:
             n = replicated_input(plan["attn_norm"](x, L.attn_norm, eps, zero_centred=True), self.group)
             if L.kind == "full_attention":
-                x = x + self._gated_attention(plan, kv_layer, L, n, batch, L_o)
+                x = x + self._gated_attention(plan, kv_layer, L, n, batch)
                 kv_layer += 1
             else:
-                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch, L_g)
+                x = x + self._gated_deltanet(plan, gdn_layer, L, n, batch)
                 gdn_layer += 1
-            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True), L_d)
+            x = x + self._mlp(plan, L, plan["mlp_norm"](x, L.mlp_norm, eps, zero_centred=True))
         return plan["final_norm"](x, self.final_norm, eps, zero_centred=True)
 
 

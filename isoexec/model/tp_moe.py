@@ -93,7 +93,7 @@ from torch import nn
 
 from isoexec_kernels.mla import expand_qkv
 
-from ..dist import replicated_input, row_parallel_linear, vocab_shard_range
+from ..dist import replicated_input, vocab_shard_range
 from ..dist.collectives import gather_in_rank_order
 from ..dist.expert_parallel import ExpertParallelGroup
 from ..dist.partition import expert_shard_range
@@ -276,11 +276,9 @@ class TensorParallelHybridMoe(_MoeMixin, TensorParallelHybrid):
     def cut_parameter(self, name: str, full: torch.Tensor) -> torch.Tensor:
         return cut_parameter_hybrid_moe(self.cfg, self.tp, self.rank, name, full)
 
-    def _mlp_leaves(self, plan: ExecutionPlan) -> None:
-        return None   # no dense MLP: the MoE layer sums nothing across ranks
-
-    def _mlp(self, plan: ExecutionPlan, L, n: torch.Tensor, leaves) -> torch.Tensor:
-        """The layer's MoE block (router, experts over the group, gated shared expert) on ``n``."""
+    def _mlp(self, plan: ExecutionPlan, L, n: torch.Tensor) -> torch.Tensor:
+        """The layer's MoE block (router, experts over the group, gated shared expert) on ``n``: no
+        dense MLP, so no down_proj; the MoE layer sums nothing across ranks."""
         return self._moe(plan, L, n, self.cfg.shared_expert_intermediate_size)
 
 
@@ -305,8 +303,8 @@ class TensorParallelMlaMoe(_MoeMixin, TensorParallelDense):
     _rope_layout = MlaMoeModel._rope_layout
     _mla_attention = MlaMoeModel._mla_attention
 
-    def _mla(self, plan: ExecutionPlan, layer: int, L, n: torch.Tensor, batch: ForwardBatch, leaves: int):
-        """The rank's heads of an MLA layer (module docstring); o_proj row-parallel over ``leaves``."""
+    def _mla(self, plan: ExecutionPlan, layer: int, L, n: torch.Tensor, batch: ForwardBatch):
+        """The rank's heads of an MLA layer (module docstring); o_proj row-parallel (``_row_parallel``)."""
         cfg, tp = self.cfg, self.tp
         T = n.shape[0]
         nh, nope, rd, dv = cfg.num_heads // tp, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -326,22 +324,19 @@ class TensorParallelMlaMoe(_MoeMixin, TensorParallelDense):
                               theta=cfg.rope_theta)
         q, k, v = expand_qkv(q_nope, q_rope, kv.reshape(T, nh, nope + dv), k_rope, nope, dv)
         o = self._mla_attention(plan, layer, q, k, v, batch)
-        return row_parallel_linear(o.reshape(T, nh * dv), L.o_weight, None, in_features=cfg.num_heads * dv,
-                                   leaves=leaves, group=self.group)
+        return self._row_parallel(plan, "o_proj", o.reshape(T, nh * dv), L.o_weight, cfg.num_heads * dv)
 
     def hidden_states(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Final-norm hidden states [T, H] of the tokens ``ids`` [T], replicated on every rank: the
         bits of ``MlaMoeModel.hidden_states`` under the same contract. An engine batch's KV cache
         holds this rank's heads' expanded K and V rows (``kv_cache_heads``)."""
         cfg, plan = self.cfg, self._plan(batch.case)
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        L_o = self._leaves(plan, "o_proj", h, cfg.num_heads * cfg.v_head_dim)
-        L_d = self._leaves(plan, "down_proj", h, cfg.intermediate_size) if "dense" in cfg.mlp_layer_types else None
+        eps = cfg.rms_norm_eps
         x = plan["embed"](ids, self.embed)
         for i, L in enumerate(self.layers):
-            x = x + self._mla(plan, i, L, plan["attn_norm"](x, L.attn_norm, eps), batch, L_o)
+            x = x + self._mla(plan, i, L, plan["attn_norm"](x, L.attn_norm, eps), batch)
             n = plan["mlp_norm"](x, L.mlp_norm, eps)
-            x = x + (self._mlp(plan, L, n, L_d) if L.kind == "dense" else
+            x = x + (self._mlp(plan, L, n) if L.kind == "dense" else
                      self._moe(plan, L, n, cfg.shared_intermediate_size))
         return plan["final_norm"](x, self.final_norm, eps)
 

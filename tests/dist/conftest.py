@@ -30,6 +30,7 @@ PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_mo
                  "tp_engine_worlds": ("tp_engine",), "ep_model_worlds": ("ep_model",),
                  "tp_hybrid_worlds": ("tp_hybrid",),
                  "tp_moe_worlds": ("tp_moe",), "tp_moe_engine_worlds": ("tp_moe_engine",),
+                 "tp_native_worlds": ("tp_native",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume"), "fsdp_layer_worlds": ("fsdp_layers",)}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
@@ -167,6 +168,14 @@ def tp_moe_engine_worlds(dist_worlds):
 
     ranks = _part(dist_worlds, "tp_moe_engine")[tp_model_workers.WORLD]
     return {tp: [r[tp] for r in ranks] for tp in (2, 4)}
+
+
+@pytest.fixture(scope="session")
+def tp_native_worlds(dist_worlds):
+    """[rank results] of the native composition's tensor-parallel models and engines at TP = 2."""
+    import tp_native_workers
+
+    return _part(dist_worlds, "tp_native")[tp_native_workers.WORLD]
 
 
 @pytest.fixture(scope="session")

@@ -158,6 +158,10 @@ TP_WARM = dict(WARM, model="dense_tp_tiny", composition="isoexec_tp4")
 #: state cut by value head)
 TP_HYBRID_CFG = dict(TP_CFG, family="hybrid", model="hybrid_tp_tiny")
 TP_HYBRID_WARM = dict(TP_WARM, family="hybrid", model="hybrid_tp_tiny")
+#: the run under the native composition for tensor parallelism (stock kernels, row-parallel sums
+#: all-reduced, tp claimed variant): the native arm of a pair whose engines run at engine_tp; from
+#: random weights with no warm-up and no dynamic sampling, so every group is kept and trained on
+NATIVE_TP_CFG = dict(TP_CFG, composition="native_tp4", dynamic_sampling=False)
 
 
 def _plan_engine_tp(job, ws, rank, out_dir) -> dict:

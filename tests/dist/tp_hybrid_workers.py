@@ -91,14 +91,15 @@ def serve(model, contract, dtype) -> dict:
 
 
 def _all_reduced(fn):
-    """Run ``fn()`` with the row-parallel linear of both tensor-parallel modules (the attention and
-    Gated DeltaNet layers' in tp_hybrid, the MLP's in tp_dense) replaced by the stock one."""
-    real = tp_hybrid.row_parallel_linear, tp_dense.row_parallel_linear
-    tp_hybrid.row_parallel_linear = tp_dense.row_parallel_linear = tw._stock_row_parallel
+    """Run ``fn()`` with the row-parallel linear replaced by the stock one, in tp_dense, where every
+    tensor-parallel model's row-parallel regions (the attention and Gated DeltaNet layers' and the
+    MLP's) call it (``TensorParallelDense._row_parallel``)."""
+    real = tp_dense.row_parallel_linear
+    tp_dense.row_parallel_linear = tw._stock_row_parallel
     try:
         return fn()
     finally:
-        tp_hybrid.row_parallel_linear, tp_dense.row_parallel_linear = real
+        tp_dense.row_parallel_linear = real
 
 
 def cases(group=None) -> dict:

@@ -30,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tp_model_workers as tw  # noqa: E402
 from isoexec.contract import decode, encode  # noqa: E402
-from isoexec.model import tp_dense, tp_hybrid, tp_moe  # noqa: E402
+from isoexec.model import tp_dense, tp_moe  # noqa: E402
 
 COMPOSITION = "isoexec_tp4"
 MODELS = {"mla_moe": "mla_moe_tp_tiny", "hybrid_moe": "hybrid_moe_tp_tiny"}
@@ -66,17 +66,15 @@ def make_job() -> dict:
 
 
 def _all_reduced(fn):
-    """Run ``fn()`` with every row-parallel linear (MLA's o_proj in tp_moe, the hybrid mixers' in
-    tp_hybrid, the dense MLP's in tp_dense) replaced by the stock all-reduce one."""
-    mods = (tp_moe, tp_hybrid, tp_dense)
-    real = [m.row_parallel_linear for m in mods]
-    for m in mods:
-        m.row_parallel_linear = tw._stock_row_parallel
+    """Run ``fn()`` with every row-parallel linear (MLA's o_proj, the hybrid mixers', the dense MLP's)
+    replaced by the stock all-reduce one, in tp_dense, where every tensor-parallel model's
+    row-parallel regions call it (``TensorParallelDense._row_parallel``)."""
+    real = tp_dense.row_parallel_linear
+    tp_dense.row_parallel_linear = tw._stock_row_parallel
     try:
         return fn()
     finally:
-        for m, r in zip(mods, real):
-            m.row_parallel_linear = r
+        tp_dense.row_parallel_linear = real
 
 
 def cases(group=None) -> dict:

@@ -18,6 +18,9 @@ need runs in the same world of each size, one after the other, in the order of `
   pairs) and 4 in the same world (tp_moe_workers.py; test_tp_moe_model.py)
 - ``tp_moe_engine``: the engine on those models' shards, the same sizes in the same world
   (tp_moe_engine_workers.py; test_tp_moe_engine.py)
+- ``tp_native``: the dense and hybrid models and their engines under the native composition for
+  tensor parallelism (``native_tp4``: stock kernels, row-parallel sums all-reduced) at TP = 2 in the
+  world of 2 (tp_native_workers.py; test_tp_native.py)
 - ``ep_model``: the MoE models with their experts over EP = 1 (rank 0 alone), 2 (the pairs) and 4
   in the world of 4 (ep_model_workers.py; test_ep_model.py)
 - ``fsdp_trainer``, ``fsdp_determinism``: the FSDP2 trainer at dp = 1, 2, 4 (fsdp_workers.py;
@@ -59,6 +62,7 @@ import tp_hybrid_workers  # noqa: E402
 import tp_model_workers  # noqa: E402
 import tp_moe_engine_workers  # noqa: E402
 import tp_moe_workers  # noqa: E402
+import tp_native_workers  # noqa: E402
 
 # part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
 # of round 1 start after every world of round 0 has ended
@@ -71,6 +75,7 @@ PARTS = {
     "tp_moe": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_moe_workers.world_cases(job["tp_moe"], rank)),
     "tp_moe_engine": (0, (tp_model_workers.WORLD,),
                       lambda job, ws, rank: tp_moe_engine_workers.world_cases(job["tp_moe"], rank)),
+    "tp_native": (0, (tp_native_workers.WORLD,), lambda job, ws, rank: tp_native_workers.cases(job["tp_native"], rank)),
     "ep_model": (0, (ep_model_workers.WORLD,), lambda job, ws, rank: ep_model_workers.world_cases(job["ep_model"], rank)),
     "fsdp_trainer": (0, fsdp_workers.WORLD_SIZES, lambda job, ws, rank: fsdp_workers.plan_trainer(job["fsdp"], ws, rank)),
     "fsdp_determinism": (0, fsdp_workers.WORLD_SIZES,
@@ -156,6 +161,8 @@ def make_job(parts, folder: Path) -> dict:
         job["tp_hybrid"] = tp_hybrid_workers.make_job()
     if "tp_moe" in parts or "tp_moe_engine" in parts:
         job["tp_moe"] = tp_moe_workers.make_job()
+    if "tp_native" in parts:
+        job["tp_native"] = tp_native_workers.make_job()
     if "ep_model" in parts:
         job["ep_model"] = ep_model_workers.make_job()
     return job

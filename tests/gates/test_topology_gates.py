@@ -1,7 +1,8 @@
 """The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense,
 hybrid and mla_moe models under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and
 the dense model at tp = 2 under torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
-for bit, and the stock all-reduce control differs (fp32)."""
+for bit, and the stock all-reduce control (the gates' contract with its row-parallel sums unpinned,
+``all_reduce_control``) differs (fp32)."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def test_topology_gates_under_torchrun_at_tp2_every_rank_agrees_and_rank0_writes
 
 def test_single_process_contracts_get_no_topology_gates():
     """isoexec and native pin every axis to [1]: nothing for the topology gates to prove, so a
-    gates run of them (the workflow's, for every family) has none."""
+    gates run of them (the workflow's, for every family) has none. native_tp4 claims tp variant,
+    bits that depend on tp: nothing for them to prove either."""
     from isoexec.compose import build_contract
     from isoexec.gates.topology_gates import claims_tp
 
@@ -78,3 +80,33 @@ def test_single_process_contracts_get_no_topology_gates():
         for comp in ("isoexec", "native"):
             assert not claims_tp(build_contract(family, comp, "cpu")), (family, comp)
     assert claims_tp(build_contract("dense", "isoexec_tp4", "cpu", "dense_tp_tiny"))
+    for family in ("dense", "hybrid"):
+        assert not claims_tp(build_contract(family, "native_tp4", "cpu", f"{family}_tp_tiny"))
+
+
+@pytest.mark.parametrize("family", ["dense", "hybrid", "mla_moe", "hybrid_moe"])
+def test_the_negative_control_contract_differs_from_the_gates_only_in_the_row_parallel_sums(family):
+    """The control takes the stock all-reduce from its contract, as every run takes its sums (no
+    patched function): the gates' contract with no K_LEAVES on the row-parallel regions (their
+    discharges dropped), tp claimed variant and no tolerance; every kernel and other constant kept."""
+    from isoexec.compose import build_contract
+    from isoexec.contract import K_LEAVES, ROW_PARALLEL_OPS
+    from isoexec.gates.topology_gates import all_reduce_control, claims_tp
+
+    c = build_contract(family, "isoexec_tp4", "cpu", f"{family}_tp_tiny")
+    ctrl = all_reduce_control(c)
+    assert claims_tp(c) and not claims_tp(ctrl)
+    assert ctrl.topology_claim("tp").kind == "variant" and ctrl.topology_claim("tp").domain == c.topology_claim("tp").domain
+    assert not ctrl.claims.tolerances
+    rows = 0
+    for e, f in zip(sorted(c.composition, key=lambda e: (e.region, e.cases)),
+                    sorted(ctrl.composition, key=lambda e: (e.region, e.cases)), strict=True):
+        assert (e.region, e.cases, e.impl) == (f.region, f.cases, f.impl)
+        if set(e.region) & set(ROW_PARALLEL_OPS):
+            rows += 1
+            assert e.constants[K_LEAVES] == 4 and dict(f.constants) == {k: v for k, v in e.constants.items()
+                                                                         if k != K_LEAVES}
+            assert f.discharge is None
+        else:
+            assert (dict(e.constants), e.discharge) == (dict(f.constants), f.discharge)
+    assert rows >= 2
