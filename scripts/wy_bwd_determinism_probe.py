@@ -75,6 +75,7 @@ def replay_wy(last):
     """Re-launches the WY-part kernel on the captured inputs, twice per ``KK_MODE``, with its
     intermediates (k k^T, dT, dA, R) stored: which of them differ between the two launches."""
     grid, args, kw = last
+    kw = {k: v for k, v in kw.items() if k not in ("KK_MODE", "DBG")}   # the launcher's pin
     out = {}
     for mode in (0, 1, 2):
         runs = []
