@@ -28,8 +28,7 @@ that reads its state tile once, steps, and writes it back in place. Backward on 
 ``NATIVE_BWD_KIND``: "wy" (default, chunk path only): the WY backward of ``native_wy_backward.py``
 at the forward's rounding (bf16 operands for bf16 values); "shared": the gradient of
 ``torch_chunk_form`` by the fused Triton backward of ``chunk_backward.py``, CPR's backward (the
-recurrent composition always takes it). The legacy chunk path and the shared backward ran on the
-H200; the WY forward and backward only in the CPU interpreter and an sm_90 compile so far.
+recurrent composition always takes it). All of them ran on the H200 (``docs/cpr.md``).
 """
 
 from __future__ import annotations

@@ -46,8 +46,9 @@ chain in chunk order; no atomics.
 
 Torch twin: :func:`wy_chunk_backward_torch` (the same steps and rounding points, padded layout).
 
-NOT run on a GPU by the author: CPU interpreter and the sm_90 compile of
-``scripts/native_wy_aot.py`` only.
+Tested in the CPU interpreter, compiled for sm_90 by ``scripts/native_wy_aot.py``, and on the H200
+(``results/h200/PROVENANCE.md``): against float64 autograd, two calls bitwise (after
+``WYB_KK_MODE`` 2), the hybrid model's backward-determinism gate at Qwen3.5-9B layer dimensions.
 """
 
 from __future__ import annotations
@@ -64,9 +65,11 @@ from .state import CHUNK
 WYB_KK_MODE = 2
 """How ``_wyb_wy_kernel`` forms k k^T: 0 as a dot of one loaded tile with its own transpose inside
 the dT loop; 1 the same loop with the transposed operand loaded a second time; 2 in a loop of its
-own, both operands loaded separately. On the H200 (Triton 3.6) mode 0 gave dg and dbeta that
-differed between two calls on the same inputs (every other gradient equal);
-``scripts/wy_bwd_determinism_probe.py`` replays the kernel in each mode."""
+own, both operands loaded separately. On the H200 (Triton 3.6) modes 0 and 1 gave k k^T, and so
+dg and dbeta, that differed between two launches on the same inputs (every other gradient equal;
+no read of unwritten memory); mode 2 gave the same bits every time.
+``scripts/wy_bwd_determinism_probe.py`` replays the kernel in each mode (its ``DBG`` stores the
+intermediates), so the question can be asked again of another Triton."""
 
 
 # --------------------------------------------------------------------------- Triton kernels
