@@ -39,6 +39,7 @@ from ..errors import ConfigError, IsoExecError
 from ..model import FAMILY_MODELS
 from ..model.ep_moe import check_ep
 from ..model.hybrid import contract_gdn_chunk
+from ..model.tensor_parallel import tp_serving_problems
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
 from ..rl.distributed import check_engine_tp, check_trainer_ep, check_world
@@ -181,7 +182,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 if run.engine_tp > 1:      # the run's cut refuses a tp the contract or the heads do not allow
                     model = FAMILY_MODELS[family][0](cfg, device="meta")
                     check_topology(contract, RuntimeFacts(arch=arch, tp=run.engine_tp),
-                                   model.tp_problems(contract, run.engine_tp))
+                                   tp_serving_problems(model, contract, run.engine_tp))
                 if run.trainer_ep > 1:
                     check_trainer_ep_topology(family, cfg, contract, arch, run.trainer_ep)
                 page_bytes, page_size = kv_page(run, cfg, contract)
