@@ -139,13 +139,28 @@ def pooled(runs: Iterable[dict]) -> dict[tuple[str, str], dict]:
     return {k: _pool(v) for k, v in groups.items()}
 
 
-def headline_arm(P: dict, family: str, composition: str):
-    """The arm a headline column shows: the one named after the composition, else the first
-    (by name) arm that runs it."""
-    if (family, composition) in P:
-        return P[(family, composition)]
-    arms = sorted(a for f, a in P if f == family and P[(f, a)]["composition"] == composition)
-    return P[(family, arms[0])] if arms else None
+def composition_side(composition: str) -> str | None:
+    """Which headline column a composition's runs belong to: "native" for the stock compositions
+    (``native`` and its parallel variants such as ``native_tp4``), "isoexec" for the invariant ones
+    (``isoexec``, ``isoexec_tp4``, ``isoexec_ep4``), None for any other name. The project's
+    composition files are named this way (configs/compositions/)."""
+    for side in ("native", "isoexec"):
+        if composition == side or composition.startswith(side + "_"):
+            return side
+    return None
+
+
+def headline_arm(P: dict, family: str, side: str):
+    """The arm a headline column (``side``: "native" or "isoexec") shows: the arm named after the
+    side, else the first (by name) arm whose composition is the side's own, else the first whose
+    composition is on that side (e.g. ``native_tp4`` for "native" when the pair runs under TP)."""
+    if (family, side) in P:
+        return P[(family, side)]
+    for match in (lambda c: c == side, lambda c: composition_side(c) == side):
+        arms = sorted(a for f, a in P if f == family and match(P[(f, a)]["composition"]))
+        if arms:
+            return P[(family, arms[0])]
+    return None
 
 
 def _arm_sections(P: dict) -> tuple[list[str], list[str]]:

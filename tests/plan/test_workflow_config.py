@@ -126,3 +126,17 @@ def test_settings_a_run_would_refuse_are_refused(tmp_path):
     d["rl"]["settings"]["mini_batch_size"] = 8
     with pytest.raises(ConfigError, match="rl settings of dense arm isoexec: .*mini_batch_size 8"):
         read_workflow_config(_write(tmp_path, d))
+
+
+def test_a_pair_under_tensor_parallelism_is_planned_with_its_engine_cut(tmp_path):
+    """Arms of the TP compositions (isoexec_tp4: leaf-pinned row-parallel sums; native_tp4: stock
+    all-reduce) at engine_tp 2 are planned as the run builds them; plain native at engine_tp 2 is
+    refused as the run refuses it."""
+    d = tiny(gpus=2, models={"dense": "dense_tp_tiny"}, compositions=["isoexec_tp4", "native_tp4"])
+    d["rl"]["settings"]["engine_tp"] = 2
+    shapes = read_workflow_config(_write(tmp_path, d)).shapes
+    assert sorted(a for s in shapes for a in s.arms) == ["isoexec_tp4", "native_tp4"]
+    assert all(s.engine_tp == 2 and s.dp == 2 for s in shapes)
+    d["compositions"] = ["native"]
+    with pytest.raises(ConfigError, match="rl settings of dense arm native: topology refused: tp=2"):
+        read_workflow_config(_write(tmp_path, d, "native.yaml"))

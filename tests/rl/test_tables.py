@@ -110,3 +110,20 @@ def test_metrics_without_a_compile_count_render_no_compile_row(tmp_path):
     P = render_tables(find_runs(runs_dir), tmp_path / "fig", "cpu")
     assert P[("dense", "isoexec")]["compile_steps"] is None
     assert "compiled kernels" not in (tmp_path / "fig" / "step_time.md").read_text()
+
+
+def test_a_pair_under_tensor_parallelism_fills_the_headline_columns(tmp_path):
+    """Arms of native_tp4 and isoexec_tp4 (the engine at TP > 1) are the headline pair when no arm
+    runs plain native or isoexec; an unrelated composition name is on neither side."""
+    from isoexec.rl.tables import composition_side
+
+    runs_dir = tmp_path / "runs"
+    for arm, comp, diff in (("native_tp2", "native_tp4", 0.01), ("isoexec_tp2", "isoexec_tp4", 0.0)):
+        _write_run(runs_dir, "dense", arm, 0, 3, diff)
+        (runs_dir / "dense" / arm / "seed0" / "rl_config.json").write_text(json.dumps({"composition": comp}))
+    render_tables(find_runs(runs_dir), tmp_path / "fig", "cpu")
+    lp = (tmp_path / "fig" / "logprob_diff.md").read_text()
+    head = [c.strip() for c in next(x for x in lp.splitlines() if x.startswith("| dense")).strip("|").split("|")]
+    assert head[3] == "0.3" and head[7] == "0" and head[-1] == "3/3"     # native_tp4 left, isoexec_tp4 right
+    assert [composition_side(c) for c in ("native", "native_tp4", "isoexec_ep4", "nativex", "stock")] == \
+        ["native", "native", "isoexec", None, None]

@@ -546,3 +546,14 @@ def test_the_bench_rule_accepts_every_benchmark_the_cli_has():
     text = (REPO / "workflow/rules/bench.smk").read_text()
     names = re.search(r'name="([\w|]+)"', text.split("rule bench:", 1)[1]).group(1).split("|")
     assert sorted(names) == sorted(BENCHES)
+
+
+def test_the_schemas_compositions_are_the_composition_files():
+    """The workflow schema names every composition of configs/compositions/ and no other."""
+    import yaml
+
+    from isoexec.paths import configs_dir
+
+    schema = yaml.safe_load((configs_dir().parent / "workflow/schemas/config.schema.yaml").read_text())
+    files = {p.stem for p in (configs_dir() / "compositions").glob("*.yaml")}
+    assert set(schema["$defs"]["composition"]["enum"]) == files
