@@ -154,16 +154,15 @@ def main(argv=None) -> int:
     res["generate_then_verify"] = {"compared": rep.compared, "differing": rep.differing}
     res["throughput"] = {"one_process": t_one, f"tp{tp}": t_tp}
 
-    # 3. negative control: the stock all-reduce of each rank's row-parallel partial
-    from isoexec.dist import all_reduce_row_parallel_linear
+    # 3. negative control: the stock all-reduce of each rank's row-parallel partial, chosen as every
+    # run chooses it, by the contract (the gates' control contract: no K_LEAVES pinned there)
+    from isoexec.gates.topology_gates import all_reduce_control, under_contract
 
-    real = tp_dense.row_parallel_linear
-    tp_dense.row_parallel_linear = all_reduce_row_parallel_linear
-    try:
-        ctrl, _ = _serve(tpm, contract, EngineConfig(**{**engine_cfg.__dict__, "cuda_graphs": False}),
-                         prompts, params, device)
-    finally:
-        tp_dense.row_parallel_linear = real
+    control = all_reduce_control(contract)
+    ctrl_tpm = tp_dense.TensorParallelDense(under_contract(model, control), None)
+    ctrl, _ = _serve(ctrl_tpm, control, EngineConfig(**{**engine_cfg.__dict__, "cuda_graphs": False}),
+                     prompts, params, device)   # eager, as the committed H200 control ran
+    del ctrl_tpm
     res["negative_control_all_reduce"] = _compare(want, ctrl)
     res["seconds"] = round(time.perf_counter() - t_start, 1)
 

@@ -74,7 +74,7 @@ def all_reduce_control(contract: ExecutionContract) -> ExecutionContract:
     return check(with_identities(replace(contract, composition=entries, claims=claims)))
 
 
-def _under(model, contract: ExecutionContract):
+def under_contract(model, contract: ExecutionContract):
     """``model``'s weights under another contract: a shallow copy of the module (the parameters are
     shared, not copied) with ``contract`` installed; ``model`` keeps its own."""
     other = copy.copy(model)
@@ -125,7 +125,7 @@ def tp_engine_generate_verify(model, contract, gen: torch.Generator, arch: str, 
     _, want = _generate(model, contract, gen, **sizes)
     gen.set_state(state)   # the same prompts, parameters and arrivals for the TP engine
     served = all_reduce_control(contract) if stock_all_reduce else contract
-    tpm = tensor_parallel(_under(model, served) if stock_all_reduce else model)
+    tpm = tensor_parallel(under_contract(model, served) if stock_all_reduce else model)
     _, got = _generate(tpm, served, gen, **sizes)
     reports = _results_reports(want, got) + [verify_engine_logprobs(model, got)]
     return reports, {**sizes, "tokens": sum(len(r.ids) for r in got)}
@@ -142,5 +142,5 @@ def group_info(arch: str) -> dict:
     return {"tp": dist.get_world_size(), "backend": dist.get_backend(), "arch": arch}
 
 
-__all__ = ["TOPOLOGY_GATES", "all_reduce_control", "claims_tp", "gathered", "group_info", "process_group",
+__all__ = ["TOPOLOGY_GATES", "all_reduce_control", "under_contract", "claims_tp", "gathered", "group_info", "process_group",
            "tp_engine_generate_verify", "tp_trainer_logits"]
