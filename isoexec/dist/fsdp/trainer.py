@@ -91,7 +91,11 @@ class FSDPTrainer(Trainer):
             mesh = dp_mesh(device_type=next(model.parameters()).device.type)
         self.dp, self.rank = check_dp_mesh(mesh)
         self.mesh, self.group = mesh, mesh.get_group(DP)
-        self.model, self.config = shard_model(model, mesh), config
+        # frozen parameters stay out of FSDP2 (GLM's router correction bias: fp32 in a bf16 model,
+        # which FSDP2's one compute dtype would refuse, or its mixed-precision cast round): replicated
+        # on every rank in their own dtype, no gradient to reduce, as in the expert-parallel trainer
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        self.model, self.config = shard_model(model, mesh, ignored=frozen), config
         # the checkpoint runs inside each layer's FSDP2 unit (shard.py): the recompute in the
         # backward reads the layer gathered again, the same bits
         model.activation_checkpointing = config.activation_checkpointing
@@ -257,7 +261,9 @@ class FSDPTrainer(Trainer):
         weight update takes every parameter: GLM's router correction bias is frozen); a collective:
         every rank calls it."""
         free_params(self.model)
-        return {n: p.detach().full_tensor() for n, p in self.model.named_parameters()}
+        return {n: p.detach().full_tensor() if hasattr(p, "full_tensor")
+                else p.detach().to(torch.float32, copy=True)          # frozen: whole on every rank
+                for n, p in self.model.named_parameters()}
 
     def state_dict(self) -> dict:
         """The trainer's state for ``torch.distributed.checkpoint``: model and optimizer from
