@@ -24,9 +24,9 @@ would take them for shards of one parameter, and cannot cut 6 experts over 4 ran
 and their gradients are reduced over other ranks than the replicated parameters'
 (``ep_adamw.py``). They stay plain parameters in the model's own dtype, untouched by the fp32
 conversion and the mixed-precision cast (the optimizer keeps their fp32 masters), and no FSDP2
-collective reads them. That trainer leaves the frozen parameters out too (GLM's router correction
-bias: fp32 in a bf16 model, which the mixed-precision cast would round to bf16; replicated, with
-no gradient to reduce). Every parameter FSDP2 still manages in an MoE model (attention or Gated
+collective reads them. Both trainers (``ep_trainer.py`` and ``trainer.py``) leave the frozen
+parameters out too (GLM's router correction bias: fp32 in a bf16 model, which the mixed-precision
+cast would round to bf16; replicated, with no gradient to reduce). Every parameter FSDP2 still manages in an MoE model (attention or Gated
 DeltaNet, router, shared expert, norms, embedding, lm_head) is reached by every token, so each
 rank's backward gives all of them a gradient: torch 2.11's FSDP2, which lacks
 ``set_reduce_scatter_unused_params``, shards such a model too; only an MoE model whose experts
