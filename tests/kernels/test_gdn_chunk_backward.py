@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+import gdn_inputs
 from isoexec_kernels import gdn_core as G
 from isoexec_kernels.gdn_core import chunk_backward as CB
 from isoexec_kernels.gdn_core import native as N
@@ -21,19 +21,10 @@ from isoexec_kernels.gdn_core.chunk_form import chunk_form_backward, torch_chunk
 NAMES = ("q", "k", "v", "g", "beta")
 
 
-def make_inputs(lens, Hk, H, Dk, Dv, seed, v_dtype=torch.float32, dtype=torch.float32, g_scale=0.5):
-    """Random GDN inputs (as the gdn_core tests): q, k L2-normalised (q scaled by Dk^-0.5), g <= 0,
-    beta in (0, 1); plus a random output gradient dO [T, H, Dv] fp32 (float64 for float64)."""
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-    k = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1)
-    q = F.normalize(torch.randn(T, Hk, Dk, generator=gen, dtype=dtype), dim=-1) * Dk ** -0.5
-    v = torch.randn(T, H, Dv, generator=gen, dtype=dtype).to(v_dtype)
-    g = -torch.rand(T, H, generator=gen, dtype=dtype) * g_scale
-    beta = torch.rand(T, H, generator=gen, dtype=dtype)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    do = torch.randn(T, H, Dv, generator=gen, dtype=dtype)
-    return (q, k, v, g, beta), cu, do
+def make_inputs(lens, Hk, H, Dk, Dv, seed, **kw):
+    """``gdn_inputs.make_inputs`` with an output gradient, grouped as ((q, k, v, g, beta), cu, dO)."""
+    *xs, cu, do = gdn_inputs.make_inputs(lens, Hk, H, Dk, Dv, seed, out_grad=True, **kw)
+    return tuple(xs), cu, do
 
 
 def autograd64(xs, cu, do, chunk):
