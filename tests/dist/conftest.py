@@ -82,6 +82,17 @@ def pytest_sessionfinish(session):
         proc.wait()
 
 
+@pytest.fixture
+def group_of_one(tmp_path):
+    """A gloo process group of this test process alone (a file store, no port), removed afterwards:
+    for code that needs an initialised group but no peers."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp_path, "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def fsdp_job():
     """The FSDP inputs the ranks got (fsdp_workers.make_job), for the single-process references."""

@@ -20,7 +20,6 @@ the Qwen3.5-MoE-style one cut to 7 experts (3 and 4 per rank), under ``isoexec_e
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 
@@ -193,13 +192,6 @@ def test_unclaimed_ep_ep_not_dividing_the_world_and_no_experts_are_refused_on_ev
         msgs = [res[key] for res in world]
         assert msgs[0].startswith(kind) and needle in msgs[0] and "\n" not in msgs[0], msgs[0]
         assert msgs == [msgs[0]] * WS
-
-
-@pytest.fixture
-def group_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp_path, "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_without_the_unused_params_switch_the_ep_trainer_still_shards_an_moe_model(group_of_one, job, monkeypatch):

@@ -5,7 +5,6 @@ clear error. The method is removed for the test (the CPU torch has it)."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 sys.modules.setdefault("fla", None)
@@ -20,13 +19,6 @@ from isoexec.dist.mesh import dp_mesh  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-
-
-@pytest.fixture
-def group_of_one(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp_path, "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_without_the_unused_params_switch_dense_shards_and_moe_is_refused(group_of_one, monkeypatch):
