@@ -1,9 +1,10 @@
 """Finds which kernel of the native WY backward is not deterministic run to run (a diagnostic for the
 GPU, not a test): runs ``wy_chunk_backward_triton`` twice on the same inputs with every Triton launch
 of the forward recompute and the backward wrapped, snapshots every tensor argument after each launch,
-and reports, launch by launch, which buffers differ between the two runs (integer views; rows of a
-chunk past its last token are reported apart, since nothing should read them). A third run fills
-every fresh ``torch.empty`` buffer with NaN first, to show reads of memory no kernel wrote.
+and reports, launch by launch, which buffers differ between the two runs (integer views). A third
+run fills every fresh ``torch.empty`` buffer with NaN first, to show reads of memory no kernel
+wrote. Then it replays the WY-part kernel on the captured inputs, twice in each way of forming
+k k^T (``KK_MODE``), with its intermediates stored (``DBG``), and counts what differs.
 
     python3 scripts/wy_bwd_determinism_probe.py --out $OUT/wy_bwd_probe.json [--warps 4 8]
 """

@@ -69,7 +69,9 @@ own, both operands loaded separately. On the H200 (Triton 3.6) modes 0 and 1 gav
 dg and dbeta, that differed between two launches on the same inputs (every other gradient equal;
 no read of unwritten memory); mode 2 gave the same bits every time.
 ``scripts/wy_bwd_determinism_probe.py`` replays the kernel in each mode (its ``DBG`` stores the
-intermediates), so the question can be asked again of another Triton."""
+intermediates), so the question can be asked again of another Triton. Modes 0 and 1 and ``DBG``
+stay for that probe only; removing them changes the compiled kernel (246 -> 228 registers by
+``scripts/native_wy_aot.py``), which then needs the GPU determinism test again."""
 
 
 # --------------------------------------------------------------------------- Triton kernels
