@@ -122,6 +122,14 @@ class DenseModel(nn.Module):
         want["logprob"] = ("logprob_fixed", "cpu")
         return want
 
+    def tp_vocab_problems(self, tp: int) -> list[str]:
+        """The lm_head is cut in whole vocabulary leaves (``vocab_shard_range``): one per rank at least."""
+        vocab_leaves = -(-self.cfg.vocab_size // REF_LEAF_V)
+        if vocab_leaves < tp:
+            return [f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
+                    f"(vocab_size={self.cfg.vocab_size}); each rank needs a whole leaf"]
+        return []
+
     def tp_problems(self, contract: ExecutionContract, tp: int) -> list[str]:
         """Why this model cannot run ``contract`` at tensor-parallel size ``tp`` (empty: it can),
         from its own shape: a pinned ``K_LEAVES`` larger than a region's K blocks (at any tp), and
@@ -134,7 +142,7 @@ class DenseModel(nn.Module):
         (``tp_impls``). ``check_topology`` reports them with its own."""
         if self.family not in self.TP_FAMILIES:  # a family without a tensor-parallel model
             return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
-        cfg, out = self.cfg, []
+        out = []
         ks = self.linear_k()
         leaves: dict[str, set] = {}
         impls: dict[str, set] = {}
@@ -169,10 +177,7 @@ class DenseModel(nn.Module):
                 if mine != leafs:
                     out.append(f"{o}'s K leaves ({K_LEAVES}={L} over K={K}) give the ranks input columns "
                                f"{leafs}, not their heads' {mine}: each rank's heads must span whole K leaves")
-        vocab_leaves = -(-cfg.vocab_size // REF_LEAF_V)
-        if vocab_leaves < tp:
-            out.append(f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
-                       f"(vocab_size={cfg.vocab_size}); each rank needs a whole leaf")
+        out += self.tp_vocab_problems(tp)
         for o, (impl, arch) in self.tp_impls().items():
             for got_impl, got_arch in sorted(impls.get(o, ())):
                 if got_impl != impl or (arch is not None and got_arch != arch):

@@ -65,7 +65,6 @@ import torch
 from torch import nn
 
 from isoexec_kernels.gemm import k_leaves_for
-from isoexec_kernels.logprob import REF_LEAF_V
 
 from .. import registry
 from ..contract import K_LEAVES, ExecutionContract
@@ -114,11 +113,7 @@ def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str
     if tp == 1 or claim is None or claim.kind != "variant":
         return model.tp_problems(contract, tp)
     out = model.tp_problems(contract, 1)   # what holds at every tp: a pinned K_LEAVES above a region's K blocks
-    out += model.tp_head_problems(tp)
-    vocab_leaves = -(-model.cfg.vocab_size // REF_LEAF_V)
-    if vocab_leaves < tp:   # the lm_head is cut in whole vocabulary leaves (vocab_shard_range)
-        out.append(f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
-                   f"(vocab_size={model.cfg.vocab_size}); each rank needs a whole leaf")
+    out += model.tp_head_problems(tp) + model.tp_vocab_problems(tp)
     runs: dict[str, set] = {}
     for e in contract.composition:
         if e.half == "function":
