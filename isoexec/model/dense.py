@@ -18,6 +18,9 @@ region for those ops; ``install`` refuses a contract whose ops are not the model
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -35,6 +38,27 @@ from ..envinfo import runtime_arch
 from ..errors import BindingRefused
 from ..model_config import DenseConfig
 from .batch import ForwardBatch
+
+
+@functools.lru_cache(maxsize=64)
+def _takes(fn, parameter: str) -> bool:
+    """Whether a bound kernel (or a partial of one) accepts the keyword ``parameter``."""
+    try:
+        return parameter in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _qk_norms_in_one_call(plan: ExecutionPlan) -> bool:
+    """Whether the q and k norms can run as one call: no autograd (trainer_fwd keeps two calls)
+    and both regions bound to the same kernel with the same constants, one that takes a second
+    weight for a range of heads (``isoexec_kernels.rmsnorm``)."""
+    if torch.is_grad_enabled():
+        return False
+    q, k = plan["q_norm"], plan["k_norm"]
+    same = all(getattr(q.record, f) == getattr(k.record, f)
+               for f in ("module", "qualname", "impl_id", "impl_version", "constants"))
+    return same and _takes(q.fn, "weight2")
 
 
 class DenseLayer(nn.Module):
@@ -253,6 +277,17 @@ class DenseModel(nn.Module):
             start += n
         return torch.cat(outs, dim=-1)
 
+    @staticmethod
+    def _add_linear(plan: ExecutionPlan, op: str, residual: torch.Tensor, x: torch.Tensor,
+                    weight: torch.Tensor) -> torch.Tensor:
+        """``residual + plan[op](x, weight)``: the residual stream's add. A kernel that takes a
+        ``residual`` does it in its epilogue (one launch fewer per call; the bits of the add:
+        ``isoexec_kernels.gemm`` rounds its output first, then adds as torch does); else torch."""
+        bound = plan[op]
+        if _takes(bound.fn, "residual"):
+            return bound(x, weight, residual=residual)
+        return residual + bound(x, weight)
+
     def _attention(self, plan: ExecutionPlan, layer: int, q, k, v, batch: ForwardBatch) -> torch.Tensor:
         scale = self.cfg.head_dim ** -0.5
         attn = plan["attn_core"]
@@ -306,20 +341,29 @@ class DenseModel(nn.Module):
         qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
                            (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
         q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-        q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
-        if cfg.qk_norm:
-            q = plan["q_norm"](q, L.q_norm, eps)
-            k = plan["k_norm"](k, L.k_norm, eps)
-        q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
-        k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
+        if cfg.qk_norm and _qk_norms_in_one_call(plan):
+            # q and k heads side by side: both norms in one launch, then one RoPE launch over
+            # all their heads (row-wise and element-wise ops: each row's bits are the separate
+            # calls' below, which trainer_fwd takes)
+            qk = qkv[:, :cfg.q_size + cfg.kv_size].view(T, nh + nkv, hd)
+            qk = plan["q_norm"](qk, L.q_norm, eps, weight2=L.k_norm, heads1=nh)
+            qk = plan["rope"](qk, batch.positions, rope, theta=cfg.rope_theta)
+            q, k = qk[:, :nh], qk[:, nh:]
+        else:
+            q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
+            if cfg.qk_norm:
+                q = plan["q_norm"](q, L.q_norm, eps)
+                k = plan["k_norm"](k, L.k_norm, eps)
+            q = plan["rope"](q, batch.positions, rope, theta=cfg.rope_theta)
+            k = plan["rope"](k, batch.positions, rope, theta=cfg.rope_theta)
         v = v.reshape(T, nkv, hd)
         a = self._attention(plan, i, q, k, v, batch)
-        x = x + plan["o_proj"](a.reshape(T, cfg.q_size), L.o_weight)
+        x = self._add_linear(plan, "o_proj", x, a.reshape(T, cfg.q_size), L.o_weight)
         n = plan["mlp_norm"](x, L.mlp_norm, eps)
         gu = self._linear(plan, ("gate_proj", "up_proj"), n, L.gate_up_weight,
                           (cfg.intermediate_size, cfg.intermediate_size))
         g, u = gu.split((cfg.intermediate_size, cfg.intermediate_size), dim=-1)
-        x = x + plan["down_proj"](plan["act"](g, u), L.down_weight)
+        x = self._add_linear(plan, "down_proj", x, plan["act"](g, u), L.down_weight)
         return x
 
     def logits(self, hidden: torch.Tensor, case: str) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Batch-invariant linear layer: ``out = x @ weight.T (+ bias)``.
 
 Public API
-  ``linear(x, weight, bias=None, out_dtype=None, leaves=None)``  dispatcher (CUDA -> Triton, else reference),
+  ``linear(x, weight, bias=None, out_dtype=None, leaves=None, residual=None)``  dispatcher (CUDA -> Triton, else reference),
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
@@ -17,7 +17,10 @@ Rounding schedule (every output element, whatever M, the row's position or its n
   leaves are summed left to right in fp32, the first taken as it is; bias (if any) is added in
   fp32 after the last leaf; one round-to-nearest-even cast to the input dtype at the end (or to
   ``out_dtype``: fp32 output of 16-bit inputs keeps the fp32 accumulator unrounded; the MoE
-  router's logits are made this way). No TF32. A small batch may compute the leaves in separate programs (split-K) and sum them in a
+  router's logits are made this way). ``residual`` (optional, the output's shape and dtype):
+  ``out + residual`` after that rounding, added in fp32 and rounded once more, i.e. torch's
+  elementwise add of the two; the Triton kernels do it in their epilogue (one launch instead of
+  two, the same bits as the separate add). No TF32. A small batch may compute the leaves in separate programs (split-K) and sum them in a
   second pass; a large batch walks them in one program; both are the schedule above, so a
   row's bits never depend on M. (The leaves exist for speed: a weight with few output tiles,
   such as Qwen3-0.6B's o_proj and down_proj, otherwise leaves most SMs idle at decode sizes.)
@@ -54,22 +57,22 @@ from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
 from .triton_kernels import _triton_2d
 
 
-def _linear_2d(x2, w, bias, out_dtype=None, leaves=None):
+def _linear_2d(x2, w, bias, out_dtype=None, leaves=None, residual=None):
     if want_triton(x2):
-        return _triton_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype)
-    return _reference_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype)
+        return _triton_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype, residual=residual)
+    return _reference_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype, residual=residual)
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, out_dtype, leaves):
+    def forward(ctx, x, weight, bias, out_dtype, leaves, residual):
         K = x.shape[-1]
         x2 = x.reshape(-1, K)
         ctx.save_for_backward(x2, weight)
         ctx.x_shape = x.shape
         ctx.has_bias = bias is not None
         ctx.wide = out_dtype is not None and out_dtype.itemsize > x.dtype.itemsize
-        out = _linear_2d(x2, weight, bias, out_dtype, leaves)
+        out = _linear_2d(x2, weight, bias, out_dtype, leaves, residual)
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -105,12 +108,15 @@ class _LinearFn(torch.autograd.Function):
                 gw = _linear_2d(g2.t(), x2.t(), None)
             if ctx.has_bias and ctx.needs_input_grad[2]:
                 gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF)
+        # out = y + residual: the residual's gradient is the output's, passed on as it is
+        gr = grad if ctx.needs_input_grad[5] else None
         return (None if gx is None else gx.to(x_dtype).reshape(ctx.x_shape),
-                None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(w_dtype), None, None)
+                None if gw is None else gw.to(w_dtype), None if gb is None else gb.to(w_dtype), None, None, gr)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, leaves: int | None = None):
+           out_dtype: torch.dtype | None = None, leaves: int | None = None,
+           residual: torch.Tensor | None = None):
     """Batch-invariant ``x[..., K] @ weight[N, K].T (+ bias)``: Triton on CUDA, the reference
     twin elsewhere; differentiable. Rounding schedule: module docstring; ``out_dtype`` (default
     x's dtype) is the dtype of the one final rounding: fp32 for 16-bit inputs gives the fp32
@@ -119,14 +125,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (default :func:`k_leaves_for` of the weight shape) sets the number of K leaves: a caller that
     holds a slice of a larger weight passes the whole weight's count (a column shard, whose N is
     smaller) or computes one leaf alone with ``leaves=1`` (a row-parallel linear under tensor parallelism).
-    The backward does not depend on it."""
-    _check(x, weight, bias, out_dtype)
+    The backward does not depend on it. ``residual`` (the output's shape and dtype) returns
+    ``residual + x @ weight.T`` with the bits of that separate add (module docstring): a decoder
+    layer's residual stream in the same launch."""
+    _check(x, weight, bias, out_dtype, residual)
     if out_dtype == x.dtype:
         out_dtype = None
     needs_grad = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        or (residual is not None and residual.requires_grad)
     )
     if needs_grad:
-        return _LinearFn.apply(x, weight, bias, out_dtype, leaves)
+        return _LinearFn.apply(x, weight, bias, out_dtype, leaves, residual)
     K = x.shape[-1]
-    return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype, leaves).reshape(*x.shape[:-1], weight.shape[0])
+    return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype, leaves,
+                      residual).reshape(*x.shape[:-1], weight.shape[0])

@@ -53,7 +53,7 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           out_dtype: torch.dtype | None = None) -> None:
+           out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None) -> None:
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
         raise TypeError(f"linear: out_dtype must be one of {_OUT_DTYPES} or None, got {out_dtype}")
     if weight.dim() != 2:
@@ -66,10 +66,25 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         raise TypeError(f"linear: x is {x.dtype} but weight is {weight.dtype}; cast one of them")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"linear: bias must be [N]={weight.shape[0]}, got {tuple(bias.shape)}")
+    if residual is not None:
+        want = (*x.shape[:-1], weight.shape[0])
+        if tuple(residual.shape) != want:
+            raise ValueError(f"linear: residual must have the output's shape {want}, got {tuple(residual.shape)}")
+        if residual.dtype != (out_dtype or x.dtype):
+            raise TypeError(f"linear: residual is {residual.dtype} but the output is {out_dtype or x.dtype}")
 
 
 def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                  leaves: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  leaves: int | None = None, out_dtype: torch.dtype | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    out = _reference_2d_acc(x2, w, bias, leaves, out_dtype)
+    # the residual stream's add after the one rounding: torch's elementwise add of two tensors
+    # of the output dtype, which the Triton epilogue reproduces
+    return out if residual is None else out + residual.reshape(out.shape)
+
+
+def _reference_2d_acc(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                      leaves: int | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     M, K = x2.shape
     N = w.shape[0]
     leaves = k_leaves_for(N, K) if leaves is None else leaves
@@ -111,13 +126,15 @@ def _reference_2d(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     leaves: int | None = None, out_dtype: torch.dtype | None = None):
+                     leaves: int | None = None, out_dtype: torch.dtype | None = None,
+                     residual: torch.Tensor | None = None):
     """``x[..., K] @ weight[N, K].T (+ bias[N])`` -> ``[..., N]`` in ``out_dtype`` (default
     x.dtype), by the reference schedule (api.py's docstring): fp32 products, halves tree per
     64-wide K block, blocks accumulated in K order from +0 within each K leaf, the leaves summed
-    left to right, bias in fp32, one rounding to ``out_dtype`` (none for fp32). ``leaves``
-    overrides :func:`k_leaves_for` (tests). Not differentiable by itself (use :func:`linear`)."""
-    _check(x, weight, bias, out_dtype)
+    left to right, bias in fp32, one rounding to ``out_dtype`` (none for fp32), then
+    ``+ residual`` if given (an elementwise add in that dtype). ``leaves`` overrides
+    :func:`k_leaves_for` (tests). Not differentiable by itself (use :func:`linear`)."""
+    _check(x, weight, bias, out_dtype, residual)
     K = x.shape[-1]
-    out = _reference_2d(x.reshape(-1, K), weight, bias, leaves, out_dtype)
+    out = _reference_2d(x.reshape(-1, K), weight, bias, leaves, out_dtype, residual)
     return out.reshape(*x.shape[:-1], weight.shape[0])

@@ -115,14 +115,17 @@ def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int =
 
 @jit
 def _gemm_tma_persistent_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, bias_ptr, res_ptr, M, N, K, stride_rm,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee",
+    PRECISION: tl.constexpr = "ieee", LEAF_FLAT: tl.constexpr = False,
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
+    # LEAF_FLAT: the leaves in one K loop that adds the leaf into the sum at each leaf's last
+    # block, instead of one loop per leaf (whose load pipeline drains and refills at every leaf);
+    # the same dots into the same accumulators in the same order, so the same bits.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -143,32 +146,59 @@ def _gemm_tma_persistent_kernel(
         tm = first_m + (tile % rows_in_group)
         tn = (tile % group_span) // rows_in_group
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for leaf in tl.static_range(LEAVES):
-            # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
-            # as the split-K kernels below compute them
+        if LEAF_FLAT:
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
-                # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
-                # last block.
+            leaf = 0
+            leaf_end = k_steps // LEAVES  # one past leaf 0's last block
+            for ks in range(0, k_steps):
                 a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
                 b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
                 part = tl.dot(a, b.T, part, input_precision=PRECISION)
-            if leaf == 0:
-                acc = part
-            else:
-                acc = acc + part
+                if ks + 1 == leaf_end:
+                    if leaf == 0:
+                        acc = part
+                    else:
+                        acc = acc + part
+                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    leaf += 1
+                    leaf_end = (leaf + 1) * k_steps // LEAVES
+        else:
+            for leaf in tl.static_range(LEAVES):
+                # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it
+                # is), as the split-K kernels below compute them
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+                    # Out-of-range K columns are zero-filled by the descriptor: same as a
+                    # zero-padded last block.
+                    a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
+                    b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
+                    part = tl.dot(a, b.T, part, input_precision=PRECISION)
+                if leaf == 0:
+                    acc = part
+                else:
+                    acc = acc + part
         if HAS_BIAS:
             offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
-        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], acc.to(out_ptr.dtype.element_ty))
+        y = acc.to(out_ptr.dtype.element_ty)
+        if HAS_RES:
+            # the residual stream's ``r + y`` in the epilogue: y rounded to the output dtype
+            # first, the two added in fp32 and rounded once more, as torch's elementwise add of
+            # two tensors of that dtype does -- the bits of the unfused pair
+            rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+            r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :],
+                        mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
 
 
 @jit
 def _gemm_pointer_kernel(
-    x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, w_ptr, out_ptr, bias_ptr, res_ptr, M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, stride_rm,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, LEAVES: tl.constexpr,
     PRECISION: tl.constexpr = "ieee",
 ):
@@ -207,8 +237,13 @@ def _gemm_pointer_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
         acc = acc + bias[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:  # the residual add of the TMA kernel's epilogue
+        r = tl.load(res_ptr + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :],
+                    mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y,
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
 @jit
@@ -252,8 +287,9 @@ def _gemm_leaf_partial_kernel(
 
 
 @jit
-def _gemm_leaf_sum_kernel(part_ptr, out_ptr, bias_ptr, MN, N, stride_om, stride_on,
-                          HAS_BIAS: tl.constexpr, LEAVES: tl.constexpr, BLOCK: tl.constexpr):
+def _gemm_leaf_sum_kernel(part_ptr, out_ptr, bias_ptr, res_ptr, MN, N, stride_om, stride_on, stride_rm,
+                          HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, LEAVES: tl.constexpr,
+                          BLOCK: tl.constexpr):
     # The leaves of each element summed left to right (leaf 0 as it is), then the bias, then one
     # rounding: the fused kernels' order.
     pid = tl.program_id(0)
@@ -266,7 +302,11 @@ def _gemm_leaf_sum_kernel(part_ptr, out_ptr, bias_ptr, MN, N, stride_om, stride_
     col = offs % N
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + col, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + col * stride_on, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_rm + col, mask=ok, other=0.0)
+        y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_om + col * stride_on, y, mask=ok)
 
 
 def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -305,22 +345,33 @@ def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -
     return head if 0 < head < M else None
 
 
-def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs):
+def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res=None):
     M, K = x2.shape
     N = w.shape[0]
     ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
     flatten = cfg.get("flatten", not ws)
     _gemm_tma_persistent_kernel[(programs,)](
-        x2, w, out, bias_arg, M, N, K,
-        HAS_BIAS=has_bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
+        x2, w, out, bias_arg, out if res is None else res, M, N, K, 0 if res is None else res.stride(0),
+        HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
+        LEAF_FLAT=bool(cfg.get("leaf_flat", False)) and leaves > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, out_dtype=None):
+def _residual_rows(residual, M: int, N: int):
+    """``residual`` as [M, N] rows with unit column stride (a copy only when it has none)."""
+    if residual is None:
+        return None
+    r = residual.reshape(M, N)
+    return r if N <= 1 or r.stride(1) == 1 else r.contiguous()
+
+
+def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, out_dtype=None,
+               residual=None):
     M, K = x2.shape
     N = w.shape[0]
+    res = _residual_rows(residual, M, N)
     # the accumulator is fp32 whatever the output: out_dtype=fp32 for 16-bit inputs skips the
     # final rounding (same kernels, same K loop: only the last cast differs)
     out = torch.empty((M, N), dtype=out_dtype or x2.dtype, device=x2.device)
@@ -330,6 +381,8 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         out.zero_()
         if bias is not None:
             out.copy_((out.float() + bias.float()).to(out.dtype))
+        if res is not None:
+            out.copy_(out + res)
         return out
     cfg = dict(tile_for_m(M, x2.dtype, N, K), **(tile or {}))
     path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
@@ -360,20 +413,23 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         programs = num_sms(x2.device) * int(cfg.get("programs_per_sm", 1))
         head = tail_rows_split(M, N, K, x2.dtype, programs) if tile is None else None
         if head is None:
-            _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
+            _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res)
         else:
             # rows are independent and every tile runs the same K loop, so the two launches give
             # each row the bits one launch would (rows past `head` just use smaller tiles)
             tail_cfg = tile_for_m(M_BUCKET_BOUNDS[-1], x2.dtype, N, K)
-            _launch_tma(x2[:head], w, out[:head], bias_arg, has_bias, cfg, bk, leaves, prec, programs)
-            _launch_tma(x2[head:], w, out[head:], bias_arg, has_bias, tail_cfg, bk, leaves, prec, programs)
+            _launch_tma(x2[:head], w, out[:head], bias_arg, has_bias, cfg, bk, leaves, prec, programs,
+                        None if res is None else res[:head])
+            _launch_tma(x2[head:], w, out[head:], bias_arg, has_bias, tail_cfg, bk, leaves, prec, programs,
+                        None if res is None else res[head:])
     elif path == "pointer":
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _gemm_pointer_kernel[grid](
-            x2, w, out, bias_arg, M, N, K,
+            x2, w, out, bias_arg, out if res is None else res, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            HAS_BIAS=has_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
-            PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            0 if res is None else res.stride(0),
+            HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk,
+            GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif path == "split":
         # small M: one program per (tile, leaf) writes the leaf in fp32, a second pass sums the
@@ -386,8 +442,8 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         _gemm_leaf_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
-            part, out, bias_arg, M * N, N, out.stride(0), out.stride(1),
-            HAS_BIAS=has_bias, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
+            part, out, bias_arg, out if res is None else res, M * N, N, out.stride(0), out.stride(1),
+            0 if res is None else res.stride(0), HAS_BIAS=has_bias, HAS_RES=res is not None, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     else:
         raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer' or 'split')")
@@ -396,16 +452,17 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   impl: str | None = None, tile: dict | None = None, leaves: int | None = None,
-                  precision: str | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  precision: str | None = None, out_dtype: torch.dtype | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
-    num_warps, num_stages, warp_specialize, flatten, programs_per_sm; BLOCK_K cannot be overridden; ``path``
+    num_warps, num_stages, warp_specialize, flatten, programs_per_sm, leaf_flat; BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
     the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one
     final rounding; fp32 keeps the fp32 accumulator as it is."""
-    _check(x, weight, bias, out_dtype)
+    _check(x, weight, bias, out_dtype, residual)
     K = x.shape[-1]
-    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves, precision, out_dtype)
+    out = _triton_2d(x.reshape(-1, K), weight, bias, impl, tile, leaves, precision, out_dtype, residual)
     return out.reshape(*x.shape[:-1], weight.shape[0])

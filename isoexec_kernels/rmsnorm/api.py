@@ -1,8 +1,10 @@
 """Batch-invariant RMSNorm (Qwen3 style), forward and backward.
 
 Public API
-  ``rms_norm(x, weight, eps)``             dispatcher (CUDA -> Triton, else reference),
-                                            differentiable
+  ``rms_norm(x, weight, eps, zero_centred=False, weight2=None, heads1=None)``
+                                            dispatcher (CUDA -> Triton, else reference),
+                                            differentiable; ``weight2``/``heads1``: two norms
+                                            over the heads of one [T, heads, H] view
   ``rms_norm_reference(x, weight, eps)``   torch twin (forward only)
   ``rms_norm_triton(x, weight, eps)``      Triton twin (forward only)
   ``rms_norm_backward_reference(dy, x, weight, rstd)`` / ``rms_norm_backward_triton(...)``
@@ -71,11 +73,19 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), dw, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_centred: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_centred: bool = False,
+             weight2: torch.Tensor | None = None, heads1: int | None = None) -> torch.Tensor:
     """Batch-invariant RMSNorm over the last dim (Triton on CUDA, reference elsewhere);
     differentiable. Rounding schedule: module docstring (``zero_centred``: weight is an offset
-    from 1, Qwen3.5 style)."""
+    from 1, Qwen3.5 style).
+
+    ``weight2`` with ``heads1``: ``x`` is [T, heads, H] and heads ``heads1..`` are normed with
+    ``weight2``, the others with ``weight`` -- the q and k norms of a fused qkv output's
+    [T, q heads + kv heads, head_dim] slice in one launch. Every row's arithmetic is the
+    one-weight call's, so the bits are those of the two separate calls."""
     _check(x, weight)
+    if weight2 is not None:
+        return _two_weight_rms_norm(x, weight, eps, zero_centred, weight2, heads1)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFn.apply(x, weight, eps, zero_centred)
     if want_triton(x):
@@ -83,3 +93,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_cent
     else:
         out, _ = _ref_fwd(_rows(x), weight, eps, zero_centred)
     return out.reshape(x.shape)
+
+
+def _two_weight_rms_norm(x, weight, eps, zero_centred, weight2, heads1):
+    _check(x, weight2)
+    if x.dim() != 3 or heads1 is None or not 0 < int(heads1) < x.shape[1]:
+        raise ValueError(f"rms_norm: weight2 needs x [T, heads, H] and 0 < heads1 < heads; got x "
+                         f"{tuple(x.shape)}, heads1 {heads1}")
+    heads1 = int(heads1)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or weight2.requires_grad):
+        # autograd: the two norms as two differentiable calls (the same rows, the same bits)
+        return torch.cat([rms_norm(x[:, :heads1], weight, eps, zero_centred),
+                          rms_norm(x[:, heads1:], weight2, eps, zero_centred)], dim=1)
+    if want_triton(x):
+        H = x.shape[-1]
+        x3 = x if x.stride(-1) == 1 and x.stride(1) == H else x.contiguous()
+        out, _ = _triton_fwd(x3, weight, eps, zero_centred, weight2, heads1)
+        return out.reshape(x.shape)
+    H = x.shape[-1]
+    first, _ = _ref_fwd(_rows(x[:, :heads1]), weight, eps, zero_centred)
+    second, _ = _ref_fwd(_rows(x[:, heads1:]), weight2, eps, zero_centred)
+    T = x.shape[0]
+    return torch.cat([first.reshape(T, heads1, H), second.reshape(T, -1, H)], dim=1)

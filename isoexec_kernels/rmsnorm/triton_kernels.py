@@ -16,8 +16,8 @@ def _warps_for(H: int) -> int:
 
 
 @jit
-def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps, heads, stride_head,
-                    BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr):
+def _rms_fwd_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps, heads, stride_head,
+                    heads1, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr, TWO_WEIGHTS: tl.constexpr):
     # row r of x is (r // heads, r % heads) of a [T, heads, H] view with strides
     # (stride_x, stride_head, 1): a head-strided q/k slice is read in place instead of copied
     # (the address changes, the row's arithmetic does not)
@@ -29,7 +29,13 @@ def _rms_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps,
     ss = tl.sum(xf * xf, axis=0)
     var = ss / H
     rstd = tl.math.div_rn(1.0, tl.sqrt_rn(var + eps))
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if TWO_WEIGHTS:
+        # heads from heads1 on take the second weight (q and k norms of a fused qkv output in
+        # one launch; only the weight's address differs)
+        w_row = tl.where((row % heads) < heads1, w_ptr + cols, w2_ptr + cols)
+        w = tl.load(w_row, mask=ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         out = ((xf * rstd) * (1.0 + w)).to(out_ptr.dtype.element_ty)
     else:
@@ -86,9 +92,10 @@ def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
     return block_r, per, -(-R // per)
 
 
-def _triton_fwd(x2, weight, eps, zero_centred: bool = False):
+def _triton_fwd(x2, weight, eps, zero_centred: bool = False, weight2=None, heads1: int = 0):
     """Forward of rows ``x2``: [R, H] with unit column stride, or [T, heads, H] with unit column
-    stride (rows taken in (token, head) order; out is [T * heads, H] either way)."""
+    stride (rows taken in (token, head) order; out is [T * heads, H] either way). With
+    ``weight2``, the rows of heads ``heads1..`` of the [T, heads, H] view are normed with it."""
     H = x2.shape[-1]
     if x2.dim() == 3:
         heads, stride_x, stride_head = x2.shape[1], x2.stride(0), x2.stride(1)
@@ -99,9 +106,11 @@ def _triton_fwd(x2, weight, eps, zero_centred: bool = False):
     out = torch.empty((R, H), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((R,), dtype=torch.float32, device=x2.device)
     if R:
-        _rms_fwd_kernel[(R,)](x2, weight.contiguous(), out, rstd, H, stride_x, out.stride(0),
-                              _eps32(eps), heads, stride_head, BLOCK_H=next_pow2(H),
-                              ZERO_CENTRED=zero_centred, num_warps=_warps_for(H))
+        w = weight.contiguous()
+        _rms_fwd_kernel[(R,)](x2, w, w if weight2 is None else weight2.contiguous(), out, rstd, H, stride_x,
+                              out.stride(0), _eps32(eps), heads, stride_head, heads1, BLOCK_H=next_pow2(H),
+                              ZERO_CENTRED=zero_centred, TWO_WEIGHTS=weight2 is not None,
+                              num_warps=_warps_for(H))
     return out, rstd
 
 

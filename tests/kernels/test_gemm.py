@@ -246,6 +246,34 @@ def test_linear_forward_with_and_without_autograd_is_bitwise_equal(kb):
     kb.assert_bitwise(graded, plain, "trainer_fwd vs trainer_score")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_residual_in_the_epilogue_equals_the_separate_add_bitwise(kb, dtype):
+    # the decoder layer's ``x + o_proj(a)`` as one call: the output rounded, then torch's add
+    w, b, g = _weights(40, 200, dtype, seed=43)
+    x = torch.randn(2, 7, 200, generator=g).to(dtype)
+    r = torch.randn(2, 7, 40, generator=g).to(dtype)
+    for bias in (None, b):
+        kb.assert_bitwise(gemm.linear(x, w, bias, residual=r), r + gemm.linear(x, w, bias), f"bias={bias is not None}")
+    xs, ws, rs = (t.clone().requires_grad_() for t in (x, w, r))
+    dy = torch.randn(2, 7, 40, generator=g).to(dtype)
+    fused = torch.autograd.grad(gemm.linear(xs, ws, residual=rs), (xs, ws, rs), dy)
+    plain = torch.autograd.grad(rs + gemm.linear(xs, ws), (xs, ws, rs), dy)
+    for name, f, p in zip(("x", "w", "residual"), fused, plain):
+        kb.assert_bitwise(f, p, f"grad {name}")
+    with pytest.raises(ValueError, match="residual must have the output's shape"):
+        gemm.linear(x, w, residual=r[:, :3])
+    with pytest.raises(TypeError, match="residual is"):
+        gemm.linear(x, w, residual=r.double())
+
+
+def test_native_linear_residual_is_the_stock_addmm():
+    g = torch.Generator().manual_seed(44)
+    x, w, r = torch.randn(9, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(9, 24, generator=g)
+    b = torch.randn(24, generator=g)
+    torch.testing.assert_close(gemm.linear_native(x, w, residual=r), r + x @ w.T)
+    torch.testing.assert_close(gemm.linear_native(x, w, b, residual=r), r + x @ w.T + b)
+
+
 def test_linear_fp32_output_of_bf16_inputs_equals_fp32_inputs_bitwise(kb):
     # the MoE router's logits: bf16 values with the fp32 accumulator left unrounded are
     # lin(fp32(x), fp32(w)) (the products are exact in fp32), and rounding that accumulator once
@@ -418,7 +446,25 @@ def interp_case_linear_split_k_equals_one_program_leaf_walk_fp32(kb):
                           f"split vs pointer, {leaves} leaves")
         kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=tile, leaves=leaves), split,
                           f"split vs tma, {leaves} leaves")
+        kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=dict(tile, leaf_flat=True), leaves=leaves),
+                          split, f"split vs tma's flat leaf loop, {leaves} leaves")
         assert kb.rel_l2(split, x.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
+
+
+def interp_case_linear_residual_in_the_epilogue_equals_the_separate_add(kb):
+    # every kernel path with the residual against the same call plus torch's add (same M and
+    # tiles on both sides); fp16 rounds before the add, fp32 keeps the accumulator
+    g = torch.Generator().manual_seed(56)
+    for dtype in (torch.float16, torch.float32):
+        w = (torch.randn(40, 5 * 64 + 16, generator=g) / 10).to(dtype)
+        b = torch.randn(40, generator=g).to(dtype)
+        x = torch.randn(20, 5 * 64 + 16, generator=g).to(dtype)
+        r = torch.randn(20, 40, generator=g).to(dtype)
+        tile = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
+        for impl, leaves in (("pointer", 1), ("tma", 1), ("tma", 3), ("split", 3)):
+            fused = gemm.linear_triton(x, w, b, impl=impl, tile=tile, leaves=leaves, residual=r)
+            plain = gemm.linear_triton(x, w, b, impl=impl, tile=tile, leaves=leaves)
+            kb.assert_bitwise(fused, r + plain, f"{impl} {leaves} leaves {dtype}")
 
 
 def interp_case_linear_fp32_output_is_the_unrounded_accumulator_fp16(kb):
@@ -457,6 +503,22 @@ def test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket(kb, N, K
         kb.assert_bitwise(out[idx], alone, f"cuda N={N} K={K} M={m} row {idx}")
     want = batch.double() @ w.double().cpu().T + b.double().cpu()
     assert kb.rel_l2(out, want) < kb.TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(1024, 3072), (4096, 1024)])
+def test_linear_cuda_residual_in_the_epilogue_equals_the_separate_add_bitwise(kb, N, K):
+    # every M bucket (pointer, split, TMA, the two-launch tail split at M 10240) and 2 leaves
+    g = torch.Generator().manual_seed(63)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    for m in (1, 16, 64, 256, 1000, 2048, 10240):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        r = torch.randn(m, N, generator=g).bfloat16().cuda()
+        for leaves in (None, 2):
+            kb.assert_bitwise(gemm.linear(x, w, residual=r, leaves=leaves), r + gemm.linear(x, w, leaves=leaves),
+                              f"N={N} K={K} M={m} leaves={leaves}")
+        strided = torch.randn(m, 2 * N, generator=g).bfloat16().cuda()[:, :N]
+        kb.assert_bitwise(gemm.linear(x, w, residual=strided), strided + gemm.linear(x, w), f"strided residual M={m}")
 
 
 @pytest.mark.gpu
@@ -523,6 +585,9 @@ def test_linear_cuda_split_k_equals_one_program_leaf_walk_bitwise(kb, leaves):
         walk = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
                                                                   num_stages=4), leaves=leaves)
         kb.assert_bitwise(split, walk, f"{leaves} leaves M={m}: split vs walk")
+        flat = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
+                                                                  num_stages=4, leaf_flat=True), leaves=leaves)
+        kb.assert_bitwise(flat, walk, f"{leaves} leaves M={m}: flat leaf loop vs walk")
 
 
 @pytest.mark.gpu

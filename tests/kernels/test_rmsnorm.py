@@ -164,6 +164,18 @@ def interp_case_rms_norm_head_strided_view_read_in_place_equals_contiguous_copy_
         assert got.shape == q.shape and kb.rel_l2(got, _f64(q, w)) < kb.TOL[dtype]
 
 
+def interp_case_rms_norm_two_weights_in_one_launch_equal_two_calls_bitwise(kb):
+    # the q and k norms of a fused qkv output as one launch over its [T, q + k heads, D] slice
+    g = torch.Generator().manual_seed(15)
+    for dtype in (torch.float32, torch.float16):
+        qkv = torch.randn(5, (6 + 2 + 2) * 16, generator=g).to(dtype)
+        qk = qkv[:, :8 * 16].reshape(5, 8, 16)
+        wq, wk = _weight(16, dtype, g), _weight(16, dtype, g)
+        out, _ = rmsnorm.triton_kernels._triton_fwd(qk, wq, EPS, False, wk, 6)
+        want = torch.cat([rmsnorm.rms_norm_triton(qk[:, :6], wq, EPS), rmsnorm.rms_norm_triton(qk[:, 6:], wk, EPS)], 1)
+        kb.assert_bitwise(out.reshape(5, 8, 16), want, f"{dtype} one launch vs two")
+
+
 def interp_case_rms_norm_backward_matches_reference(kb):
     g = torch.Generator().manual_seed(10)
     x = torch.randn(7, 48, generator=g)
@@ -195,6 +207,31 @@ def test_rms_norm_cuda_row_alone_equals_row_in_batch_bitwise(kb, H):
         out = rmsnorm.rms_norm(batch.cuda(), w, EPS)
         kb.assert_bitwise(out[idx], alone, f"cuda H={H} M={m}")
     assert kb.rel_l2(out, _f64(batch, w.cpu())) < kb.TOL[torch.bfloat16]
+
+
+def test_rms_norm_two_weights_equal_two_calls_and_bad_heads_are_refused(kb):
+    g = torch.Generator().manual_seed(16)
+    qkv = torch.randn(7, 10 * 16, generator=g).bfloat16()
+    qk = qkv[:, :8 * 16].reshape(7, 8, 16)
+    wq, wk = _weight(16, torch.bfloat16, g), _weight(16, torch.bfloat16, g)
+    want = torch.cat([rmsnorm.rms_norm(qk[:, :6], wq, EPS), rmsnorm.rms_norm(qk[:, 6:], wk, EPS)], 1)
+    kb.assert_bitwise(rmsnorm.rms_norm(qk, wq, EPS, weight2=wk, heads1=6), want, "no grad")
+    xr = qk.detach().clone().requires_grad_()
+    kb.assert_bitwise(rmsnorm.rms_norm(xr, wq, EPS, weight2=wk, heads1=6).detach(), want, "autograd")
+    for bad in (0, 8, None):
+        with pytest.raises(ValueError, match="0 < heads1 < heads"):
+            rmsnorm.rms_norm(qk, wq, EPS, weight2=wk, heads1=bad)
+
+
+@pytest.mark.gpu
+def test_rms_norm_cuda_two_weights_in_one_launch_equal_two_calls_bitwise(kb):
+    g = torch.Generator().manual_seed(17)
+    for T in (1, 64, 1000):
+        qkv = torch.randn(T, 4096, generator=g).bfloat16().cuda()
+        qk = qkv[:, :3072].reshape(T, 24, 128)                    # 16 q heads, 8 k heads
+        wq, wk = _weight(128, torch.bfloat16, g).cuda(), _weight(128, torch.bfloat16, g).cuda()
+        want = torch.cat([rmsnorm.rms_norm(qk[:, :16], wq, EPS), rmsnorm.rms_norm(qk[:, 16:], wk, EPS)], 1)
+        kb.assert_bitwise(rmsnorm.rms_norm(qk, wq, EPS, weight2=wk, heads1=16), want, f"T={T}")
 
 
 @pytest.mark.gpu
