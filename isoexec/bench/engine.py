@@ -10,7 +10,8 @@ Two absolute yardsticks besides the ratio:
   one new token gives the prefill time, subtracted) and the HBM roofline of decode at that batch:
   every decode step must read all weights once plus each sequence's KV cache, so
   ``roofline tok/s = batch / ((weight bytes + mean KV bytes per step) / HBM_BYTES_PER_S)``;
-  ``decode_roofline_frac`` = decode tok/s / roofline tok/s.
+  ``decode_roofline_frac`` = decode tok/s / roofline tok/s. The batch rows with CUDA graphs time
+  ``GRAPH_REPEATS`` runs on one engine and report the median (every run's ms kept in the row).
 * **staggered arrivals**: requests with random prompts (1..300 tokens) and random lengths arrive
   over the steps (``Engine.add_request`` + ``Engine.step``, chunked prefill, top-p sampling), at
   most 64 running; the row reports tok/s and the host's share of each ``Engine.step`` (time until
@@ -27,6 +28,7 @@ Two absolute yardsticks besides the ratio:
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 import time
 
@@ -41,6 +43,9 @@ SIZES = {"cuda": dict(model="dense_qwen3_0p6b", requests=64, prompt_len=256, max
          "cpu": dict(model="dense_tiny", requests=8, prompt_len=32, max_tokens=16)}
 STAGGERED = {"cuda": dict(requests=192, max_prompt=300, min_tokens=16, max_tokens=256, max_num_seqs=64, arrivals=4),
              "cpu": dict(requests=12, max_prompt=40, min_tokens=2, max_tokens=12, max_num_seqs=4, arrivals=2)}
+GRAPH_REPEATS = 5
+"""Timed runs per batch row with CUDA graphs (the median is reported, every run kept): these rows
+are host-bound and a single run moved by up to 25% between runs of one commit."""
 HBM_BYTES_PER_S = 4.3e12
 """H200 device-to-device copy bandwidth measured on this workplace's machines (read + write)."""
 
@@ -52,7 +57,9 @@ def _model(name: str, composition: str, device: str, dtype):
 
 
 def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: bool,
-                overlap: bool = False) -> tuple[float, int]:
+                overlap: bool = False, repeats: int = 1) -> tuple[float, int, list[float]]:
+    """(median ms, tokens, every run's ms) of ``repeats`` timed runs of the batch on one engine,
+    after a warm-up run."""
     pages = len(prompts) * (-(-(len(prompts[0]) + max_tokens) // 16)) + 8
     # max_model_len bounds the block-table width the decode graphs are captured with (the native
     # attention gathers that many keys per sequence); the same for both compositions.
@@ -62,13 +69,16 @@ def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: 
     engine = Engine(model, contract, cfg, trainer_contract=contract)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.generate(prompts[:2], params)            # warm-up: compile kernels, capture graphs
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    results = engine.generate(prompts, params)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1000, sum(len(r.ids) for r in results)
+    runs = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, params)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(runs), sum(len(r.ids) for r in results), runs
 
 
 def decode_roofline_tok_s(model, batch: int, mean_context: float) -> float:
@@ -161,18 +171,22 @@ def bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
     rows = []
     variants = [False, True] if device == "cuda" else [False]
     for graphs in variants:
-        ours_ms, ours_tok = _engine_run(iso, iso_c, prompts, mt, device, graphs)
-        nat_ms, nat_tok = _engine_run(nat, nat_c, prompts, mt, device, graphs)
+        # the host-bound graph runs move from run to run: the median of GRAPH_REPEATS
+        reps = GRAPH_REPEATS if graphs else 1
+        ours_ms, ours_tok, ours_runs = _engine_run(iso, iso_c, prompts, mt, device, graphs, repeats=reps)
+        nat_ms, nat_tok, nat_runs = _engine_run(nat, nat_c, prompts, mt, device, graphs, repeats=reps)
         # decode only: the same run with one new token is the prefill (and the first token)
-        ours_pre, _ = _engine_run(iso, iso_c, prompts, 1, device, graphs)
-        nat_pre, _ = _engine_run(nat, nat_c, prompts, 1, device, graphs)
+        ours_pre, _, _ = _engine_run(iso, iso_c, prompts, 1, device, graphs, repeats=reps)
+        nat_pre, _, _ = _engine_run(nat, nat_c, prompts, 1, device, graphs, repeats=reps)
         ours_dec = n * (mt - 1) / max(ours_ms - ours_pre, 1e-9) * 1000
         nat_dec = n * (mt - 1) / max(nat_ms - nat_pre, 1e-9) * 1000
         r = row({**shape, "workload": "batch", "cuda_graphs": graphs, "ours_tok_s": round(ours_tok / ours_ms * 1000, 1),
                  "baseline_tok_s": round(nat_tok / nat_ms * 1000, 1),
                  "ours_decode_tok_s": round(ours_dec, 1), "baseline_decode_tok_s": round(nat_dec, 1),
                  "decode_roofline_tok_s": round(roofline, 1) if roofline else None,
-                 "decode_roofline_frac": round(ours_dec / roofline, 4) if roofline else None},
+                 "decode_roofline_frac": round(ours_dec / roofline, 4) if roofline else None,
+                 "repeats": reps, "ours_ms_runs": [round(t, 2) for t in ours_runs],
+                 "baseline_ms_runs": [round(t, 2) for t in nat_runs]},
                 "native_engine", nat_ms, ours_ms)
         rows.append(r)
         roof = (f" = {r['decode_roofline_frac']:.1%} of the HBM roofline ({r['decode_roofline_tok_s']} tok/s)"
@@ -182,13 +196,15 @@ def bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
             f"tok/s{roof}")
     plain = rows[-1]
     # IsoExec again with decode lookahead (module docstring); prefill is unchanged by it
-    ov_ms, ov_tok = _engine_run(iso, iso_c, prompts, mt, device, variants[-1], overlap=True)
+    reps = GRAPH_REPEATS if variants[-1] else 1
+    ov_ms, ov_tok, ov_runs = _engine_run(iso, iso_c, prompts, mt, device, variants[-1], overlap=True, repeats=reps)
     ov_dec = n * (mt - 1) / max(ov_ms - ours_pre, 1e-9) * 1000
     r = row({**shape, "workload": "batch", "cuda_graphs": variants[-1], "overlap_decode": True,
              "ours_tok_s": round(ov_tok / ov_ms * 1000, 1), "baseline_tok_s": round(nat_tok / nat_ms * 1000, 1),
              "ours_decode_tok_s": round(ov_dec, 1), "baseline_decode_tok_s": round(nat_dec, 1),
              "decode_roofline_tok_s": round(roofline, 1) if roofline else None,
-             "decode_roofline_frac": round(ov_dec / roofline, 4) if roofline else None},
+             "decode_roofline_frac": round(ov_dec / roofline, 4) if roofline else None,
+             "repeats": reps, "ours_ms_runs": [round(t, 2) for t in ov_runs]},
             "native_engine", nat_ms, ov_ms)
     rows.append(r)
     log(f"engine isoexec with decode lookahead vs native: {r['ours_tok_s']} vs "

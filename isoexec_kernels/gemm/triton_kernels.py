@@ -401,6 +401,14 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # a wider output (fp32 logits from 16-bit inputs) would double the TMA epilogue's
         # shared-memory tile; the pointer kernel stores from registers (same K loop, same bits)
         path = "pointer"
+    if path == "tma" and res is not None and not cfg.get("tma_residual", False):
+        # the TMA kernel's residual epilogue failed a GPU test at (N, K) = (4096, 1024) on the
+        # H200 (5e63404; its 128 x 128 / 128 x 256 tiles, scripts/gemm_residual_probe.py looks
+        # at why): the TMA path adds the residual after its launch instead, the same add. Large
+        # M takes this path, where one more elementwise launch is small beside the GEMM; decode
+        # sizes take the pointer and split kernels, which add in their epilogue.
+        out = _triton_2d(x2, w, bias, impl, tile, leaves, precision, out_dtype)
+        return out.add_(res)
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
@@ -457,7 +465,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
-    num_warps, num_stages, warp_specialize, flatten, programs_per_sm, leaf_flat; BLOCK_K cannot be overridden; ``path``
+    num_warps, num_stages, warp_specialize, flatten, programs_per_sm, leaf_flat, tma_residual (the TMA
+    kernel's own residual epilogue, a probe); BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
     the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one

@@ -461,8 +461,11 @@ def interp_case_linear_residual_in_the_epilogue_equals_the_separate_add(kb):
         x = torch.randn(20, 5 * 64 + 16, generator=g).to(dtype)
         r = torch.randn(20, 40, generator=g).to(dtype)
         tile = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
-        for impl, leaves in (("pointer", 1), ("tma", 1), ("tma", 3), ("split", 3)):
-            fused = gemm.linear_triton(x, w, b, impl=impl, tile=tile, leaves=leaves, residual=r)
+        for impl, leaves, own in (("pointer", 1, False), ("tma", 1, False), ("tma", 1, True), ("tma", 3, True),
+                                  ("split", 3, False)):
+            # own: the TMA kernel's own residual epilogue (by default the TMA path adds after)
+            fused = gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, tma_residual=own), leaves=leaves,
+                                       residual=r)
             plain = gemm.linear_triton(x, w, b, impl=impl, tile=tile, leaves=leaves)
             kb.assert_bitwise(fused, r + plain, f"{impl} {leaves} leaves {dtype}")
 
