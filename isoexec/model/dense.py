@@ -33,7 +33,7 @@ from isoexec_kernels.rope import rope_cache
 from .. import registry
 from ..contract import K_LEAVES, ExecutionContract
 from ..dist.partition import column_shard_range, row_shard_range
-from ..enforce import BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
+from ..enforce import Bound, BoundRecord, ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
 from ..model_config import DenseConfig
@@ -56,6 +56,8 @@ def _qk_norms_in_one_call(plan: ExecutionPlan) -> bool:
     if torch.is_grad_enabled():
         return False
     q, k = plan["q_norm"], plan["k_norm"]
+    if not (isinstance(q, Bound) and isinstance(k, Bound)):
+        return False   # wrapped (the divergence locator records each region's own output)
     same = all(getattr(q.record, f) == getattr(k.record, f)
                for f in ("module", "qualname", "impl_id", "impl_version", "constants"))
     return same and _takes(q.fn, "weight2")
@@ -284,7 +286,8 @@ class DenseModel(nn.Module):
         ``residual`` does it in its epilogue (one launch fewer per call; the bits of the add:
         ``isoexec_kernels.gemm`` rounds its output first, then adds as torch does); else torch."""
         bound = plan[op]
-        if _takes(bound.fn, "residual"):
+        # a wrapped entry (the divergence locator records each region's own output) adds apart
+        if isinstance(bound, Bound) and _takes(bound.fn, "residual"):
             return bound(x, weight, residual=residual)
         return residual + bound(x, weight)
 

@@ -266,14 +266,6 @@ def test_linear_residual_in_the_epilogue_equals_the_separate_add_bitwise(kb, dty
         gemm.linear(x, w, residual=r.double())
 
 
-def test_native_linear_residual_is_the_stock_addmm():
-    g = torch.Generator().manual_seed(44)
-    x, w, r = torch.randn(9, 64, generator=g), torch.randn(24, 64, generator=g), torch.randn(9, 24, generator=g)
-    b = torch.randn(24, generator=g)
-    torch.testing.assert_close(gemm.linear_native(x, w, residual=r), r + x @ w.T)
-    torch.testing.assert_close(gemm.linear_native(x, w, b, residual=r), r + x @ w.T + b)
-
-
 def test_linear_fp32_output_of_bf16_inputs_equals_fp32_inputs_bitwise(kb):
     # the MoE router's logits: bf16 values with the fp32 accumulator left unrounded are
     # lin(fp32(x), fp32(w)) (the products are exact in fp32), and rounding that accumulator once
