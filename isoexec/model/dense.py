@@ -50,11 +50,9 @@ def _takes(fn, parameter: str) -> bool:
 
 
 def _qk_norms_in_one_call(plan: ExecutionPlan) -> bool:
-    """Whether the q and k norms can run as one call: no autograd (trainer_fwd keeps two calls)
-    and both regions bound to the same kernel with the same constants, one that takes a second
-    weight for a range of heads (``isoexec_kernels.rmsnorm``)."""
-    if torch.is_grad_enabled():
-        return False
+    """Whether the q and k norms can run as one call: both regions bound to the same kernel with
+    the same constants, one that takes a second weight for a range of heads
+    (``isoexec_kernels.rmsnorm``, with and without autograd)."""
     q, k = plan["q_norm"], plan["k_norm"]
     if not (isinstance(q, Bound) and isinstance(k, Bound)):
         return False   # wrapped (the divergence locator records each region's own output)
@@ -343,16 +341,17 @@ class DenseModel(nn.Module):
         n = plan["attn_norm"](x, L.attn_norm, eps)
         qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
                            (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
-        q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
         if cfg.qk_norm and _qk_norms_in_one_call(plan):
             # q and k heads side by side: both norms in one launch, then one RoPE launch over
             # all their heads (row-wise and element-wise ops: each row's bits are the separate
-            # calls' below, which trainer_fwd takes)
-            qk = qkv[:, :cfg.q_size + cfg.kv_size].view(T, nh + nkv, hd)
-            qk = plan["q_norm"](qk, L.q_norm, eps, weight2=L.k_norm, heads1=nh)
+            # calls' below). Splits, not slices, so that autograd joins the gradients with one
+            # cat each (a slice's backward writes into a zeroed copy).
+            qk, v = qkv.split((cfg.q_size + cfg.kv_size, cfg.kv_size), dim=-1)
+            qk = plan["q_norm"](qk.view(T, nh + nkv, hd), L.q_norm, eps, weight2=L.k_norm, heads1=nh)
             qk = plan["rope"](qk, batch.positions, rope, theta=cfg.rope_theta)
-            q, k = qk[:, :nh], qk[:, nh:]
+            q, k = qk.split((nh, nkv), dim=1)
         else:
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q, k = q.reshape(T, nh, hd), k.reshape(T, nkv, hd)
             if cfg.qk_norm:
                 q = plan["q_norm"](q, L.q_norm, eps)

@@ -345,7 +345,24 @@ def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -
     return head if 0 < head < M else None
 
 
+def tma_takes_residual(cfg: dict) -> bool:
+    """Whether a TMA launch of tile ``cfg`` adds the residual in its epilogue. Not a 128 x 256
+    tile without warp specialisation at 3 or more stages: its epilogue then needs 245,784 bytes
+    of shared memory, more than the H200's 232,448; every other tile of the H200 probe gave 0
+    differing elements against the separate add (scripts/gemm_residual_probe.py,
+    results/h200/bench/gemm_residual_probe_ae6aab3.log). That tile adds after its launch (same
+    bits). The tile key ``tma_residual`` forces either way (the probe)."""
+    if "tma_residual" in cfg:
+        return bool(cfg["tma_residual"])
+    big = cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 256
+    return not (big and not cfg.get("warp_specialize", False) and cfg["num_stages"] >= 3)
+
+
 def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res=None):
+    if res is not None and not tma_takes_residual(cfg):
+        _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
+        out.add_(res)   # the separate add: the epilogue's bits (out rounded, then torch's add)
+        return
     M, K = x2.shape
     N = w.shape[0]
     ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
@@ -401,14 +418,6 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # a wider output (fp32 logits from 16-bit inputs) would double the TMA epilogue's
         # shared-memory tile; the pointer kernel stores from registers (same K loop, same bits)
         path = "pointer"
-    if path == "tma" and res is not None and not cfg.get("tma_residual", False):
-        # the TMA kernel's residual epilogue failed a GPU test at (N, K) = (4096, 1024) on the
-        # H200 (5e63404; its 128 x 128 / 128 x 256 tiles, scripts/gemm_residual_probe.py looks
-        # at why): the TMA path adds the residual after its launch instead, the same add. Large
-        # M takes this path, where one more elementwise launch is small beside the GEMM; decode
-        # sizes take the pointer and split kernels, which add in their epilogue.
-        out = _triton_2d(x2, w, bias, impl, tile, leaves, precision, out_dtype)
-        return out.add_(res)
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)

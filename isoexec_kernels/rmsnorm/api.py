@@ -95,21 +95,50 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, zero_cent
     return out.reshape(x.shape)
 
 
+def _heads_view(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [T, heads, H] as the Triton kernels read it in place (unit column stride, heads
+    H apart), else a contiguous copy."""
+    return x if x.stride(-1) == 1 and x.stride(1) == x.shape[-1] else x.contiguous()
+
+
+class _TwoWeightRMSNormFn(torch.autograd.Function):
+    """The two-weight call on CUDA under autograd: one forward launch, one backward launch
+    (dx, and both dweights' partials, summed in one pass); the same forward bits as without
+    autograd. The backward is deterministic, not the two separate calls' bits (dweight sums
+    other row ranges)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight2, eps, zero_centred, heads1):
+        x3 = _heads_view(x)
+        out, rstd = _triton_fwd(x3, weight, eps, zero_centred, weight2, heads1)
+        ctx.save_for_backward(x3, weight, weight2, rstd)
+        ctx.zero_centred, ctx.heads1 = zero_centred, heads1
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x3, weight, weight2, rstd = ctx.saved_tensors
+        dx, dw, dw2 = rms_norm_backward_triton(_rows(dy), x3, weight, rstd, ctx.zero_centred,
+                                               weight2=weight2, heads1=ctx.heads1)
+        return dx.reshape(x3.shape), dw, dw2, None, None, None
+
+
 def _two_weight_rms_norm(x, weight, eps, zero_centred, weight2, heads1):
     _check(x, weight2)
     if x.dim() != 3 or heads1 is None or not 0 < int(heads1) < x.shape[1]:
         raise ValueError(f"rms_norm: weight2 needs x [T, heads, H] and 0 < heads1 < heads; got x "
                          f"{tuple(x.shape)}, heads1 {heads1}")
     heads1 = int(heads1)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or weight2.requires_grad):
-        # autograd: the two norms as two differentiable calls (the same rows, the same bits)
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or weight2.requires_grad)
+    if want_triton(x):
+        if grad:
+            return _TwoWeightRMSNormFn.apply(x, weight, weight2, eps, zero_centred, heads1)
+        out, _ = _triton_fwd(_heads_view(x), weight, eps, zero_centred, weight2, heads1)
+        return out.reshape(x.shape)
+    if grad:
+        # the reference under autograd: the two norms as two differentiable calls (same bits)
         return torch.cat([rms_norm(x[:, :heads1], weight, eps, zero_centred),
                           rms_norm(x[:, heads1:], weight2, eps, zero_centred)], dim=1)
-    if want_triton(x):
-        H = x.shape[-1]
-        x3 = x if x.stride(-1) == 1 and x.stride(1) == H else x.contiguous()
-        out, _ = _triton_fwd(x3, weight, eps, zero_centred, weight2, heads1)
-        return out.reshape(x.shape)
     H = x.shape[-1]
     first, _ = _ref_fwd(_rows(x[:, :heads1]), weight, eps, zero_centred)
     second, _ = _ref_fwd(_rows(x[:, heads1:]), weight2, eps, zero_centred)

@@ -46,18 +46,27 @@ def _rms_fwd_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, rstd_ptr, H, stride_x, stride
 
 
 @jit
-def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, R, H, rows_per_prog,
-                    stride_dy, stride_x, stride_dx, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
-                    ZERO_CENTRED: tl.constexpr):
+def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, w2_ptr, rstd_ptr, dx_ptr, dwp_ptr, R, H, rows_per_prog,
+                    stride_dy, stride_x, stride_dx, heads, stride_head, heads1, stride_dwp,
+                    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr,
+                    TWO_WEIGHTS: tl.constexpr):
     # Program p owns rows [p * rows_per_prog, (p + 1) * rows_per_prog): it writes their dx and
     # one fp32 partial of dweight, accumulated tile after tile in row order (fixed order, no
-    # atomics). The partials are summed afterwards in program order.
+    # atomics). The partials are summed afterwards in program order. Row r of x is (r // heads,
+    # r % heads) of a [T, heads, H] view with strides (stride_x, stride_head, 1), as in the
+    # forward. TWO_WEIGHTS: heads from heads1 on take the second weight, and their dweight
+    # partial goes to a second slab, stride_dwp further on.
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     cok = cols < H
     w = tl.load(w_ptr + cols, mask=cok, other=0.0).to(tl.float32)
     if ZERO_CENTRED:
         w = 1.0 + w
+    if TWO_WEIGHTS:
+        w2 = tl.load(w2_ptr + cols, mask=cok, other=0.0).to(tl.float32)
+        if ZERO_CENTRED:
+            w2 = 1.0 + w2
+        acc2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     r_first = pid * rows_per_prog
     r_end = tl.minimum(r_first + rows_per_prog, R)
@@ -65,20 +74,32 @@ def _rms_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dwp_ptr, R, H, rows_
         rows = r0 + tl.arange(0, BLOCK_R)
         rok = rows < r_end
         ok = rok[:, None] & cok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0)
+        x_row = (rows // heads) * stride_x + (rows % heads) * stride_head
+        x = tl.load(x_ptr + x_row[:, None] + cols[None, :], mask=ok, other=0.0)
         xf = x.to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + rows, mask=rok, other=0.0)
         xhat = xf * rstd[:, None]
-        g = dy * w[None, :]
+        if TWO_WEIGHTS:
+            second = ((rows % heads) >= heads1)[:, None]
+            g = dy * tl.where(second, w2[None, :], w[None, :])
+        else:
+            g = dy * w[None, :]
         c = tl.sum(g * xhat, axis=1) / H
         dx = (g - xhat * c[:, None]) * rstd[:, None]
         tl.store(dx_ptr + rows[:, None] * stride_dx + cols[None, :], dx.to(x.dtype), mask=ok)
         if ZERO_CENTRED:
-            acc += tl.sum(dy * xhat, axis=0)
+            part = dy * xhat
         else:
-            acc += tl.sum(dy * xhat.to(x.dtype).to(tl.float32), axis=0)
+            part = dy * xhat.to(x.dtype).to(tl.float32)
+        if TWO_WEIGHTS:
+            acc += tl.sum(tl.where(second, 0.0, part), axis=0)
+            acc2 += tl.sum(tl.where(second, part, 0.0), axis=0)
+        else:
+            acc += tl.sum(part, axis=0)
     tl.store(dwp_ptr + pid * H + cols, acc, mask=cok)
+    if TWO_WEIGHTS:
+        tl.store(dwp_ptr + stride_dwp + pid * H + cols, acc2, mask=cok)
 
 
 def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
@@ -132,20 +153,33 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out.reshape(x.shape)
 
 
-def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False):
+def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False, weight2=None, heads1: int = 0):
     """(dx, dweight) for 2-D row-contiguous ``dy, x`` [R, H]: one fused Triton pass writes dx
     and a fixed-order dweight partial per program; the partials are summed over programs by
     torch (deterministic for a given shape). Not batch invariant in dweight, which is a sum over
-    the batch (only forward bits must match trainer and engine)."""
-    R, H = x.shape
+    the batch (only forward bits must match trainer and engine).
+
+    With ``weight2`` (the forward's two-weight call): ``x`` is the [T, heads, H] view the forward
+    read (unit column stride), ``dy`` its gradient as [T * heads, H] rows, and the result is
+    (dx [T * heads, H], dweight, dweight2), both dweights from one launch and one sum."""
+    H = x.shape[-1]
+    if x.dim() == 3:
+        heads, stride_x, stride_head = x.shape[1], x.stride(0), x.stride(1)
+    else:
+        heads, stride_x, stride_head = 1, x.stride(0), 0
+    R = x.numel() // H if H else 0
+    two = weight2 is not None
     dx = torch.empty((R, H), dtype=x.dtype, device=x.device)
     if not R:
-        return dx, torch.zeros_like(weight)
+        return (dx, torch.zeros_like(weight)) + ((torch.zeros_like(weight2),) if two else ())
     block_r, per, programs = _bwd_launch(R, H)
-    dwp = torch.empty((programs, H), dtype=torch.float32, device=x.device)
-    _rms_bwd_kernel[(programs,)](dy, x, weight.contiguous(), rstd, dx, dwp, R, H, per,
-                                 dy.stride(0), x.stride(0), dx.stride(0), BLOCK_R=block_r,
-                                 BLOCK_H=next_pow2(H), ZERO_CENTRED=zero_centred,
-                                 num_warps=_warps_for(H))
-    dw = dwp.sum(0).to(weight.dtype)
-    return dx, dw
+    dwp = torch.empty((2 if two else 1, programs, H), dtype=torch.float32, device=x.device)
+    w = weight.contiguous()
+    _rms_bwd_kernel[(programs,)](dy, x, w, weight2.contiguous() if two else w, rstd, dx, dwp, R, H, per,
+                                 dy.stride(0), stride_x, dx.stride(0), heads, stride_head, heads1,
+                                 programs * H, BLOCK_R=block_r, BLOCK_H=next_pow2(H),
+                                 ZERO_CENTRED=zero_centred, TWO_WEIGHTS=two, num_warps=_warps_for(H))
+    if not two:
+        return dx, dwp[0].sum(0).to(weight.dtype)
+    dws = dwp.sum(1)
+    return dx, dws[0].to(weight.dtype), dws[1].to(weight2.dtype)

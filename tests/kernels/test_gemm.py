@@ -299,6 +299,18 @@ def test_linear_fp32_output_gradients_equal_autograd_through_fp32_casts_bitwise(
 # --------------------------------------------------------------------------- tiles and errors
 
 
+def test_tma_residual_epilogue_is_skipped_only_where_it_overflows_shared_memory():
+    from isoexec_kernels.gemm.triton_kernels import tma_takes_residual
+
+    def tile(bm, bn, stages, ws):
+        return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=8, num_stages=stages, warp_specialize=ws)
+
+    assert not tma_takes_residual(tile(128, 256, 3, False))
+    assert tma_takes_residual(tile(128, 256, 3, True)) and tma_takes_residual(tile(128, 256, 2, False))
+    assert tma_takes_residual(tile(128, 128, 4, False)) and tma_takes_residual(tile(64, 128, 4, True))
+    assert tma_takes_residual(dict(tile(128, 256, 3, False), tma_residual=True))
+
+
 def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
     seen = set()
     for n in (1024, 4096, 151936):
@@ -453,11 +465,11 @@ def interp_case_linear_residual_in_the_epilogue_equals_the_separate_add(kb):
         x = torch.randn(20, 5 * 64 + 16, generator=g).to(dtype)
         r = torch.randn(20, 40, generator=g).to(dtype)
         tile = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
-        for impl, leaves, own in (("pointer", 1, False), ("tma", 1, False), ("tma", 1, True), ("tma", 3, True),
-                                  ("split", 3, False)):
-            # own: the TMA kernel's own residual epilogue (by default the TMA path adds after)
-            fused = gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, tma_residual=own), leaves=leaves,
-                                       residual=r)
+        for impl, leaves, own in (("pointer", 1, None), ("tma", 1, False), ("tma", 1, True), ("tma", 3, True),
+                                  ("split", 3, None)):
+            # own: whether the TMA kernel adds in its own epilogue or after its launch
+            t = tile if own is None else dict(tile, tma_residual=own)
+            fused = gemm.linear_triton(x, w, b, impl=impl, tile=t, leaves=leaves, residual=r)
             plain = gemm.linear_triton(x, w, b, impl=impl, tile=tile, leaves=leaves)
             kb.assert_bitwise(fused, r + plain, f"{impl} {leaves} leaves {dtype}")
 

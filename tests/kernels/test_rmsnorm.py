@@ -176,6 +176,27 @@ def interp_case_rms_norm_two_weights_in_one_launch_equal_two_calls_bitwise(kb):
         kb.assert_bitwise(out.reshape(5, 8, 16), want, f"{dtype} one launch vs two")
 
 
+def interp_case_rms_norm_two_weights_backward_equals_two_calls(kb):
+    # one backward launch for both weights: dx as the two calls' (row-wise), each dweight within
+    # rounding of its call's (other row ranges per program) and of float64
+    g = torch.Generator().manual_seed(18)
+    T, hq, hk, D = 9, 6, 2, 16
+    qkv = torch.randn(T, (hq + 2 * hk) * D, generator=g)
+    x = qkv[:, :(hq + hk) * D].reshape(T, hq + hk, D)
+    wq, wk = _weight(D, torch.float32, g), _weight(D, torch.float32, g)
+    dy = torch.randn(T, hq + hk, D, generator=g)
+    _, rstd = rmsnorm.triton_kernels._triton_fwd(x, wq, EPS, False, wk, hq)
+    dx, dwq, dwk = rmsnorm.rms_norm_backward_triton(dy.reshape(-1, D), x, wq, rstd, False, weight2=wk, heads1=hq)
+    parts = []
+    for sl, w in ((slice(0, hq), wq), (slice(hq, hq + hk), wk)):
+        xr = x[:, sl].reshape(-1, D).contiguous()
+        _, r = rmsnorm.triton_kernels._triton_fwd(xr, w, EPS)
+        parts.append(rmsnorm.rms_norm_backward_triton(dy[:, sl].reshape(-1, D).contiguous(), xr, w, r))
+    kb.assert_bitwise(dx.reshape(T, hq + hk, D)[:, :hq], parts[0][0].reshape(T, hq, D), "dx of the q heads")
+    kb.assert_bitwise(dx.reshape(T, hq + hk, D)[:, hq:], parts[1][0].reshape(T, hk, D), "dx of the k heads")
+    assert kb.rel_l2(dwq, parts[0][1]) < 1e-6 and kb.rel_l2(dwk, parts[1][1]) < 1e-6
+
+
 def interp_case_rms_norm_backward_matches_reference(kb):
     g = torch.Generator().manual_seed(10)
     x = torch.randn(7, 48, generator=g)
@@ -232,6 +253,35 @@ def test_rms_norm_cuda_two_weights_in_one_launch_equal_two_calls_bitwise(kb):
         wq, wk = _weight(128, torch.bfloat16, g).cuda(), _weight(128, torch.bfloat16, g).cuda()
         want = torch.cat([rmsnorm.rms_norm(qk[:, :16], wq, EPS), rmsnorm.rms_norm(qk[:, 16:], wk, EPS)], 1)
         kb.assert_bitwise(rmsnorm.rms_norm(qk, wq, EPS, weight2=wk, heads1=16), want, f"T={T}")
+
+
+@pytest.mark.gpu
+def test_rms_norm_cuda_two_weights_under_autograd_equal_two_calls(kb):
+    # the trainer's q/k norms: one launch each way; forward and dx bitwise the two calls', each
+    # dweight within rounding, and the backward the same twice
+    g = torch.Generator().manual_seed(19)
+    qkv = torch.randn(300, 4096, generator=g).bfloat16().cuda()
+    wq, wk = _weight(128, torch.bfloat16, g).cuda(), _weight(128, torch.bfloat16, g).cuda()
+    dy = torch.randn(300, 24, 128, generator=g).bfloat16().cuda()
+
+    def run(pair):
+        x = qkv.clone().requires_grad_()
+        ws = [wq.clone().requires_grad_(), wk.clone().requires_grad_()]
+        qk = x[:, :3072].view(300, 24, 128)
+        if pair:
+            out = rmsnorm.rms_norm(qk, ws[0], EPS, weight2=ws[1], heads1=16)
+        else:
+            out = torch.cat([rmsnorm.rms_norm(qk[:, :16], ws[0], EPS), rmsnorm.rms_norm(qk[:, 16:], ws[1], EPS)], 1)
+        out.backward(dy)
+        return out.detach(), x.grad, ws[0].grad, ws[1].grad
+
+    pair, two, again = run(True), run(False), run(True)
+    kb.assert_bitwise(pair[0], two[0], "forward")
+    kb.assert_bitwise(pair[1], two[1], "dx")
+    for i in (2, 3):
+        assert kb.rel_l2(pair[i], two[i]) < 1e-2
+    for a, b in zip(pair, again):
+        kb.assert_bitwise(a, b, "run to run")
 
 
 @pytest.mark.gpu
