@@ -113,16 +113,22 @@ def _bwd_launch(R: int, H: int) -> tuple[int, int, int]:
     return block_r, per, -(-R // per)
 
 
+def _row_layout(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, heads, token stride, head stride) of ``x`` as the kernels address its rows: [R, H]
+    rows, or the (token, head) rows of a [T, heads, H] view (unit column stride either way)."""
+    H = x.shape[-1]
+    rows = x.numel() // H if H else 0
+    if x.dim() == 3:
+        return rows, x.shape[1], x.stride(0), x.stride(1)
+    return rows, 1, x.stride(0), 0
+
+
 def _triton_fwd(x2, weight, eps, zero_centred: bool = False, weight2=None, heads1: int = 0):
     """Forward of rows ``x2``: [R, H] with unit column stride, or [T, heads, H] with unit column
     stride (rows taken in (token, head) order; out is [T * heads, H] either way). With
     ``weight2``, the rows of heads ``heads1..`` of the [T, heads, H] view are normed with it."""
     H = x2.shape[-1]
-    if x2.dim() == 3:
-        heads, stride_x, stride_head = x2.shape[1], x2.stride(0), x2.stride(1)
-    else:
-        heads, stride_x, stride_head = 1, x2.stride(0), 0
-    R = x2.numel() // H if H else 0
+    R, heads, stride_x, stride_head = _row_layout(x2)
     out_dtype = x2.dtype if zero_centred else _out_dtype(x2, weight)
     out = torch.empty((R, H), dtype=out_dtype, device=x2.device)
     rstd = torch.empty((R,), dtype=torch.float32, device=x2.device)
@@ -163,11 +169,7 @@ def rms_norm_backward_triton(dy, x, weight, rstd, zero_centred: bool = False, we
     read (unit column stride), ``dy`` its gradient as [T * heads, H] rows, and the result is
     (dx [T * heads, H], dweight, dweight2), both dweights from one launch and one sum."""
     H = x.shape[-1]
-    if x.dim() == 3:
-        heads, stride_x, stride_head = x.shape[1], x.stride(0), x.stride(1)
-    else:
-        heads, stride_x, stride_head = 1, x.stride(0), 0
-    R = x.numel() // H if H else 0
+    R, heads, stride_x, stride_head = _row_layout(x)
     two = weight2 is not None
     dx = torch.empty((R, H), dtype=x.dtype, device=x.device)
     if not R:
