@@ -8,7 +8,7 @@ timing and the best candidate per (shape, M). Usage on the GPU machine:
 
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_sweep.json [--small] [--large]
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_leaves.json --leaves
-    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_walk.json --leafwalk     # or --occupancy, --leafflat
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_walk.json --leafwalk     # or --occupancy
 
 ``--leaves`` sweeps the K-leaf count of the small-N shapes instead (1, 2, 4, 8 leaves; split-K
 tiles at M <= 256, the one-program leaf walk above): each leaf count has its own bits, so the
@@ -129,17 +129,8 @@ WALK_COUNTS = (1, 2, 4)
 WALK_LARGE = [_cfg("tma", 64, 256, 8, 3), _cfg("tma", 64, 256, 8, 4), _cfg("tma", 128, 128, 8, 3, True),
               _cfg("tma", 128, 128, 8, 4, True), _cfg("tma", 256, 64, 8, 3)]
 
-# --leafflat: the leaf walk in one K loop (tile key leaf_flat: the sum taken at each leaf's last
-# block, the load pipeline never drained between leaves) against the loop per leaf, same tiles
-FLAT_SHAPES = WALK_SHAPES
-FLAT_M = [2048, 8192]
-FLAT_COUNTS = (1, 2, 4)
-FLAT_LARGE = [_cfg("tma", 128, 128, 8, 3), _cfg("tma", 128, 128, 8, 4)] + [
-    dict(c, leaf_flat=True) for c in (_cfg("tma", 128, 128, 8, 3), _cfg("tma", 128, 128, 8, 4),
-                                      _cfg("tma", 128, 128, 4, 4), _cfg("tma", 128, 128, 8, 4, True))]
 
-
-def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=(), large=None):
+def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
     out = []
     for name, K, N in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
@@ -152,8 +143,7 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
                 for leaves in counts:
                     walk = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
                     ref = linear_triton(xs[0], w, impl="tma", tile=walk, leaves=leaves)
-                    cands = ((LEAF_SMALL if M <= 256 and leaves > 1 else []) + (LEAF_LARGE if large is None else large)
-                             + list(extra_large))
+                    cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE + list(extra_large)
                     if M > 256 and leaves == 1:   # the shape's own entry of the tile table
                         cands = cands + [tile_for_m(M, torch.bfloat16, N, K)]
                     if M <= 256:
@@ -177,7 +167,7 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
                                 "pinned_leaves": k_leaves_for(N, K)})
                     log(f"{name:<10} M={M:<5} leaves={leaves} cublas {cublas * 1000:7.1f} us  best "
                         f"{best['ratio'] if best else float('nan'):.3f} "
-                        f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages', 'leaf_flat') if k in best} if best else ''}"
+                        f"{ {k: best[k] for k in ('path', 'BLOCK_M', 'BLOCK_N', 'num_warps', 'num_stages')} if best else ''}"
                         f"  bits {'same' if out[-1]['all_same_bits'] else 'DIFFER'}")
     summary = {}
     for name, K, N in shapes:
@@ -196,17 +186,14 @@ def main():
     ap.add_argument("--leaves", action="store_true")
     ap.add_argument("--occupancy", action="store_true")
     ap.add_argument("--leafwalk", action="store_true")
-    ap.add_argument("--leafflat", action="store_true")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.leafflat)
+    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.leafwalk:
         res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS, WALK_LARGE)
-    if a.leafflat:
-        res["leafflat"], res["leafflat_summary"] = sweep_leaves(print, FLAT_SHAPES, FLAT_M, FLAT_COUNTS, large=FLAT_LARGE)
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:

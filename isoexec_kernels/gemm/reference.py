@@ -26,7 +26,7 @@ def block_k_for(N: int, K: int) -> int:
 # H200 (scripts/gemm_tile_sweep.py --leaves, commit 26feb16, README "Kernels"): 2-8 leaves make
 # Qwen3-0.6B o_proj/down_proj and Qwen3-8B o_proj 1.3-1.6x faster at M <= 64, but today's
 # one-program leaf walk costs 6-25% at M >= 2048 (each leaf restarts the K pipeline and two fp32
-# tiles must stay live, ruling out 128 x 256 tiles; one K loop over all leaves, tile key leaf_flat,
+# tiles must stay live, ruling out 128 x 256 tiles; one K loop over all leaves, tried at commit 5e63404,
 # was slower still: results/h200/bench/gemm_leafflat_sweep.json). Until the walk is cheaper no shape is
 # listed: every shape has 1 leaf, the schedule of the plain K loop.
 K_LEAVES: dict[tuple[int, int], int] = {}

@@ -119,13 +119,12 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee", LEAF_FLAT: tl.constexpr = False,
+    PRECISION: tl.constexpr = "ieee",
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
-    # LEAF_FLAT: the leaves in one K loop that adds the leaf into the sum at each leaf's last
-    # block, instead of one loop per leaf (whose load pipeline drains and refills at every leaf);
-    # the same dots into the same accumulators in the same order, so the same bits.
+    # (One K loop over all leaves, adding each into the sum at its last block, gave the same bits
+    # and ran slower on the H200: results/h200/bench/gemm_leafflat_sweep.json, commit 5e63404.)
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -146,37 +145,20 @@ def _gemm_tma_persistent_kernel(
         tm = first_m + (tile % rows_in_group)
         tn = (tile % group_span) // rows_in_group
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if LEAF_FLAT:
+        for leaf in tl.static_range(LEAVES):
+            # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
+            # as the split-K kernels below compute them
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            leaf = 0
-            leaf_end = k_steps // LEAVES  # one past leaf 0's last block
-            for ks in range(0, k_steps):
+            for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+                # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
+                # last block.
                 a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
                 b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
                 part = tl.dot(a, b.T, part, input_precision=PRECISION)
-                if ks + 1 == leaf_end:
-                    if leaf == 0:
-                        acc = part
-                    else:
-                        acc = acc + part
-                    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    leaf += 1
-                    leaf_end = (leaf + 1) * k_steps // LEAVES
-        else:
-            for leaf in tl.static_range(LEAVES):
-                # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it
-                # is), as the split-K kernels below compute them
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
-                    # Out-of-range K columns are zero-filled by the descriptor: same as a
-                    # zero-padded last block.
-                    a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
-                    b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
-                    part = tl.dot(a, b.T, part, input_precision=PRECISION)
-                if leaf == 0:
-                    acc = part
-                else:
-                    acc = acc + part
+            if leaf == 0:
+                acc = part
+            else:
+                acc = acc + part
         if HAS_BIAS:
             offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
@@ -371,7 +353,6 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
         x2, w, out, bias_arg, out if res is None else res, M, N, K, 0 if res is None else res.stride(0),
         HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-        LEAF_FLAT=bool(cfg.get("leaf_flat", False)) and leaves > 1,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -474,7 +455,7 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
-    num_warps, num_stages, warp_specialize, flatten, programs_per_sm, leaf_flat, tma_residual (the TMA
+    num_warps, num_stages, warp_specialize, flatten, programs_per_sm, tma_residual (the TMA
     kernel's own residual epilogue, a probe); BLOCK_K cannot be overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
