@@ -125,6 +125,8 @@ class _TwoWeightRMSNormFn(torch.autograd.Function):
 
 def _two_weight_rms_norm(x, weight, eps, zero_centred, weight2, heads1):
     _check(x, weight2)
+    if weight2.dtype != weight.dtype:
+        raise TypeError(f"rms_norm: weight2 is {weight2.dtype} but weight is {weight.dtype}")
     if x.dim() != 3 or heads1 is None or not 0 < int(heads1) < x.shape[1]:
         raise ValueError(f"rms_norm: weight2 needs x [T, heads, H] and 0 < heads1 < heads; got x "
                          f"{tuple(x.shape)}, heads1 {heads1}")

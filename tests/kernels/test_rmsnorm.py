@@ -242,6 +242,8 @@ def test_rms_norm_two_weights_equal_two_calls_and_bad_heads_are_refused(kb):
     for bad in (0, 8, None):
         with pytest.raises(ValueError, match="0 < heads1 < heads"):
             rmsnorm.rms_norm(qk, wq, EPS, weight2=wk, heads1=bad)
+    with pytest.raises(TypeError, match="weight2 is torch.float32"):
+        rmsnorm.rms_norm(qk, wq, EPS, weight2=wk.float(), heads1=6)
 
 
 @pytest.mark.gpu
