@@ -329,19 +329,21 @@ class DenseModel(nn.Module):
         cfg, plan = self.cfg, self._plan(batch.case)
         x = plan["embed"](ids, self.embed)
         rope = self.rope_table()
+        qk_pair = cfg.qk_norm and _qk_norms_in_one_call(plan)   # a property of the plan: once
         for i, L in enumerate(self.layers):
-            x = self.run_layer(L, lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope), x)
+            x = self.run_layer(L, lambda x, i=i, L=L: self._layer(plan, i, L, x, batch, rope, qk_pair), x)
         return plan["final_norm"](x, self.final_norm, cfg.rms_norm_eps)
 
-    def _layer(self, plan, i: int, L, x: torch.Tensor, batch: ForwardBatch, rope) -> torch.Tensor:
-        """Decoder layer ``i`` on the residual stream ``x``: attention, then the MLP."""
+    def _layer(self, plan, i: int, L, x: torch.Tensor, batch: ForwardBatch, rope, qk_pair: bool) -> torch.Tensor:
+        """Decoder layer ``i`` on the residual stream ``x``: attention, then the MLP; ``qk_pair``:
+        the q and k norms as one call (:func:`_qk_norms_in_one_call`)."""
         cfg = self.cfg
         T = x.shape[0]
         nh, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
         n = plan["attn_norm"](x, L.attn_norm, eps)
         qkv = self._linear(plan, ("q_proj", "k_proj", "v_proj"), n, L.qkv_weight,
                            (cfg.q_size, cfg.kv_size, cfg.kv_size), L.qkv_bias)
-        if cfg.qk_norm and _qk_norms_in_one_call(plan):
+        if qk_pair:
             # q and k heads side by side: both norms in one launch, then one RoPE launch over
             # all their heads (row-wise and element-wise ops: each row's bits are the separate
             # calls' below). Splits, not slices, so that autograd joins the gradients with one

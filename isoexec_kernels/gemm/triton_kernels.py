@@ -349,8 +349,9 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
     N = w.shape[0]
     ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
     flatten = cfg.get("flatten", not ws)
+    res_arg, res_stride = _residual_args(res, out)
     _gemm_tma_persistent_kernel[(programs,)](
-        x2, w, out, bias_arg, out if res is None else res, M, N, K, 0 if res is None else res.stride(0),
+        x2, w, out, bias_arg, res_arg, M, N, K, res_stride,
         HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -363,6 +364,11 @@ def _residual_rows(residual, M: int, N: int):
         return None
     r = residual.reshape(M, N)
     return r if N <= 1 or r.stride(1) == 1 else r.contiguous()
+
+
+def _residual_args(res, out) -> tuple[torch.Tensor, int]:
+    """The kernels' (residual pointer, row stride): ``out`` and 0 when there is none (HAS_RES off)."""
+    return (out, 0) if res is None else (res, res.stride(0))
 
 
 def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, out_dtype=None,
@@ -380,7 +386,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         if bias is not None:
             out.copy_((out.float() + bias.float()).to(out.dtype))
         if res is not None:
-            out.copy_(out + res)
+            out.add_(res)
         return out
     cfg = dict(tile_for_m(M, x2.dtype, N, K), **(tile or {}))
     path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
@@ -422,10 +428,10 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
                         None if res is None else res[head:])
     elif path == "pointer":
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        res_arg, res_stride = _residual_args(res, out)
         _gemm_pointer_kernel[grid](
-            x2, w, out, bias_arg, out if res is None else res, M, N, K,
-            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-            0 if res is None else res.stride(0),
+            x2, w, out, bias_arg, res_arg, M, N, K,
+            x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), res_stride,
             HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk,
             GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -439,9 +445,10 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
+        res_arg, res_stride = _residual_args(res, out)
         _gemm_leaf_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
-            part, out, bias_arg, out if res is None else res, M * N, N, out.stride(0), out.stride(1),
-            0 if res is None else res.stride(0), HAS_BIAS=has_bias, HAS_RES=res is not None, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
+            part, out, bias_arg, res_arg, M * N, N, out.stride(0), out.stride(1), res_stride,
+            HAS_BIAS=has_bias, HAS_RES=res is not None, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     else:
         raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer' or 'split')")
