@@ -1,15 +1,15 @@
 """Variant sweep for CPR's Triton kernels on a GPU, and the native chunk forward's comparison (a
 tuning tool, not a benchmark of record).
 
-Default mode, for each candidate ``CPRKernelChoice`` (dot precision of the prep and state kernels,
-Dv tile and warps of the per-token kernel, the prep's inverse of I + A, row by row or by 16 x 16
-blocks, ``inv_bs``), with the legacy native chunk baseline (and its blocked-inverse variant,
-``native_inv16``) timed in the same run:
+Default mode, for each candidate ``CPRKernelChoice`` (dot precision, the boundary update's form,
+"rows" or "wy" with its dot block and warps, the per-token kernel's Dv tile, warps and next-row
+prefetch), with the native chunk baseline (``native.py``: the WY forward) timed in the same run:
 
 1. checks the candidate against itself in every case: the trainer's varlen output equals the
    engine's one-shot prefill, and an engine run that prefills in random pieces and decodes the
-   last tokens one by one (integer views, differing-element counts); and its accuracy against
-   the float64 per-token recurrence (relative L2 and max abs error);
+   last tokens one by one (integer views, differing-element counts); its trainer output against
+   the same choice without the prefetch (a scheduling change: 0 differing); and its accuracy
+   against the float64 per-token recurrence (relative L2 and max abs error);
 2. times the three stages of ``isoexec bench cpr`` (trainer forward 5 x 2048, prefill 5 x 2048,
    decode 256 lanes in a CUDA graph);
 3. profiles one call of each stage (torch.profiler): the kernels and their device time, so the
@@ -55,23 +55,24 @@ from isoexec_kernels.gdn_core import native_wy as nwy
 from isoexec_kernels.gdn_core import triton_kernels as tk
 from isoexec_kernels.gdn_core.triton_kernels import CPRKernelChoice
 
+_C = CPRKernelChoice
 VARIANTS = [
-    CPRKernelChoice(),                                     # pinned
-    CPRKernelChoice(dot="tf32x3"),
-    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=2),
-    CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1),
-    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=1),
-    CPRKernelChoice(dot="ieee", rec_bv=8, rec_warps=1),
-    CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
-    CPRKernelChoice(dot="tf32x3", rec_bv=16, rec_warps=2, inv_bs=16),
-    CPRKernelChoice(dot="ieee", inv_bs=16),
-    CPRKernelChoice(dot="tf32", rec_bv=8, rec_warps=1),    # TF32 alone: fast, less accurate
+    _C(),                                                   # pinned (rows boundary form)
+    _C(rec_prefetch=True),                                  # same bits as pinned, next row prefetched
+    _C(rec_prefetch=True, rec_bv=16, rec_warps=1),
+    _C(boundary="wy"),                                      # boundary by the WY kernels (cpr_wy.py)
+    _C(boundary="wy", rec_prefetch=True),
+    _C(boundary="wy", rec_prefetch=True, wy_bk=32),
+    _C(boundary="wy", rec_prefetch=True, wy_bk=32, wy_warps=8),
+    _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1),
+    _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=2),
 ]
-QUICK_VARIANTS = [CPRKernelChoice(), CPRKernelChoice(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16)]
+QUICK_VARIANTS = [_C(), _C(rec_prefetch=True), _C(boundary="wy", rec_prefetch=True, wy_bk=32)]
 
 
 def _name(c: CPRKernelChoice) -> str:
-    return f"dot={c.dot},rec_bv={c.rec_bv},rec_warps={c.rec_warps},inv_bs={c.inv_bs}"
+    return ",".join(f"{f.name}={getattr(c, f.name)}" for f in dataclasses.fields(c)
+                    if getattr(c, f.name) != f.default or f.name in ("boundary", "rec_bv", "rec_warps"))
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -85,6 +86,9 @@ def _check(choice, dims, device, seed=7):
     (q, k, v, g, beta), cu = _inputs(lens, dims, device, torch.bfloat16 if device == "cuda" else torch.float32,
                                      seed)
     o = tk.gdn_cpr_varlen_triton(q, k, v, g, beta, cu, chunk=C, choice=choice)
+    # a scheduling-only change (the prefetch) must keep the bits of the same choice without it
+    same_arith = dataclasses.replace(choice, rec_prefetch=False)
+    o_plain = tk.gdn_cpr_varlen_triton(q, k, v, g, beta, cu, chunk=C, choice=same_arith)
     ref = torch_recurrence(*(x.double() for x in (q, k, v, g, beta)), cu).float()
     err = dict(rel_l2=float((o - ref).norm() / ref.norm()), max_abs=float((o - ref).abs().max()))
 
@@ -122,7 +126,7 @@ def _check(choice, dims, device, seed=7):
     one_shot = engine_run(lambda L: ([L] if L else [], 0))
     split = engine_run(pieces)
     return dict(err, differ_engine_one_shot=_diff(one_shot, o), differ_engine_split_decode=_diff(split, o),
-                compared=o.numel())
+                differ_vs_no_prefetch=_diff(o_plain, o), compared=o.numel())
 
 
 def _profile(fn, device, top=8):
@@ -417,17 +421,8 @@ def main(argv=None) -> int:
     times, prof = _stages(None, dims, sizes, device, rep_ms, profile=True)
     result["native"] = dict(times, profile=prof)
     print("native mixed: " + "  ".join(f"{k} {v:.3f}" for k, v in times.items()), flush=True)
-    nat.NATIVE_INV_BS = 16
-    try:
-        times16, prof16 = _stages(None, dims, sizes, device, rep_ms, profile=True)
-        result["native_inv16"] = dict(times16, profile=prof16)
-        print("native mixed, blocked inverse: " + "  ".join(f"{k} {v:.3f}" for k, v in times16.items()), flush=True)
-    except Exception as e:
-        result["native_inv16"] = dict(error=f"{type(e).__name__}: {e}"[:500])
-    nat.NATIVE_INV_BS = 0
     for choice in variants:
-        row = dict(variant=_name(choice), dot=choice.dot, rec_bv=choice.rec_bv, rec_warps=choice.rec_warps,
-                   inv_bs=choice.inv_bs)
+        row = dict(variant=_name(choice), **dataclasses.asdict(choice))
         try:
             row["check"] = _check(choice, dims, device)
             times, prof = _stages(choice, dims, sizes, device, rep_ms, profile=True)
@@ -441,7 +436,8 @@ def main(argv=None) -> int:
         print(f"{row['variant']:<38} " + (row.get("error") or
               "  ".join(f"{k} {row[k]:.3f}" for k in ("trainer_fwd_ms", "prefill_ms", "decode_ms")) +
               f"  cost {row['cost_vs_native']}  differ {chk['differ_engine_one_shot']}/"
-              f"{chk['differ_engine_split_decode']} of {chk['compared']}  rel_l2 {chk['rel_l2']:.2e}"),
+              f"{chk['differ_engine_split_decode']} of {chk['compared']}, vs no prefetch "
+              f"{chk['differ_vs_no_prefetch']}  rel_l2 {chk['rel_l2']:.2e}"),
               flush=True)
         with open(args.out, "w") as f:   # after every candidate: a run cut short keeps the finished ones
             json.dump(result, f, indent=1)

@@ -158,6 +158,10 @@ def _wy_inverse_kernel(
     h = tl.program_id(0)
     p = tl.program_id(1)
     n = tl.load(nrow_ptr + p)
+    if n == 0:
+        # an empty chunk (CPR's decode resync launches one program per lane, and only the lanes
+        # whose chunk completed have rows): nothing to compute or store
+        return
     r0 = tl.load(row0_ptr + p).to(tl.int64)
     kb = k_ptr + r0 * s_kt + (h // REP) * s_kh
     gb = g_ptr + r0 * s_gt + h
@@ -314,6 +318,8 @@ def _wy_wu_kernel(
     h = tl.program_id(1)
     p = tl.program_id(2)
     n = tl.load(nrow_ptr + p)
+    if n == 0:
+        return   # an empty chunk (as in the inverse kernel)
     r0 = tl.load(row0_ptr + p).to(tl.int64)
     pc = p.to(tl.int64) * H + h
     t = tl.arange(0, C)
@@ -349,11 +355,16 @@ def _wy_state_kernel(
     H, REP, DK, DV, s_kt, s_kh,
     C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+    STORE_ST: tl.constexpr = True, STORE_VN: tl.constexpr = True,
+    fin2_ptr=None, fin2_idx_ptr=None, HAS_FIN2: tl.constexpr = False,
 ):
     # One program per (piece p, value head h, Dv tile). S = init[init_idx] (zeros if < 0), fp32;
     # for each chunk q of the piece: st[q] = S, Vn = U - W S (stored), S = e^Gl S + k^T (Vn e^(Gl-G)).
-    # fin[fin_idx] = S at the end when the piece has a chunk and fin_idx >= 0. init and fin may be
-    # the same tensor: each program reads and writes only its own tile.
+    # fin[fin_idx] = S at the end when the piece has a chunk and fin_idx >= 0 (and fin2[fin2_idx]
+    # with HAS_FIN2: CPR's decode resync sets a slot's boundary and running state at once). init
+    # and fin may be the same tensor: each program reads and writes only its own tile. STORE_ST /
+    # STORE_VN off: the entering states / Vn are not stored (CPR needs neither in its resync, nor
+    # Vn in its trainer); the arithmetic is the same either way.
     p = tl.program_id(0)
     h = tl.program_id(1)
     vt = tl.program_id(2)
@@ -376,12 +387,14 @@ def _wy_state_kernel(
         nr = tl.load(nrow_ptr + q)
         ok = t < nr
         pc = q.to(tl.int64) * H + h
-        tl.store(st_ptr + pc * hs + soff, S.to(st_ptr.dtype.element_ty), mask=sm)
+        if STORE_ST:
+            tl.store(st_ptr + pc * hs + soff, S.to(st_ptr.dtype.element_ty), mask=sm)
         W = tl.load(w_ptr + pc * (C * DK) + t[:, None] * DK + dk[None, :], mask=km[None, :], other=0.0)
         vrow = pc * (C * DV) + t[:, None] * DV + dv[None, :]
         U = tl.load(u_ptr + vrow, mask=vm[None, :], other=0.0)
         Vn = U.to(tl.float32) - tl.dot(W.to(OP_DT).to(DOT_DT), S.to(OP_DT).to(DOT_DT), input_precision=PREC)
-        tl.store(vn_ptr + vrow, Vn.to(vn_ptr.dtype.element_ty), mask=vm[None, :])
+        if STORE_VN:
+            tl.store(vn_ptr + vrow, Vn.to(vn_ptr.dtype.element_ty), mask=vm[None, :])
         cb = gc_ptr + r0 * H + h
         Gc = tl.load(cb + t * H, mask=ok, other=0.0)
         gl = tl.load(cb + (nr - 1) * H)
@@ -391,6 +404,9 @@ def _wy_state_kernel(
         S = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
     fi = tl.load(fin_idx_ptr + p).to(tl.int64)
     tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0) & (n > 0))
+    if HAS_FIN2:
+        f2 = tl.load(fin2_idx_ptr + p).to(tl.int64)
+        tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0) & (n > 0))
 
 
 @jit

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from .._triton_util import jit, next_pow2, tl
+from .cpr_wy import wy_boundary_chain, wy_resync
 from .plan import _check, _check_state, _host_lens, _virtual_rows
 from .state import CHUNK, GDNState
 
@@ -159,11 +160,14 @@ def _gdn_recurrent_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, init_ptr, fin_ptr,
     row0_ptr, nrow_ptr, init_idx_ptr, fin_idx_ptr,
     H, REP, DK, DV, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_bt, s_ot, s_oh,
-    DKP: tl.constexpr, BV: tl.constexpr,
+    DKP: tl.constexpr, BV: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     # One program per (segment p, head h, Dv tile): S = init[init_idx] (zeros if < 0), then the
     # per-token step for rows row0 .. row0 + nrow - 1 (output row = input row); finally
     # fin[fin_idx] = S if fin_idx >= 0. init and fin may alias (one program owns its tile).
+    # PREFETCH: the next row's q, k, v, g, beta are loaded while this row's step runs (the step
+    # waits on nothing but its own registers; the loads' latency, not the arithmetic, bounded the
+    # loop). The arithmetic and its order are the same either way: same bits.
     p = tl.program_id(0)
     h = tl.program_id(1)
     vt = tl.program_id(2)
@@ -179,19 +183,43 @@ def _gdn_recurrent_kernel(
     soff = dk[:, None] * DV + dv[None, :]
     hs = DK * DV
     S = tl.load(init_ptr + (tl.maximum(ii, 0) * H + h) * hs + soff, mask=sm & (ii >= 0), other=0.0)
-    for i in range(0, n):
-        r = r0 + i
-        qv = tl.load(q_ptr + r * s_qt + kh * s_qh + dk, mask=km, other=0.0).to(tl.float32)
-        kv = tl.load(k_ptr + r * s_kt + kh * s_kh + dk, mask=km, other=0.0).to(tl.float32)
-        vv = tl.load(v_ptr + r * s_vt + h * s_vh + dv, mask=vm, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + r * s_gt + h).to(tl.float32)
-        bt = tl.load(b_ptr + r * s_bt + h).to(tl.float32)
-        S = S * tl.exp(gt)
-        mem = tl.sum(S * kv[:, None], axis=0)
-        delta = (vv - mem) * bt
-        S = S + kv[:, None] * delta[None, :]
-        o = tl.sum(S * qv[:, None], axis=0)
-        tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
+    if PREFETCH:
+        live = n > 0
+        qn = tl.load(q_ptr + r0 * s_qt + kh * s_qh + dk, mask=km & live, other=0.0).to(tl.float32)
+        kn = tl.load(k_ptr + r0 * s_kt + kh * s_kh + dk, mask=km & live, other=0.0).to(tl.float32)
+        vn = tl.load(v_ptr + r0 * s_vt + h * s_vh + dv, mask=vm & live, other=0.0).to(tl.float32)
+        gn = tl.load(g_ptr + r0 * s_gt + h, mask=live, other=0.0).to(tl.float32)
+        bn = tl.load(b_ptr + r0 * s_bt + h, mask=live, other=0.0).to(tl.float32)
+        for i in range(0, n):
+            r = r0 + i
+            qv, kv, vv, gt, bt = qn, kn, vn, gn, bn
+            rn = r + 1
+            more = i + 1 < n
+            qn = tl.load(q_ptr + rn * s_qt + kh * s_qh + dk, mask=km & more, other=0.0).to(tl.float32)
+            kn = tl.load(k_ptr + rn * s_kt + kh * s_kh + dk, mask=km & more, other=0.0).to(tl.float32)
+            vn = tl.load(v_ptr + rn * s_vt + h * s_vh + dv, mask=vm & more, other=0.0).to(tl.float32)
+            gn = tl.load(g_ptr + rn * s_gt + h, mask=more, other=0.0).to(tl.float32)
+            bn = tl.load(b_ptr + rn * s_bt + h, mask=more, other=0.0).to(tl.float32)
+            S = S * tl.exp(gt)
+            mem = tl.sum(S * kv[:, None], axis=0)
+            delta = (vv - mem) * bt
+            S = S + kv[:, None] * delta[None, :]
+            o = tl.sum(S * qv[:, None], axis=0)
+            tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
+    else:
+        for i in range(0, n):
+            r = r0 + i
+            qv = tl.load(q_ptr + r * s_qt + kh * s_qh + dk, mask=km, other=0.0).to(tl.float32)
+            kv = tl.load(k_ptr + r * s_kt + kh * s_kh + dk, mask=km, other=0.0).to(tl.float32)
+            vv = tl.load(v_ptr + r * s_vt + h * s_vh + dv, mask=vm, other=0.0).to(tl.float32)
+            gt = tl.load(g_ptr + r * s_gt + h).to(tl.float32)
+            bt = tl.load(b_ptr + r * s_bt + h).to(tl.float32)
+            S = S * tl.exp(gt)
+            mem = tl.sum(S * kv[:, None], axis=0)
+            delta = (vv - mem) * bt
+            S = S + kv[:, None] * delta[None, :]
+            o = tl.sum(S * qv[:, None], axis=0)
+            tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
     fi = tl.load(fin_idx_ptr + p).to(tl.int64)
     tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0))
 
@@ -224,7 +252,11 @@ class CPRKernelChoice:
     precision of every fp32 ``tl.dot`` in the prep and state kernels (``"ieee"``: fp32 FMA,
     ``"tf32x3"``: three TF32 tensor-core products, about fp32 accuracy), how the prep inverts
     I + A (``inv_bs`` 0: row by row; 16: diagonal blocks merged by dots) and the Dv tile and
-    warp count of the per-token kernel (its ``tl.sum`` over Dk reduces in the layout's order). Every
+    warp count of the per-token kernel (its ``tl.sum`` over Dk reduces in the layout's order), and
+    the form of the boundary update (``boundary``: "rows", the prep and state kernels here; "wy",
+    the native chunk path's kernels at fp32 operands, ``cpr_wy.py``). ``rec_prefetch`` loads the
+    per-token kernel's next row during the current step: scheduling only, the same bits.
+    ``wy_bk`` / ``wy_warps``: the "wy" form's dot block and warps. Every
     case (trainer, prefill, decode) takes the same choice, so any choice keeps them equal; a
     different choice gives other bits. ``PINNED`` is the one the ``gdn_cpr`` impl runs;
     ``scripts/cpr_variant_sweep.py`` times and checks the others on a GPU."""
@@ -233,6 +265,17 @@ class CPRKernelChoice:
     rec_bv: int = 32
     rec_warps: int = 4
     inv_bs: int = 0
+    boundary: str = "rows"
+    rec_prefetch: bool = False
+    wy_bk: int = 64
+    wy_warps: int = 4
+
+    def __post_init__(self):
+        if self.boundary not in ("rows", "wy"):
+            raise ValueError(f"CPRKernelChoice.boundary must be 'rows' or 'wy'; got {self.boundary!r}")
+        if self.boundary == "wy" and self.inv_bs:
+            raise ValueError("CPRKernelChoice: inv_bs belongs to the 'rows' boundary form (the 'wy' form "
+                             "always inverts by 16 x 16 blocks)")
 
 
 PINNED = CPRKernelChoice()
@@ -306,7 +349,7 @@ def launch_recurrent(q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_i
             q, k, v, g, beta, o, init, fin, row0, nrow, init_idx, fin_idx, H, rep, Dk, Dv,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), beta.stride(0), o.stride(0), o.stride(1),
-            DKP=tc["DKP"], BV=bv, num_warps=choice.rec_warps)
+            DKP=tc["DKP"], BV=bv, PREFETCH=choice.rec_prefetch, num_warps=choice.rec_warps)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -344,15 +387,23 @@ def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk, choice=PINNED
             seg_fin.append(b if (c == L // C) else -1)  # the trailing partial chunk
         n_starts += nf + 1
     P = len(p_row0)
-    prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C, prec=choice.dot,
-                       inv_bs=choice.inv_bs)
-    init_t = init if init is not None else torch.zeros(1, H, Dk, Dv, dtype=torch.float32, device=dev)
-    boundary = (init.clone() if init is not None
-                else torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev))
-    starts_t = torch.empty(max(n_starts, 1), H, Dk, Dv, dtype=torch.float32, device=dev)
-    launch_state(prep, init_t, starts_t, boundary, boundary, _i32(chunk0, dev), _i32(nchunk, dev),
-                 _i32(range(B) if init is not None else [-1] * B, dev), _i32(starts0, dev),
-                 _i32(range(B), dev), _i32([-1] * B, dev), C, prec=choice.dot)
+    if choice.boundary == "wy":
+        # the entering states of the complete chunks, then one boundary per segment (cpr_wy.py);
+        # re-index the per-token segments onto that layout
+        starts_t, wy_chunk0 = wy_boundary_chain(k, v, g, beta, starts, nchunk, init, rep, C, choice)
+        boundary = starts_t[P:]
+        seg_init = [(wy_chunk0[b] + c) if c < nchunk[b] else P + b
+                    for b, L in enumerate(lens) for c in range((L + C - 1) // C)]
+    else:
+        prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C, prec=choice.dot,
+                           inv_bs=choice.inv_bs)
+        init_t = init if init is not None else torch.zeros(1, H, Dk, Dv, dtype=torch.float32, device=dev)
+        boundary = (init.clone() if init is not None
+                    else torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev))
+        starts_t = torch.empty(max(n_starts, 1), H, Dk, Dv, dtype=torch.float32, device=dev)
+        launch_state(prep, init_t, starts_t, boundary, boundary, _i32(chunk0, dev), _i32(nchunk, dev),
+                     _i32(range(B) if init is not None else [-1] * B, dev), _i32(starts0, dev),
+                     _i32(range(B), dev), _i32([-1] * B, dev), C, prec=choice.dot)
     o = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)
     running = boundary.clone()
     launch_recurrent(q, k, v, g, beta, o, starts_t, running, _i32(seg_row0, dev), _i32(seg_n, dev),
@@ -463,6 +514,10 @@ def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     sl = slots32.long()
     f1 = state.fill.index_select(0, sl).clamp(max=chunk - 1) + 1
     full = (f1 == chunk).to(torch.int32)
+    if choice.boundary == "wy":
+        wy_resync(state, slots32, full, lanes, chunk, choice)
+        state.fill.index_put_((sl,), (f1 * (1 - full)).to(torch.int32))
+        return o
     # resync: the buffered chunk of each lane is rows [slot * C, slot * C + C) of the buffers
     bk = state.buf_k.view(-1, H, Dk)
     bv = state.buf_v.view(-1, H, Dv)

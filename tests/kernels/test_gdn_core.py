@@ -475,6 +475,41 @@ def interp_case_cpr_triton_other_kernel_choice_keeps_cases_bitwise_and_accurate(
                       "engine/decode vs varlen, non-pinned choice")
 
 
+def interp_case_cpr_triton_wy_boundary_keeps_cases_bitwise_and_accurate(kb):
+    # the WY form of the boundary update (cpr_wy.py): other bits than the rows form, the same
+    # bits in every case (a decode resync, a resync inside a prefill, a split prefill), fp32-accurate
+    choice = G.triton_kernels.CPRKernelChoice(boundary="wy")
+    C = 32  # two 16-row blocks: the blocked inverse's merge dots run
+    lens = [47, 3, 20, 70]
+    inp = make_inputs(lens, 1, 2, 16, 16, seed=35)
+    o = G.gdn_cpr_varlen_triton(*inp, chunk=C, choice=choice)
+    assert kb.rel_l2(o, transformers_recurrence(*inp, 16)) < 1e-5
+    rows = G.gdn_cpr_varlen_triton(*inp, chunk=C)
+    assert kb.bit_report(o, rows)["differing"] > 0, "the wy boundary form should round otherwise than the rows form"
+    st = G.GDNState.allocate(5, 2, 16, 16, "cpu", chunk=C)
+    plan = [("prefill", {0: 31, 1: 1, 2: 19, 3: 40}), ("decode", [0, 1, 2, 3]), ("prefill", {0: 13, 3: 29}),
+            ("decode", [0, 1]), ("prefill", {0: 1})]
+
+    def engine(*a, chunk):
+        return G.gdn_cpr_engine_triton(*a, chunk=chunk, choice=choice)
+
+    def decode(*a, chunk):
+        return G.gdn_cpr_decode_triton(*a, chunk=chunk, choice=choice)
+    kb.assert_bitwise(run_engine(inp, lens, plan, [4, 0, 1, 2], st, engine, decode, C), o,
+                      "engine/decode vs varlen, wy boundary")
+
+
+def interp_case_cpr_triton_prefetch_gives_the_same_bits(kb):
+    # loading the per-token kernel's next row early moves no arithmetic
+    lens = [47, 3, 20]
+    inp = make_inputs(lens, 1, 2, 16, 16, seed=36)
+    for boundary in ("rows", "wy"):
+        plain = G.triton_kernels.CPRKernelChoice(boundary=boundary)
+        pre = G.triton_kernels.CPRKernelChoice(boundary=boundary, rec_prefetch=True)
+        kb.assert_bitwise(G.gdn_cpr_varlen_triton(*inp, chunk=32, choice=pre),
+                          G.gdn_cpr_varlen_triton(*inp, chunk=32, choice=plain), f"prefetch, {boundary}")
+
+
 def _native_decode_triton(q, k, v, g, beta, slots, state, chunk):
     # gdn_recurrent_decode dispatches by device; call its CUDA branch's kernel directly on CPU
     B, Hk = k.shape[:2]
@@ -519,8 +554,9 @@ def test_cpr_cuda_varlen_equals_engine_split_and_decode_bitwise(kb, v_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("choice", [dict(dot="tf32x3"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16)],
-                         ids=["tf32x3", "tf32x3_rec8_inv16"])
+@pytest.mark.parametrize("choice", [dict(dot="tf32x3"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
+                                    dict(boundary="wy"), dict(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1)],
+                         ids=["tf32x3", "tf32x3_rec8_inv16", "wy", "wy_prefetch_rec16"])
 def test_cpr_cuda_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb, choice):
     # the candidates of scripts/cpr_variant_sweep.py: each must keep trainer == engine split ==
     # decode (its own bits) and the float64 recurrence's values
@@ -539,6 +575,18 @@ def test_cpr_cuda_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb, choic
     o_eng = run_engine(inp, lens, random_plan(lens, 2, max_decode=70), [7, 0, 1, 2, 3, 4], st, engine, decode,
                        G.CHUNK)
     kb.assert_bitwise(o_eng, o, f"cuda engine/decode, choice {c}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("boundary", ["rows", "wy"])
+def test_cpr_cuda_prefetch_gives_the_same_bits(kb, boundary):
+    # the per-token kernel's next-row prefetch moves loads, not arithmetic
+    lens = [300, 64, 1, 129, 77]
+    inp = [x.cuda() for x in make_inputs(lens, **QWEN35, seed=43, v_dtype=torch.bfloat16)]
+    plain = G.triton_kernels.CPRKernelChoice(boundary=boundary)
+    pre = G.triton_kernels.CPRKernelChoice(boundary=boundary, rec_prefetch=True)
+    kb.assert_bitwise(G.gdn_cpr_varlen_triton(*inp, choice=pre), G.gdn_cpr_varlen_triton(*inp, choice=plain),
+                      f"prefetch, {boundary}")
 
 
 @pytest.mark.gpu
