@@ -7,7 +7,7 @@ import torch
 
 from .. import _ref
 from .plan import _check, _check_state, _float, _host_lens, _virtual_rows
-from .state import CHUNK, GDNState
+from .state import BOUNDARY, CHUNK, GDNState
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -78,10 +78,67 @@ def _chunk_state_reference(S, W, U, Kd, e_last):
     return S * e_last[:, None, None] + _mm(Kd.transpose(1, 2), Vnew)
 
 
+def _chunk_prep_wy_reference(K, V, g, beta, block: int = 16):
+    """The state-independent part of chunk_update in the WY form (``boundary = "wy"``, cpr_wy.py)
+    for N complete chunks: G by running sums inside 16-row blocks plus the blocks before them; A;
+    T = (I + A)^-1 with each diagonal block by forward substitution and the blocks below by
+    T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb) (the sum from c = a - 1 down, as the kernel nests its
+    dots); W = T (k beta e^G), U = T (v beta). Returns (W, U, K, e_last, tail = e^(G_last - G)),
+    so that B_c+1 = B_c e_last + K^T ((U - W B_c) tail)."""
+    N, C = g.shape
+    nb = C // block
+    G = torch.empty_like(g)
+    before = g.new_zeros(N)
+    for a in range(nb):
+        acc = g.new_zeros(N)
+        for t in range(a * block, (a + 1) * block):
+            acc = acc + g[:, t]
+            G[:, t] = acc + before if a else acc
+        before = before + acc if a else acc
+    idx = torch.arange(C, device=g.device)
+    lower = idx[None, :] < idx[:, None]
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    dG = torch.where(lower, G[:, :, None] - G[:, None, :], zero)
+    A = torch.where(lower, (beta[:, :, None] * _mm(K, K.transpose(1, 2))) * _exp(dG), zero)
+    eye = torch.eye(block, dtype=g.dtype, device=g.device)
+    blk = lambda x, a, b: x[:, a * block:(a + 1) * block, b * block:(b + 1) * block]  # noqa: E731
+    Tm = torch.zeros_like(A)
+    for a in range(nb):
+        Ta = eye.expand(N, block, block).clone()
+        Aa = blk(A, a, a)
+        for i in range(1, block):
+            Ta[:, i] = eye[i] - _sum_dim(Aa[:, i, :, None] * Ta, 1)
+        blk(Tm, a, a).copy_(Ta)
+        for b in range(a - 1, -1, -1):
+            acc = None
+            for c in range(b, a):   # innermost dot first: A_ab T_bb, then + A_a,b+1 T_b+1,b, ...
+                term = _mm(blk(A, a, c), blk(Tm, c, b))
+                acc = term if acc is None else acc + term
+            blk(Tm, a, b).copy_(-_mm(Ta, acc))
+    W = _mm(Tm, K * (beta * _exp(G))[:, :, None])
+    U = _mm(Tm, V * beta[:, :, None])
+    g_last = G[:, C - 1]
+    return W, U, K, _exp(g_last), _exp(g_last[:, None] - G)
+
+
+def _chunk_state_wy_reference(S, W, U, K, e_last, tail):
+    """B_{c+1} from B_c = S [N, Dk, Dv] and the WY prep of the chunk."""
+    Vn = (U - _mm(W, S)) * tail[:, :, None]
+    return S * e_last[:, None, None] + _mm(K.transpose(1, 2), Vn)
+
+
+def _boundary_prep(K, V, g, beta):
+    return _chunk_prep_wy_reference(K, V, g, beta) if BOUNDARY == "wy" else _chunk_prep_reference(K, V, g, beta)
+
+
+def _boundary_step(S, *prep):
+    return _chunk_state_wy_reference(S, *prep) if BOUNDARY == "wy" else _chunk_state_reference(S, *prep)
+
+
 def chunk_update_reference(S, K, V, g, beta):
-    """``chunk_update`` of api.py's docstring for N lanes: S [N, Dk, Dv], K [N, C, Dk],
-    V [N, C, Dv], g, beta [N, C] -> S' [N, Dk, Dv]."""
-    return _chunk_state_reference(S, *_chunk_prep_reference(K, V, g, beta))
+    """``chunk_update`` of api.py's docstring for N lanes (in the pinned form, ``BOUNDARY``):
+    S [N, Dk, Dv], K [N, C, Dk], V [N, C, Dv], g, beta [N, C] -> S' [N, Dk, Dv]."""
+    return _boundary_step(S, *_boundary_prep(K, V, g, beta))
 
 
 def _core_reference(q, k, v, g, beta, starts, lens, init, chunk):
@@ -119,14 +176,13 @@ def _core_reference(q, k, v, g, beta, starts, lens, init, chunk):
     starts_state = torch.empty(B, H, nc, Dk, Dv, dtype=dt, device=dev)
     starts_state[:, :, 0] = S
     if max_full:
-        W, U, Kd, el = _chunk_prep_reference(
+        prep = _boundary_prep(
             kp[:, :, :max_full].reshape(-1, C, Dk), vp[:, :, :max_full].reshape(-1, C, Dv),
             gp[:, :, :max_full].reshape(-1, C), bp[:, :, :max_full].reshape(-1, C))
-        W, U, Kd, el = (x.view(B, H, max_full, *x.shape[1:]) for x in (W, U, Kd, el))
+        prep = [x.view(B, H, max_full, *x.shape[1:]) for x in prep]
         for c in range(max_full):
-            S_next = _chunk_state_reference(S.reshape(-1, Dk, Dv), W[:, :, c].reshape(-1, C, Dk),
-                                            U[:, :, c].reshape(-1, C, Dv), Kd[:, :, c].reshape(-1, C, Dk),
-                                            el[:, :, c].reshape(-1)).view(B, H, Dk, Dv)
+            S_next = _boundary_step(S.reshape(-1, Dk, Dv), *(x[:, :, c].reshape(-1, *x.shape[3:])
+                                                            for x in prep)).view(B, H, Dk, Dv)
             S = torch.where((c < n_full)[:, None, None, None], S_next, S)
             if c + 1 < nc:
                 starts_state[:, :, c + 1] = S

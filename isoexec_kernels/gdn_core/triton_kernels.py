@@ -11,7 +11,7 @@ import torch
 from .._triton_util import jit, next_pow2, tl
 from .cpr_wy import wy_boundary_chain, wy_resync
 from .plan import _check, _check_state, _host_lens, _virtual_rows
-from .state import CHUNK, GDNState
+from .state import BOUNDARY, CHUNK, GDNState
 
 
 BLOCK_DV = 32
@@ -278,7 +278,7 @@ class CPRKernelChoice:
                              "always inverts by 16 x 16 blocks)")
 
 
-PINNED = CPRKernelChoice()
+PINNED = CPRKernelChoice(boundary=BOUNDARY)
 
 
 def tile_constants(Dk: int, Dv: int) -> dict:

@@ -169,6 +169,30 @@ def test_cpr_trainer_equals_engine_prefill_random_splits_and_decode_bitwise(kb, 
         kb.assert_bitwise(state.buf_v[slots[b], :r], one.buf_v[slots[b], :r], "buf_v")
 
 
+@pytest.mark.parametrize("form", ["rows", "wy"])
+def test_cpr_reference_boundary_forms_keep_cases_bitwise_and_accurate(kb, monkeypatch, form):
+    # either form of chunk_update (reference.BOUNDARY: the pinned one, or the other) keeps the
+    # trainer == engine split == decode and the float64 recurrence's values; the two forms differ
+    monkeypatch.setattr(G.reference, "BOUNDARY", form)
+    lens = [150, 64, 3, 77]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=32, Dv=16, seed=5, g_scale=2.0)
+    o = G.gdn_cpr_varlen_reference(*inp)
+    assert kb.rel_l2(o, transformers_recurrence(*inp, 32)) < 1e-5
+    S0 = torch.randn(1, 32, 16, generator=torch.Generator().manual_seed(6)) * 0.3
+    q, k, v, g, beta, _ = make_inputs([64], Hk=1, H=1, Dk=32, Dv=16, seed=7)
+    Sc = G.chunk_update_reference(S0, k[:, 0][None], v[:, 0][None], g[:, 0][None], beta[:, 0][None])
+    _, Sr = N.torch_recurrence(q.double(), k.double(), v.double(), g.double(), beta.double(),
+                               torch.tensor([0, 64]), initial_state=S0.double()[:, None], output_final_state=True)
+    assert kb.rel_l2(Sc[0], Sr[0, 0]) < 1e-6
+    state = G.GDNState.allocate(5, 2, 32, 16, "cpu")
+    o_eng = run_engine(inp, lens, random_plan(lens, 3, max_decode=70), [4, 0, 1, 2], state,
+                       G.gdn_cpr_engine_reference, G.gdn_cpr_decode_reference, G.CHUNK)
+    kb.assert_bitwise(o_eng, o, f"reference engine/decode vs trainer, {form} form")
+    other = "rows" if form == "wy" else "wy"
+    monkeypatch.setattr(G.reference, "BOUNDARY", other)
+    assert kb.bit_report(G.gdn_cpr_varlen_reference(*inp), o)["differing"] > 0
+
+
 def test_cpr_prefill_split_at_every_token_equals_one_shot_bitwise(kb):
     p = SMALL
     L = 2 * p["C"] + 5
