@@ -57,17 +57,14 @@ from isoexec_kernels.gdn_core.triton_kernels import CPRKernelChoice
 
 _C = CPRKernelChoice
 VARIANTS = [
-    _C(),                                                   # pinned (rows boundary form)
-    _C(rec_prefetch=True),                                  # same bits as pinned, next row prefetched
-    _C(rec_prefetch=True, rec_bv=16, rec_warps=1),
-    _C(boundary="wy"),                                      # boundary by the WY kernels (cpr_wy.py)
-    _C(boundary="wy", rec_prefetch=True),
-    _C(boundary="wy", rec_prefetch=True, wy_bk=32),
-    _C(boundary="wy", rec_prefetch=True, wy_bk=32, wy_warps=8),
+    tk.PINNED,                                              # version 3: wy boundary, prefetch
+    _C(boundary="rows"),                                    # version 2
+    _C(boundary="rows", rec_prefetch=True),                 # version 2's bits, prefetched
+    _C(boundary="wy"),                                      # version 3's bits without the prefetch
     _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1),
-    _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=2),
+    _C(boundary="wy", rec_prefetch=True, wy_bk=32),
 ]
-QUICK_VARIANTS = [_C(), _C(rec_prefetch=True), _C(boundary="wy", rec_prefetch=True, wy_bk=32)]
+QUICK_VARIANTS = [tk.PINNED, _C(boundary="rows"), _C(boundary="wy", rec_prefetch=True, wy_bk=32)]
 
 
 def _name(c: CPRKernelChoice) -> str:

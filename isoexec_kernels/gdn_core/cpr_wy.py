@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .native_wy import _dtypes, _wy_inverse_kernel, _wy_state_kernel, _wy_wu_kernel
+from .native_wy import WY_CHUNKS, _dtypes, _wy_inverse_kernel, _wy_state_kernel, _wy_wu_kernel
 from .._triton_util import next_pow2
 
 WY_STATE_BV = 32
@@ -45,6 +45,9 @@ def _dims(Dk: int, Dv: int, bk: int) -> dict:
 def _inverse_wu(k, v, g, beta, row0, nrow, H, rep, chunk, choice, n_rows_g):
     """The inverse and W/U kernels over P chunks (row0 / nrow int32 [P] on device): returns
     (gc [n_rows_g, H] fp32, W [P, H, C, Dk], U [P, H, C, Dv]) (fp32 storage)."""
+    if chunk not in WY_CHUNKS:
+        raise ValueError(f"the WY boundary form takes chunks of {WY_CHUNKS} tokens; got {chunk} (the 'rows' "
+                         "form, CPRKernelChoice(boundary='rows'), takes any chunk)")
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     dev = v.device

@@ -80,12 +80,15 @@ def _chunk_state_reference(S, W, U, Kd, e_last):
 
 def _chunk_prep_wy_reference(K, V, g, beta, block: int = 16):
     """The state-independent part of chunk_update in the WY form (``boundary = "wy"``, cpr_wy.py)
-    for N complete chunks: G by running sums inside 16-row blocks plus the blocks before them; A;
+    for N complete chunks (blocks of 16 rows; a chunk that is not a multiple of 16 is one block):
+    G by running sums inside the blocks plus the blocks before them; A;
     T = (I + A)^-1 with each diagonal block by forward substitution and the blocks below by
     T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb) (the sum from c = a - 1 down, as the kernel nests its
     dots); W = T (k beta e^G), U = T (v beta). Returns (W, U, K, e_last, tail = e^(G_last - G)),
     so that B_c+1 = B_c e_last + K^T ((U - W B_c) tail)."""
     N, C = g.shape
+    if C % block:
+        block = C   # a chunk shorter than (or not a multiple of) 16 rows is one diagonal block
     nb = C // block
     G = torch.empty_like(g)
     before = g.new_zeros(N)

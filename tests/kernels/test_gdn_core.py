@@ -508,7 +508,7 @@ def interp_case_cpr_triton_wy_boundary_keeps_cases_bitwise_and_accurate(kb):
     inp = make_inputs(lens, 1, 2, 16, 16, seed=35)
     o = G.gdn_cpr_varlen_triton(*inp, chunk=C, choice=choice)
     assert kb.rel_l2(o, transformers_recurrence(*inp, 16)) < 1e-5
-    rows = G.gdn_cpr_varlen_triton(*inp, chunk=C)
+    rows = G.gdn_cpr_varlen_triton(*inp, chunk=C, choice=G.triton_kernels.CPRKernelChoice(boundary="rows"))
     assert kb.bit_report(o, rows)["differing"] > 0, "the wy boundary form should round otherwise than the rows form"
     st = G.GDNState.allocate(5, 2, 16, 16, "cpu", chunk=C)
     plan = [("prefill", {0: 31, 1: 1, 2: 19, 3: 40}), ("decode", [0, 1, 2, 3]), ("prefill", {0: 13, 3: 29}),
@@ -578,9 +578,9 @@ def test_cpr_cuda_varlen_equals_engine_split_and_decode_bitwise(kb, v_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("choice", [dict(dot="tf32x3"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
-                                    dict(boundary="wy"), dict(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1)],
-                         ids=["tf32x3", "tf32x3_rec8_inv16", "wy", "wy_prefetch_rec16"])
+@pytest.mark.parametrize("choice", [dict(boundary="wy"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
+                                    dict(boundary="rows"), dict(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1)],
+                         ids=["wy_no_prefetch", "rows_rec8_inv16", "rows_v2", "wy_prefetch_rec16"])
 def test_cpr_cuda_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb, choice):
     # the candidates of scripts/cpr_variant_sweep.py: each must keep trainer == engine split ==
     # decode (its own bits) and the float64 recurrence's values
