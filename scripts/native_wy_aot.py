@@ -20,6 +20,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -68,6 +69,7 @@ def check(choice: NW.NativeWYChoice, dot: str = "bf16", Dk: int = 128, Dv: int =
     st = "*bf16" if dot == "bf16" else "*fp32"
     DKP, DVP = max(16, triton.next_power_of_2(Dk)), max(16, triton.next_power_of_2(Dv))
     BK = min(choice.bk, DKP, DVP)
+    sbv = NW.state_tile(choice, torch.bfloat16 if dot == "bf16" else torch.float32, DVP)   # as launched
     num = dict(OP_DT=op, DOT_DT=op, PREC=prec)
     f32, i32 = "*fp32", "*i32"
     idx = dict(row0_ptr=i32, nrow_ptr=i32, chunk0_ptr=i32, nchunk_ptr=i32, init_idx_ptr=i32, fin_idx_ptr=i32)
@@ -79,7 +81,8 @@ def check(choice: NW.NativeWYChoice, dot: str = "bf16", Dk: int = 128, Dv: int =
                  dict(C=C, BK=BK, NKB=-(-Dk // BK), STORE_KC=dot == "bf16", **num), choice.wu_warps),
         _compile(NW._wy_state_kernel, dict(k_ptr=st, gc_ptr=f32, w_ptr=st, u_ptr=st, init_ptr=f32, st_ptr=st,
                                            vn_ptr=st, fin_ptr=f32, **idx),
-                 dict(C=C, DKP=DKP, BV=min(choice.state_bv, DVP), **num), choice.state_warps, choice.state_stages),
+                 dict(C=C, DKP=DKP, BV=sbv, STORE_ST=True, STORE_VN=True, fin2_ptr=None,
+                      fin2_idx_ptr=None, HAS_FIN2=False, **num), choice.state_warps, choice.state_stages),
         _compile(NW._wy_out_kernel, dict(q_ptr=f32, k_ptr=st, gc_ptr=f32, st_ptr=st, vn_ptr=st, o_ptr=f32, **idx),
                  dict(C=C, DKP=DKP, BK=BK, BV=min(choice.out_bv, DVP), **num), choice.out_warps, choice.out_stages),
     ]
@@ -91,7 +94,7 @@ def check(choice: NW.NativeWYChoice, dot: str = "bf16", Dk: int = 128, Dv: int =
                      choice.out_stages),
             _compile(NB._wyb_dhu_kernel, dict(q_ptr=f32, k_ptr=st, gc_ptr=f32, w_ptr=st, do_ptr=f32, dvl_ptr=st,
                                               dsn_ptr=st, dvn_ptr=st, **idx),
-                     dict(C=C, DKP=DKP, BV=min(choice.state_bv, DVP), **num), choice.dhu_warps, choice.dhu_stages),
+                     dict(C=C, DKP=DKP, BV=sbv, **num), choice.dhu_warps, choice.dhu_stages),
             _compile(NB._wyb_dqk_kernel, dict(q_ptr=f32, k_ptr=st, gc_ptr=f32, st_ptr=st, dsn_ptr=st, vn_ptr=st,
                                               dvn_ptr=st, do_ptr=f32, dw_ptr=st, **grads, **idx),
                      dict(C=C, DKP=DKP, DVP=DVP, BK=BK, BV=BK, **num), choice.dqk_warps, choice.bwd_stages),

@@ -121,6 +121,19 @@ WY_CHUNKS = (16, 32, 64)
 """Chunk sizes the WY kernels take (C / 16 diagonal blocks of the inverse, a power of two)."""
 
 
+FP32_STATE_BV = 32
+"""The largest state Dv tile with fp32 storage: compiled for sm_90 (``scripts/native_wy_aot.py
+--dot tf32``), the backward's reverse pass at a 64-wide tile needs 279,044 bytes of shared memory
+(Hopper has 232,448) and was refused on the H200 at ``e5aa202``; at 32 it needs 221,700."""
+
+
+def state_tile(choice: NativeWYChoice, st_dt: torch.dtype, DVP: int) -> int:
+    """The Dv tile of the state kernel and of the backward's reverse pass: the choice's, capped
+    at ``FP32_STATE_BV`` for fp32 storage (the bf16 path keeps the choice's 64)."""
+    bv = min(choice.state_bv, DVP)
+    return min(bv, FP32_STATE_BV) if st_dt == torch.float32 else bv
+
+
 def _resolve_dot(choice: NativeWYChoice, v_dtype: torch.dtype) -> str:
     if choice.dot == "auto":
         return "bf16" if v_dtype in (torch.bfloat16, torch.float16) else "tf32"
@@ -369,6 +382,10 @@ def _wy_state_kernel(
     h = tl.program_id(1)
     vt = tl.program_id(2)
     n = tl.load(nchunk_ptr + p)
+    if n == 0:
+        # nothing to store (fin needs a chunk): return before loading the state tile, which is
+        # what a decode resync's lanes without a complete chunk would otherwise spend their time on
+        return
     c0 = tl.load(chunk0_ptr + p)
     ii = tl.load(init_idx_ptr + p).to(tl.int64)
     kh = h // REP
@@ -559,7 +576,7 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
         C=C, BK=BK, NKB=nkb, STORE_KC=kc is not k, **num, num_warps=choice.wu_warps)
     states = torch.empty(P, H, Dk, Dv, dtype=st_dt, device=dev)
     vn = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
-    sbv = min(choice.state_bv, DVP)
+    sbv = state_tile(choice, st_dt, DVP)
     # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in
     _wy_state_kernel[(B, H, -(-Dv // sbv))](
         kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,

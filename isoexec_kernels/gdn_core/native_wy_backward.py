@@ -379,7 +379,7 @@ def wy_chunk_backward_triton(q, k, v, g, beta, cu_seqlens, do, *, chunk: int = C
     if f is not None:
         choice, dm, P, st = f.choice, f.dims, f.P, f.st_dt
         DKP, DVP, BK = dm["DKP"], dm["DVP"], dm["BK"]
-        BV = min(choice.state_bv, DVP)
+        BV = nwy.state_tile(choice, st, DVP)
         kc = f.kc
         v, beta = nwy._rows3(v), beta.contiguous()
         strides = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), do.stride(0), do.stride(1))

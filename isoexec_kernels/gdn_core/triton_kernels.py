@@ -278,9 +278,11 @@ class CPRKernelChoice:
                              "always inverts by 16 x 16 blocks)")
 
 
-PINNED = CPRKernelChoice(boundary=BOUNDARY, rec_prefetch=True)
-"""``gdn_cpr`` version 3: the WY boundary form, tf32x3 dots, the per-token kernel at a 32-wide Dv
-tile on 4 warps with the next row prefetched (version 2: the rows form, no prefetch)."""
+PINNED = CPRKernelChoice(boundary=BOUNDARY)
+"""``gdn_cpr`` version 2: the rows boundary form, tf32x3 dots, the per-token kernel at a 32-wide Dv
+tile on 4 warps. The WY form with the prefetch ran on the H200 at ``e5aa202`` (docs/cpr.md): its
+forward 25-28% faster, its decode 23% slower; not pinned until its decode resync is cheaper and
+its gates are made."""
 
 
 def tile_constants(Dk: int, Dv: int) -> dict:
