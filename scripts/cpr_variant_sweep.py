@@ -403,6 +403,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true", help="tiny shapes and two variants (CPU interpreter)")
     ap.add_argument("--rep-ms", type=float, default=150.0)
+    ap.add_argument("--first", type=int, default=0, help="only the first N candidates (a short GPU call)")
     ap.add_argument("--native", action="store_true",
                     help="native chunk forward: legacy vs WY candidates vs CPR (module docstring)")
     args = ap.parse_args(argv)
@@ -411,6 +412,8 @@ def main(argv=None) -> int:
         return native_main(args, device)
     dims, sizes = (QUICK_DIMS, QUICK) if args.quick else (GDN_DIMS, FULL)
     variants = QUICK_VARIANTS if args.quick else VARIANTS
+    if args.first:
+        variants = variants[:args.first]
     rep_ms = 5.0 if args.quick else args.rep_ms
     result = dict(name="cpr_variant_sweep", env=env_info("sm90" if device == "cuda" else "cpu"),
                   dims=dims, sizes=sizes, pinned=_name(tk.PINNED), rows=[])
