@@ -58,8 +58,8 @@ from isoexec_kernels.gdn_core.triton_kernels import CPRKernelChoice
 _C = CPRKernelChoice
 VARIANTS = [
     tk.PINNED,                                              # version 2: rows boundary form
-    _C(boundary="rows", rec_prefetch=True),                 # version 2's bits, prefetched
     _C(boundary="wy", rec_prefetch=True),                   # the WY boundary form (cpr_wy.py)
+    _C(boundary="rows", rec_prefetch=True),                 # version 2's bits, prefetched
     _C(boundary="wy"),
     _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1),
     _C(boundary="wy", rec_prefetch=True, wy_bk=32),
