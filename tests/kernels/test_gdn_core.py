@@ -693,5 +693,9 @@ def test_cpr_cuda_backward_matches_autograd_through_recurrence(kb):
     ref = [x.double().requires_grad_() for x in inp[:5]]
     (G.gdn_cpr_varlen(*xs, inp[5]) * w).sum().backward()
     (N.torch_recurrence(*ref, inp[5]) * w.double()).sum().backward()
+    # the trainer's backward is the WY kernels' (CPR_BWD_KIND = "wy"): with fp32 values their dots
+    # run TF32, the stock kernels' rounding, so the gradients sit about 1.8e-3 from float64
+    # (measured on the H200 at c3a9c7c: 1.82e-3 to 1.85e-3 for q, k, v, g, beta); a wrong gradient
+    # is off by O(1)
     for name, a, b in zip("q k v g beta".split(), xs, ref):
-        assert kb.rel_l2(a.grad, b.grad) < 1e-4, name
+        assert kb.rel_l2(a.grad, b.grad) < 5e-3, name
