@@ -74,18 +74,22 @@ def _cycle(xs):
     return nxt
 
 
+def _row(M, N, K, w):
+    """One (shape, M) row's inputs (four, cycled), the table's bits and tile, and cuBLAS's time."""
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    nxt = _cycle(xs)
+    ref = linear_triton(xs[0], w)
+    cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
+    return xs, nxt, ref, cublas, tile_for_m(M, torch.bfloat16, N, K)
+
+
 def sweep(shapes, ms, candidates, log):
     out = []
     for name, K, N in shapes:
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         for M in ms:
-            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-            nxt = _cycle(xs)
-
             with torch.no_grad():
-                ref = linear_triton(xs[0], w)
-                cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
-                current = tile_for_m(M, torch.bfloat16, N, K)
+                xs, nxt, ref, cublas, current = _row(M, N, K, w)
                 rows = []
                 for c in candidates:
                     tile = {k: v for k, v in c.items() if k != "path"}
@@ -264,12 +268,8 @@ def sweep_block_k(log, shapes=BLOCK_K_SHAPES):
     for name, M, K, N in shapes:
         t0 = time.time()
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-        xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-        nxt = _cycle(xs)
         with torch.no_grad():
-            ref = linear_triton(xs[0], w)
-            cublas = graph_time_ms(lambda: F.linear(nxt(), w), 60)
-            current = tile_for_m(M, torch.bfloat16, N, K)
+            xs, nxt, ref, cublas, current = _row(M, N, K, w)
             rows = []
             for bk in BLOCK_K_SMALL if M <= 256 else BLOCK_K_LARGE:
                 with forced_block_k(bk):

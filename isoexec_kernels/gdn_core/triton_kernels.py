@@ -190,8 +190,10 @@ def _gdn_recurrent_kernel(
         vn = tl.load(v_ptr + r0 * s_vt + h * s_vh + dv, mask=vm & live, other=0.0).to(tl.float32)
         gn = tl.load(g_ptr + r0 * s_gt + h, mask=live, other=0.0).to(tl.float32)
         bn = tl.load(b_ptr + r0 * s_bt + h, mask=live, other=0.0).to(tl.float32)
-        for i in range(0, n):
-            r = r0 + i
+    for i in range(0, n):
+        r = r0 + i
+        if PREFETCH:
+            # this row's inputs came with the previous step; the next row's are issued now
             qv, kv, vv, gt, bt = qn, kn, vn, gn, bn
             rn = r + 1
             more = i + 1 < n
@@ -200,26 +202,18 @@ def _gdn_recurrent_kernel(
             vn = tl.load(v_ptr + rn * s_vt + h * s_vh + dv, mask=vm & more, other=0.0).to(tl.float32)
             gn = tl.load(g_ptr + rn * s_gt + h, mask=more, other=0.0).to(tl.float32)
             bn = tl.load(b_ptr + rn * s_bt + h, mask=more, other=0.0).to(tl.float32)
-            S = S * tl.exp(gt)
-            mem = tl.sum(S * kv[:, None], axis=0)
-            delta = (vv - mem) * bt
-            S = S + kv[:, None] * delta[None, :]
-            o = tl.sum(S * qv[:, None], axis=0)
-            tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
-    else:
-        for i in range(0, n):
-            r = r0 + i
+        else:
             qv = tl.load(q_ptr + r * s_qt + kh * s_qh + dk, mask=km, other=0.0).to(tl.float32)
             kv = tl.load(k_ptr + r * s_kt + kh * s_kh + dk, mask=km, other=0.0).to(tl.float32)
             vv = tl.load(v_ptr + r * s_vt + h * s_vh + dv, mask=vm, other=0.0).to(tl.float32)
             gt = tl.load(g_ptr + r * s_gt + h).to(tl.float32)
             bt = tl.load(b_ptr + r * s_bt + h).to(tl.float32)
-            S = S * tl.exp(gt)
-            mem = tl.sum(S * kv[:, None], axis=0)
-            delta = (vv - mem) * bt
-            S = S + kv[:, None] * delta[None, :]
-            o = tl.sum(S * qv[:, None], axis=0)
-            tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
+        S = S * tl.exp(gt)
+        mem = tl.sum(S * kv[:, None], axis=0)
+        delta = (vv - mem) * bt
+        S = S + kv[:, None] * delta[None, :]
+        o = tl.sum(S * qv[:, None], axis=0)
+        tl.store(o_ptr + r * s_ot + h * s_oh + dv, o, mask=vm)
     fi = tl.load(fin_idx_ptr + p).to(tl.int64)
     tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0))
 
