@@ -81,9 +81,10 @@ fastest decode of the candidates, prefill within 12% of the fastest, every candi
 the cases; the blocked inverse (``inv_bs=16``) was slower than the row-by-row one and is not pinned.
 A second form of ``chunk_update`` is a candidate (``CPRKernelChoice(boundary="wy")``, ``cpr_wy.py``;
 its reference twin is selected by ``state.BOUNDARY``): the native path's WY kernels at fp32
-operands (16 x 16 blocked inverse, the decay on Vnew). On the H200 at ``e5aa202`` it kept the cases
-bitwise and took the forward from 8.6 to 6.5 ms at 5 x 2048 tokens but decode from 0.62 to 0.76 ms
-(docs/cpr.md); it is not pinned.
+operands (16 x 16 blocked inverse, the decay on Vnew). On the H200 at ``c3a9c7c``, with the
+per-token kernel's prefetch, it kept the cases bitwise and took the forward from 8.0 to 6.0 ms at
+5 x 2048 tokens and decode from 0.61 to 0.51 ms (docs/cpr.md); it is not pinned until the hybrid
+gates are made for it (version 3).
 
 Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
 [chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]

@@ -274,9 +274,9 @@ class CPRKernelChoice:
 
 PINNED = CPRKernelChoice(boundary=BOUNDARY)
 """``gdn_cpr`` version 2: the rows boundary form, tf32x3 dots, the per-token kernel at a 32-wide Dv
-tile on 4 warps. The WY form with the prefetch ran on the H200 at ``e5aa202`` (docs/cpr.md): its
-forward 25-28% faster, its decode 23% slower; not pinned until its decode resync is cheaper and
-its gates are made."""
+tile on 4 warps. The WY form with the prefetch ran on the H200 at ``c3a9c7c`` (docs/cpr.md): forward
+26% and decode 17% faster, the same case-to-case bits; pinning it (version 3) waits for its hybrid
+gates on the GPU."""
 
 
 def tile_constants(Dk: int, Dv: int) -> dict:
