@@ -83,6 +83,19 @@ def _row(M, N, K, w):
     return xs, nxt, ref, cublas, tile_for_m(M, torch.bfloat16, N, K)
 
 
+def _time(row, xs, w, nxt, ref, cublas, leaves=None):
+    """``row`` (a candidate launch: path and tile keys, maybe more) with its time, ratio to cuBLAS and
+    whether it gives the reference bits, or the error of a candidate that does not fit."""
+    tile = {k: v for k, v in row.items() if k not in ("path", "BLOCK_K")}
+    try:
+        got = linear_triton(xs[0], w, impl=row["path"], tile=tile, leaves=leaves)
+        same = bool(torch.equal(_bits(got), _bits(ref)))
+        ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=row["path"], tile=tile, leaves=leaves), 60)
+    except Exception as exc:  # noqa: BLE001 - a candidate may not fit (shared memory, registers)
+        return {**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
+    return {**row, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same}
+
+
 def sweep(shapes, ms, candidates, log):
     out = []
     for name, K, N in shapes:
@@ -90,17 +103,7 @@ def sweep(shapes, ms, candidates, log):
         for M in ms:
             with torch.no_grad():
                 xs, nxt, ref, cublas, current = _row(M, N, K, w)
-                rows = []
-                for c in candidates:
-                    tile = {k: v for k, v in c.items() if k != "path"}
-                    try:
-                        got = linear_triton(xs[0], w, impl=c["path"], tile=tile)
-                        same = bool(torch.equal(_bits(got), _bits(ref)))
-                        ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=c["path"], tile=tile), 60)
-                    except Exception as exc:  # noqa: BLE001 - a candidate may not fit (shared memory)
-                        rows.append({**c, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                        continue
-                    rows.append({**c, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same})
+                rows = [_time(dict(c), xs, w, nxt, ref, cublas) for c in candidates]
                 ok = [r for r in rows if "ms" in r]
                 best = min(ok, key=lambda r: r["ms"]) if ok else None
                 cur = next((r for r in ok if all(r[k] == current[k] for k in current if k in r)), None)
@@ -160,18 +163,7 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
                         cands = cands + [tile_for_m(M, torch.bfloat16, N, K)]
                     if M <= 256:
                         cands = cands + [dict(tile_for_m(M, torch.bfloat16, 1, 1), path="pointer")]
-                    rows = []
-                    for c in cands:
-                        tile = {k: v for k, v in c.items() if k != "path"}
-                        try:
-                            got = linear_triton(xs[0], w, impl=c["path"], tile=tile, leaves=leaves)
-                            same = bool(torch.equal(_bits(got), _bits(ref)))
-                            ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=c["path"], tile=tile,
-                                                                      leaves=leaves), 60)
-                        except Exception as exc:  # noqa: BLE001 - a candidate may not fit
-                            rows.append({**c, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-                            continue
-                        rows.append({**c, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same})
+                    rows = [_time(dict(c), xs, w, nxt, ref, cublas, leaves=leaves) for c in cands]
                     ok = [r for r in rows if "ms" in r]
                     best = max(ok, key=lambda r: r["ratio"]) if ok else None
                     out.append({"shape": name, "M": M, "K": K, "N": N, "leaves": leaves, "cublas_ms": round(cublas, 5),
@@ -250,14 +242,7 @@ def _time_candidate(c, bk, xs, w, nxt, ref, cublas, smem):
     row = {**c, "BLOCK_K": bk}
     if smem_floor(c, bk) > smem:
         return {**row, "skipped": f"shared memory >= {smem_floor(c, bk)} B > {smem} B"}
-    tile = {k: v for k, v in c.items() if k != "path"}
-    try:
-        got = linear_triton(xs[0], w, impl=c["path"], tile=tile)
-        same = bool(torch.equal(_bits(got), _bits(ref)))
-        ms_ = graph_time_ms(lambda: linear_triton(nxt(), w, impl=c["path"], tile=tile), 60)
-    except Exception as exc:  # noqa: BLE001 - a candidate may not fit (shared memory, registers)
-        return {**row, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
-    return {**row, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same}
+    return _time(row, xs, w, nxt, ref, cublas)
 
 
 def sweep_block_k(log, shapes=BLOCK_K_SHAPES):

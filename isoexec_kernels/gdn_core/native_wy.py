@@ -420,10 +420,10 @@ def _wy_state_kernel(
                      other=0.0)
         S = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
     fi = tl.load(fin_idx_ptr + p).to(tl.int64)
-    tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0) & (n > 0))
+    tl.store(fin_ptr + (tl.maximum(fi, 0) * H + h) * hs + soff, S, mask=sm & (fi >= 0))
     if HAS_FIN2:
         f2 = tl.load(fin2_idx_ptr + p).to(tl.int64)
-        tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0) & (n > 0))
+        tl.store(fin2_ptr + (tl.maximum(f2, 0) * H + h) * hs + soff, S, mask=sm & (f2 >= 0))
 
 
 @jit
@@ -528,6 +528,44 @@ class WYParts:
     st_dt: torch.dtype
 
 
+def launch_inverse_wu(k, v, g, beta, row0, nrow, kc, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps,
+                      wu_warps):
+    """The inverse and W/U kernels over the chunks of ``row0`` / ``nrow`` (int32 on device; a chunk
+    of 0 rows is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C], W [P, H, C,
+    Dk], U [P, H, C, Dv]) in ``st_dt``. ``kc``: where the W/U kernel writes k in the operand dtype
+    (``k`` itself: nothing written)."""
+    Dk, Dv = k.shape[-1], v.shape[-1]
+    P = row0.shape[0]
+    dev = v.device
+    DKP = max(16, next_pow2(Dk))
+    gc = torch.empty(n_rows, H, dtype=torch.float32, device=dev)
+    Tm = torch.empty(P, H, C, C, dtype=st_dt, device=dev)
+    W = torch.empty(P, H, C, Dk, dtype=st_dt, device=dev)
+    U = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
+    _wy_inverse_kernel[(H, P)](
+        k, g, beta, row0, nrow, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=inv_dot, **num, num_warps=inv_warps)
+    nkb = -(-Dk // BK)
+    _wy_wu_kernel[(nkb + -(-Dv // BK), H, P)](
+        k, v, beta, row0, nrow, gc, Tm, W, U, kc, H, rep, Dk, Dv,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), kc.stride(0), kc.stride(1),
+        C=C, BK=BK, NKB=nkb, STORE_KC=kc is not k, **num, num_warps=wu_warps)
+    return gc, Tm, W, U
+
+
+def launch_wy_state(kc, gc, W, U, init, st, vn, fin, row0, nrow, chunk0, nchunk, init_idx, fin_idx, H, rep, C,
+                    DKP, BV, num, warps, stages, fin2=None, fin2_idx=None):
+    """The state kernel over the pieces or lanes of ``chunk0`` / ``nchunk`` (see
+    ``_wy_state_kernel``); ``st`` / ``vn`` None: the entering states / Vn are not stored;
+    ``fin2``: a second final state (``fin2_idx``)."""
+    Dk, Dv = W.shape[-1], U.shape[-1]
+    _wy_state_kernel[(chunk0.shape[0], H, -(-Dv // BV))](
+        kc, gc, W, U, init, U if st is None else st, U if vn is None else vn, fin, row0, nrow, chunk0, nchunk,
+        init_idx, fin_idx, H, rep, Dk, Dv, kc.stride(0), kc.stride(1), C=C, DKP=DKP, BV=BV, **num,
+        STORE_ST=st is not None, STORE_VN=vn is not None, fin2_ptr=fin2, fin2_idx_ptr=fin2_idx,
+        HAS_FIN2=fin2 is not None, num_warps=warps, num_stages=stages)
+
+
 def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
                      choice: NativeWYChoice | None = None) -> WYParts | None:
     """The inverse, W/U and state kernels of the forward (arguments as ``wy_chunk_triton``); None
@@ -560,28 +598,16 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
     # so each separate copy would leave the GPU idle a little longer)
     idx = torch.tensor(row0 + nrow + chunk0 + nchunk + init_idx + list(fin_idx), dtype=torch.int32).to(dev)
     row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = torch.split(idx, [P, P, B, B, B, B])
-    gc = torch.empty(T, H, dtype=torch.float32, device=dev)
-    Tm = torch.empty(P, H, C, C, dtype=st_dt, device=dev)
-    _wy_inverse_kernel[(H, P)](
-        k, g, beta, row0_t, nrow_t, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
-    W = torch.empty(P, H, C, Dk, dtype=st_dt, device=dev)
-    U = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
     # k in the operand dtype for the state and output kernels: a copy when that is not k's dtype
     kc = k if k.dtype == st_dt else torch.empty(T, Hk, Dk, dtype=st_dt, device=dev)
-    nkb = -(-Dk // BK)
-    _wy_wu_kernel[(nkb + -(-Dv // BK), H, P)](
-        k, v, beta, row0_t, nrow_t, gc, Tm, W, U, kc, H, rep, Dk, Dv,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), kc.stride(0), kc.stride(1),
-        C=C, BK=BK, NKB=nkb, STORE_KC=kc is not k, **num, num_warps=choice.wu_warps)
+    gc, Tm, W, U = launch_inverse_wu(k, v, g, beta, row0_t, nrow_t, kc, T, H, rep, C, BK, num, st_dt,
+                                      choice.inv_dot, choice.prep_warps, choice.wu_warps)
     states = torch.empty(P, H, Dk, Dv, dtype=st_dt, device=dev)
     vn = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
-    sbv = state_tile(choice, st_dt, DVP)
     # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in
-    _wy_state_kernel[(B, H, -(-Dv // sbv))](
-        kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,
-        row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t, H, rep, Dk, Dv, kc.stride(0), kc.stride(1),
-        C=C, DKP=DKP, BV=sbv, **num, num_warps=choice.state_warps, num_stages=choice.state_stages)
+    launch_wy_state(kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,
+                    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t, H, rep, C, DKP,
+                    state_tile(choice, st_dt, DVP), num, choice.state_warps, choice.state_stages)
     return WYParts(choice, P, B, row0_t, nrow_t, chunk0_t, nchunk_t, gc, Tm, W, kc, states, vn, num, dims, st_dt)
 
 

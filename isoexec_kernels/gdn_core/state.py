@@ -55,6 +55,13 @@ class GDNState:
     def chunk(self) -> int:
         return self.buf_k.shape[1]
 
+    def buffer_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The open chunks' buffers as token rows (k [S * C, H, Dk], v, g, beta): slot s's chunk is
+        rows [s * C, s * C + C), the layout the boundary kernels read in a decode resync."""
+        H, Dk, Dv = self.buf_k.shape[2], self.buf_k.shape[3], self.buf_v.shape[3]
+        return (self.buf_k.view(-1, H, Dk), self.buf_v.view(-1, H, Dv), self.buf_g.view(-1, H),
+                self.buf_beta.view(-1, H))
+
     def reset_(self, slots: torch.Tensor) -> None:
         """Zero the given slots in place (new sequence, preemption, weight update)."""
         slots = slots.to(device=self.fill.device, dtype=torch.long)

@@ -388,9 +388,9 @@ def _core_triton(q, k, v, g, beta, starts, lens, init, rep, chunk, choice=PINNED
     if choice.boundary == "wy":
         # the entering states of the complete chunks, then one boundary per segment (cpr_wy.py);
         # re-index the per-token segments onto that layout
-        starts_t, wy_chunk0 = wy_boundary_chain(k, v, g, beta, starts, nchunk, init, rep, C, choice)
+        starts_t = wy_boundary_chain(k, v, g, beta, p_row0, chunk0, nchunk, init, rep, C, choice)
         boundary = starts_t[P:]
-        seg_init = [(wy_chunk0[b] + c) if c < nchunk[b] else P + b
+        seg_init = [(chunk0[b] + c) if c < nchunk[b] else P + b
                     for b, L in enumerate(lens) for c in range((L + C - 1) // C)]
     else:
         prep = launch_prep(k, v, g, beta, _i32(p_row0, dev), _i32([C] * P, dev), H, rep, C, prec=choice.dot,
@@ -514,16 +514,11 @@ def gdn_cpr_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     full = (f1 == chunk).to(torch.int32)
     if choice.boundary == "wy":
         wy_resync(state, slots32, full, lanes, chunk, choice)
-        state.fill.index_put_((sl,), (f1 * (1 - full)).to(torch.int32))
-        return o
-    # resync: the buffered chunk of each lane is rows [slot * C, slot * C + C) of the buffers
-    bk = state.buf_k.view(-1, H, Dk)
-    bv = state.buf_v.view(-1, H, Dv)
-    bg = state.buf_g.view(-1, H)
-    bb = state.buf_beta.view(-1, H)
-    prep = launch_prep(bk, bv, bg, bb, slots32 * chunk, full * chunk, H, 1, chunk, prec=choice.dot,
-                       inv_bs=choice.inv_bs)
-    launch_state(prep, state.boundary, state.boundary, state.boundary, state.running, lanes, full, slots32,
-                 torch.full_like(lanes, -1), slots32, slots32, chunk, prec=choice.dot)
+    else:
+        bk, bv, bg, bb = state.buffer_rows()
+        prep = launch_prep(bk, bv, bg, bb, slots32 * chunk, full * chunk, H, 1, chunk, prec=choice.dot,
+                           inv_bs=choice.inv_bs)
+        launch_state(prep, state.boundary, state.boundary, state.boundary, state.running, lanes, full, slots32,
+                     torch.full_like(lanes, -1), slots32, slots32, chunk, prec=choice.dot)
     state.fill.index_put_((sl,), (f1 * (1 - full)).to(torch.int32))
     return o
