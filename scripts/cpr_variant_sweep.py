@@ -57,14 +57,14 @@ from isoexec_kernels.gdn_core.triton_kernels import CPRKernelChoice
 
 _C = CPRKernelChoice
 VARIANTS = [
-    tk.PINNED,                                              # version 2: rows boundary form
-    _C(boundary="wy", rec_prefetch=True),                   # the WY boundary form (cpr_wy.py)
+    tk.PINNED,                                              # version 3: wy boundary form, prefetch
+    _C(boundary="rows"),                                    # version 2
     _C(boundary="rows", rec_prefetch=True),                 # version 2's bits, prefetched
-    _C(boundary="wy"),
+    _C(boundary="wy"),                                      # version 3's bits without the prefetch
     _C(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1),
     _C(boundary="wy", rec_prefetch=True, wy_bk=32),
 ]
-QUICK_VARIANTS = [tk.PINNED, _C(boundary="wy", rec_prefetch=True, wy_bk=32)]
+QUICK_VARIANTS = [tk.PINNED, _C(boundary="rows")]
 
 
 def _name(c: CPRKernelChoice) -> str:

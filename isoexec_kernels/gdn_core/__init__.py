@@ -24,7 +24,7 @@ from .chunk_backward import chunk_backward_reference, chunk_backward_triton
 from .native import gdn_chunk_engine, gdn_chunk_varlen, gdn_recurrent_decode, gdn_recurrent_engine, gdn_recurrent_varlen
 
 IMPLS = (
-    Impl("gdn_cpr", "2", "gdn_core", per_case(gdn_cpr_varlen, gdn_cpr_engine, gdn_cpr_decode),
+    Impl("gdn_cpr", "3", "gdn_core", per_case(gdn_cpr_varlen, gdn_cpr_engine, gdn_cpr_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")},
          doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
              "partial chunk in its state slot so every split gives the trainer's bits"),

@@ -24,15 +24,20 @@ CPR schedule (the same for every case)
 Positions are absolute within a sequence. Chunk c holds positions [cC, cC + C).
 
 * Boundary states: B_0 = 0 and B_{c+1} = chunk_update(B_c, the C tokens of chunk c), only for
-  complete chunks. ``chunk_update`` (WY/UT form, fp32, fixed order)::
+  complete chunks. ``chunk_update`` (WY/UT form, fp32, fixed order; ``state.BOUNDARY = "wy"``,
+  version 3)::
 
-      G_t   = (((+0 + g_0) + g_1) + ... + g_t)              running sum in token order
-      A_ij  = ((k_i . k_j) * beta_i) * exp(G_i - G_j)        j < i, else 0
-      T     = (I + A)^-1                                     forward substitution, row i:
-              T_i = e_i - sum_j A_ij T_j                      (rows in order 1..C-1)
+      G_t   = running sum of g inside each 16-row block, plus the blocks before it
+      A_ij  = (beta_i * (k_i . k_j)) * exp(G_i - G_j)        j < i, else 0
+      T     = (I + A)^-1  by 16 x 16 blocks: each diagonal block by forward substitution
+              (row i = e_i - sum_j A_ij row j), the blocks below by
+              T_ab = -T_aa (A_ab T_bb + A_a,b+1 T_b+1,b + ... + A_a,a-1 T_a-1,b)
       W     = T @ (k * (beta * exp(G)))     U = T @ (v * beta)
-      Vnew  = U - W @ B_c
-      B_c+1 = B_c * exp(G_{C-1}) + (k * exp(G_{C-1} - G))^T @ Vnew
+      Vnew  = (U - W @ B_c) * exp(G_{C-1} - G)
+      B_c+1 = B_c * exp(G_{C-1}) + k^T @ Vnew
+
+  (Version 2 used the "rows" form: G by one running sum, T row by row over the whole chunk, the
+  decay on k instead of Vnew; ``state.BOUNDARY = "rows"`` keeps it callable, other bits.)
 
 * Token outputs: token t of chunk c runs the per-token step above from B_c through the tokens
   of chunk c up to t; o_t is read from the state after the step. The state after the last
@@ -53,43 +58,34 @@ Positions are absolute within a sequence. Chunk c holds positions [cC, cC + C).
 Reference twin (impl ``ref_gdn_cpr``): built from IEEE basic ops only: exp by
 :func:`isoexec_kernels._ref.exp64` rounded once; every dot product (over Dk, or over the C
 tokens of a chunk) by the halves tree of :func:`isoexec_kernels._ref.tree_sum0`; the forward
-substitution's sum over j runs over all C rows (zero terms for j >= i) by the same tree. Batch
+substitution's sum over j runs over all rows of its block (zero terms for j >= i) by the same tree. Batch
 rows never mix, so results do not depend on batch composition, padding or case.
 
-Triton twin (impl ``triton_gdn_cpr``): three kernels, each used by every case.
-  ``_gdn_prep_kernel`` (per complete chunk and head: G by ``tl.cumsum``, k.k^T by ``tl.dot``
-  over Dk blocks of ``BLOCK_DK`` accumulated in order, T by forward substitution in registers
-  (masked ``tl.sum`` over the C rows), W/U by ``tl.dot``); ``_gdn_state_kernel`` (the B_c chain,
-  one program per (sequence or lane, head, Dv tile of ``BLOCK_DV``); Vnew and B_c+1 by
-  ``tl.dot``); ``_gdn_recurrent_kernel`` (the per-token step over a segment of tokens, one
-  program per (segment, head, Dv tile); ``tl.sum`` over Dk). Every fp32 ``tl.dot`` of the prep
-  and state kernels uses ``input_precision="tf32x3"`` (three TF32 tensor-core products per dot,
-  about fp32 accuracy, the same instruction sequence in every case); exp is ``tl.exp``; tiles
-  and warps are fixed constants that depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same
-  prep/state kernels for all lanes; a lane whose chunk is not complete has a chunk count of 0
-  on device and its programs store nothing, so decode has no host sync and no data-dependent
-  Python control flow (CUDA-graph capturable). Only the loop trip counts and base addresses
-  differ between the cases, never the arithmetic.
+Triton twin (impl ``triton_gdn_cpr``): the boundary update by the three WY kernels of
+``native_wy.py`` at fp32 operands (``cpr_wy.py``: ``_wy_inverse_kernel`` per complete chunk and head,
+``_wy_wu_kernel`` per chunk, head and column block, ``_wy_state_kernel`` the B_c chain per (sequence
+or lane, head, Dv tile of 32)), and the per-token step by ``_gdn_recurrent_kernel`` (one program per
+(segment, head, Dv tile); ``tl.sum`` over Dk; the next row's loads issued during the current step).
+Every fp32 ``tl.dot`` of the boundary kernels uses ``input_precision="tf32x3"`` (three TF32
+tensor-core products per dot, about fp32 accuracy, the same instruction sequence in every case) and
+the inverse's 16 x 16 merges fp32 FMA; exp is ``tl.exp``; tiles and warps are fixed constants that
+depend on (Dk, Dv) only, never on T, the batch or the case. Decode launches the same three kernels
+for all lanes; a lane whose chunk is not complete has 0 rows and its programs return at once, so
+decode has no host sync and no data-dependent Python control flow (CUDA-graph capturable). Only the
+loop trip counts and base addresses differ between the cases, never the arithmetic.
 
-On the H200 (GPU tests at ``4a2c7cb``): varlen / engine split / decode bitwise equal, graph replay
-== eager, accuracy against the float64 recurrence. The arithmetic choices that move bits (dot
-precision, the prep's inverse of I + A, the per-token Dv tile and warps) are one value,
-``triton_kernels.CPRKernelChoice``; ``PINNED`` (tf32x3 dots, row-by-row inverse, 32-wide Dv
-tile, 4 warps) is this impl's version 2 (version 1 ran fp32 FMA dots: the same cases bitwise,
-4x slower). The H200 sweep (``scripts/cpr_variant_sweep.py``, docs/cpr.md "Speed") picked it:
-fastest decode of the candidates, prefill within 12% of the fastest, every candidate bitwise across
-the cases; the blocked inverse (``inv_bs=16``) was slower than the row-by-row one and is not pinned.
-A second form of ``chunk_update`` is a candidate (``CPRKernelChoice(boundary="wy")``, ``cpr_wy.py``;
-its reference twin is selected by ``state.BOUNDARY``): the native path's WY kernels at fp32
-operands (16 x 16 blocked inverse, the decay on Vnew). On the H200 at ``c3a9c7c``, with the
-per-token kernel's prefetch, it kept the cases bitwise and took the forward from 8.0 to 6.0 ms at
-5 x 2048 tokens and decode from 0.61 to 0.51 ms (docs/cpr.md); it is not pinned until the hybrid
-gates are made for it (version 3).
+The arithmetic choices that move bits (dot precision, the boundary form, the per-token Dv tile and
+warps) are one value, ``triton_kernels.CPRKernelChoice``; ``PINNED`` is this impl's version 3 (the
+WY boundary form, tf32x3, 32-wide Dv tile on 4 warps, prefetch; on the H200 at ``c3a9c7c``: trainer
+forward 8.0 -> 6.0 ms and decode 0.61 -> 0.51 ms against version 2, the cases bitwise). Version 2 (the rows form: the
+``_gdn_prep_kernel`` and ``_gdn_state_kernel`` here, 4.5 ms of a 5 x 2048 prefill on the H200) and
+version 1 (fp32 FMA dots) keep the same cases bitwise, slower; ``scripts/cpr_variant_sweep.py``
+(docs/cpr.md "Speed") times and checks the candidates on a GPU.
 
-Memory: the Triton prep writes W, U and k*exp(G_last - G) for every complete chunk (3 x
-[chunks, H, C, Dk|Dv] fp32) and pass 1 writes one start state per chunk ([chunks, H, Dk, Dv]
-fp32). Decode allocates the prep scratch for all B lanes every step (3 x [B, H, C, D] fp32,
-about 0.8 GB at B=256, H=32, D=128; freed after the step, reused inside a CUDA graph pool).
+Memory: the boundary kernels write T, W and U for every complete chunk ([chunks, H, C, C|Dk|Dv]
+fp32) and pass 1 one start state per chunk ([chunks, H, Dk, Dv] fp32). Decode allocates that
+scratch for all B lanes every step (about 0.7 GB at B=256, H=32, D=128; freed after the step,
+reused inside a CUDA graph pool).
 
 Backward (trainer): the gradient of the chunk form of the same function
 (``chunk_form.torch_chunk_form``), recomputed in the backward by ``chunk_form_backward``: on CUDA

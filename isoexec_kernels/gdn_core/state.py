@@ -11,7 +11,7 @@ import torch
 CHUNK = 64
 """Chunk size C: boundary states sit at positions that are multiples of C."""
 
-BOUNDARY = "rows"
+BOUNDARY = "wy"
 """The pinned form of the boundary update ``chunk_update`` ("rows": the row-by-row inverse with
 the decay on k; "wy": the WY kernels' blocked inverse with the decay on Vn, ``cpr_wy.py``); the
 reference twin and the Triton twin's ``PINNED`` choice both follow it."""

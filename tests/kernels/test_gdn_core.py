@@ -579,9 +579,9 @@ def test_cpr_cuda_varlen_equals_engine_split_and_decode_bitwise(kb, v_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("choice", [dict(boundary="wy"), dict(dot="tf32x3", rec_bv=8, rec_warps=1, inv_bs=16),
-                                    dict(boundary="wy", rec_prefetch=True),
+                                    dict(boundary="rows"),
                                     dict(boundary="wy", rec_prefetch=True, rec_bv=16, rec_warps=1)],
-                         ids=["wy", "rows_rec8_inv16", "wy_prefetch", "wy_prefetch_rec16"])
+                         ids=["wy", "rows_rec8_inv16", "rows_v2", "wy_prefetch_rec16"])
 def test_cpr_cuda_other_kernel_choice_keeps_cases_bitwise_and_accurate(kb, choice):
     # the candidates of scripts/cpr_variant_sweep.py: each must keep trainer == engine split ==
     # decode (its own bits) and the float64 recurrence's values
