@@ -9,29 +9,29 @@ timing and the best candidate per (shape, M). Usage on the GPU machine:
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_sweep.json [--small] [--large]
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_leaves.json --leaves
     python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_walk.json --leafwalk     # or --occupancy
-    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_block_k.json --block-k   # BLOCK_K 64/128/256, ~2 min
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_block_k.json --block-k   # K tiles 64/128/256, ~1 min
+    python3 scripts/gemm_tile_sweep.py --out $OUT/gemm_block_k.json --block-k-all   # every small-M row
 
 ``--leaves`` sweeps the K-leaf count of the small-N shapes instead (1, 2, 4, 8 leaves; split-K
 tiles at M <= 256, the one-program leaf walk above): each leaf count has its own bits, so the
 candidates are compared with the leaf walk of the same count, and the count to pin per shape is
 the one whose worst M is best.
 
-``--block-k`` is the one mode that changes BLOCK_K (64 is pinned in the contract): it times BLOCK_K
-128 (and 256 at M <= 256) at the latency-bound small-M rows, and reports whether each candidate
-still gives the bits of the table's call at BLOCK_K 64 (see ``sweep_block_k``).
+``--block-k`` times K tiles of 128 (and 256 at M <= 256) against BLOCK_K 64 (pinned in the contract)
+at the latency-bound small-M rows (``--block-k-all``: every small-M row), and reports whether each
+candidate still gives the bits of the table's tile at a K tile of 64 (see ``sweep_block_k`` and
+``isoexec_kernels.gemm.triton_kernels.k_tile_for``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
 import torch
 import torch.nn.functional as F
 
-import isoexec_kernels.gemm.triton_kernels as _tk
 from isoexec.bench.common import graph_time_ms
 from isoexec.envinfo import git_commit
 from isoexec_kernels.gemm import k_leaves_for, linear_triton, tile_for_m
@@ -86,7 +86,9 @@ def _row(M, N, K, w):
 def _time(row, xs, w, nxt, ref, cublas, leaves=None):
     """``row`` (a candidate launch: path and tile keys, maybe more) with its time, ratio to cuBLAS and
     whether it gives the reference bits, or the error of a candidate that does not fit."""
-    tile = {k: v for k, v in row.items() if k not in ("path", "BLOCK_K")}
+    tile = {k: v for k, v in row.items() if k not in ("path", "BLOCK_K", "table")}
+    if "BLOCK_K" in row:   # the --block-k modes: the K tile of the launch
+        tile["K_TILE"] = row["BLOCK_K"]
     try:
         got = linear_triton(xs[0], w, impl=row["path"], tile=tile, leaves=leaves)
         same = bool(torch.equal(_bits(got), _bits(ref)))
@@ -182,40 +184,34 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
     return out, summary
 
 
-# --block-k: BLOCK_K 128/256 against the pinned 64. Hopper's wgmma chains its k16 steps into one fp32
-# accumulator in K order, so a longer K tile may give the same bits while halving the K loop's trips,
-# which is what the latency-bound small-M rows (0.62-0.68x cuBLAS) pay for; two large-M rows are the
-# control. Rows are (name, M, K, N).
+# --block-k: K tiles of 128/256 against the pinned BLOCK_K of 64 (the tile key ``K_TILE``, see
+# ``k_tile_for``). Hopper's wgmma chains its k16 steps into one fp32 accumulator in K order, so a longer
+# K tile may give the same bits while halving the K loop's trips, which is what the latency-bound
+# small-M rows (0.62-0.68x cuBLAS) pay for; two large-M rows are the control. Rows are (name, M, K, N).
+# ``--block-k-all`` takes every small-M row of the --small sweep instead (M 1, 16, 64, 256 of the eight
+# dense-family shapes), to pick K_TILE for each bucket entry of the table.
 BLOCK_K_SHAPES = [("0.6b.gate_up", 256, 1024, 6144), ("0.6b.down", 256, 3072, 1024), ("8b.o", 64, 4096, 4096),
                   ("0.6b.down", 64, 3072, 1024), ("8b.o", 256, 4096, 4096), ("0.6b.gate_up", 64, 1024, 6144),
                   ("0.6b.o", 2048, 2048, 1024), ("0.6b.gate_up", 4096, 1024, 6144)]
+BLOCK_K_ALL_SHAPES = [(name, M, K, N) for name, K, N in SMALL_SHAPES for M in SMALL_M]
 BLOCK_K_SMALL = (64, 128, 256)
 BLOCK_K_LARGE = (64, 128)   # at 256 one stage of a large tile is 128-192 KiB: no pipeline fits
-# the best launches of the --small / --large sweeps (with the table's own entry: ~6 tiles a row, 2 at
-# large M, so the whole mode stays near two minutes)
+# the best launches of the --small / --large sweeps (with the table's own entry), by M range
+BLOCK_K_TINY_TILES = [_cfg("pointer", 16, 32, 4, 4), _cfg("pointer", 16, 64, 4, 6), _cfg("pointer", 16, 16, 2, 6),
+                      _cfg("pointer", 64, 32, 4, 8)]
 BLOCK_K_SMALL_TILES = [_cfg("pointer", 64, 32, 4, 8), _cfg("pointer", 64, 64, 4, 4), _cfg("tma", 64, 32, 4, 8),
-                       _cfg("tma", 128, 128, 8, 4), _cfg("pointer", 64, 128, 4, 4)]
+                       _cfg("tma", 128, 128, 8, 4), _cfg("pointer", 64, 128, 4, 4), _cfg("tma", 128, 64, 4, 4),
+                       _cfg("pointer", 16, 32, 4, 4)]
 BLOCK_K_LARGE_TILES = [_cfg("tma", 128, 256, 8, 3, True)]
 SMEM_FALLBACK = 232448   # sm90's opt-in shared memory per block (227 KiB), for a torch that does not say
 
 
-@contextlib.contextmanager
-def forced_block_k(bk):
-    """Every ``linear_triton`` call inside uses BLOCK_K = ``bk``: the launcher looks ``block_k_for`` up
-    in its module at each call (the kernels take BLOCK_K as a constexpr), so the module attribute is
-    swapped and put back however the block ends (a failing candidate must not leave 128 behind)."""
-    saved = _tk.block_k_for
-    _tk.block_k_for = lambda N, K: bk
-    try:
-        yield
-    finally:
-        _tk.block_k_for = saved
-
-
 def block_k_tiles(M, N, K):
-    """The table's entry for (M, N, K) first, then the picks of the M range it is not already."""
-    cur = tile_for_m(M, torch.bfloat16, N, K)
-    return [cur] + [c for c in (BLOCK_K_SMALL_TILES if M <= 256 else BLOCK_K_LARGE_TILES) if c != cur]
+    """The table's entry for (M, N, K) (its own K tile dropped) first, then the picks of the M range
+    it is not already."""
+    cur = {k: v for k, v in tile_for_m(M, torch.bfloat16, N, K).items() if k != "K_TILE"}
+    picks = BLOCK_K_TINY_TILES if M <= 16 else BLOCK_K_SMALL_TILES if M <= 256 else BLOCK_K_LARGE_TILES
+    return [cur] + [c for c in picks if c != cur]
 
 
 def stage_variants(c, bk):
@@ -237,7 +233,7 @@ def _smem_limit():
 
 
 def _time_candidate(c, bk, xs, w, nxt, ref, cublas, smem):
-    """One candidate as ``sweep`` times it (under ``forced_block_k``), or why it did not run: skipped
+    """One candidate as ``sweep`` times it (K tile ``bk``), or why it did not run: skipped
     when even its least shared memory is over the SM's (compiling it would only waste the budget)."""
     row = {**c, "BLOCK_K": bk}
     if smem_floor(c, bk) > smem:
@@ -245,21 +241,24 @@ def _time_candidate(c, bk, xs, w, nxt, ref, cublas, smem):
     return _time(row, xs, w, nxt, ref, cublas)
 
 
-def sweep_block_k(log, shapes=BLOCK_K_SHAPES):
-    """Per row: cuBLAS, then each BLOCK_K x tile x stage count; the reference bits are the table's call
-    at BLOCK_K 64 (the contract's), so ``same_bits`` says whether that BLOCK_K could replace 64."""
+def sweep_block_k(log, shapes=BLOCK_K_SHAPES, on_row=None):
+    """Per row: cuBLAS, then each K tile x tile x stage count, then the table's own launch; the
+    reference bits are the table's tile with a K tile of 64 (the contract's BLOCK_K), so ``same_bits``
+    says whether that K tile keeps the schedule. ``on_row(rows so far)`` after each row (the caller
+    saves them, so a run cut by its time limit keeps what it measured)."""
     out = []
     smem = _smem_limit()
     for name, M, K, N in shapes:
         t0 = time.time()
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         with torch.no_grad():
-            xs, nxt, ref, cublas, current = _row(M, N, K, w)
-            rows = []
-            for bk in BLOCK_K_SMALL if M <= 256 else BLOCK_K_LARGE:
-                with forced_block_k(bk):
-                    rows += [_time_candidate(v, bk, xs, w, nxt, ref, cublas, smem)
-                             for c in block_k_tiles(M, N, K) for v in stage_variants(c, bk)]
+            xs, nxt, _, cublas, table_tile = _row(M, N, K, w)
+            current = {k: v for k, v in table_tile.items() if k != "K_TILE"}
+            ref = linear_triton(xs[0], w, tile={"K_TILE": 64})
+            rows = [_time_candidate(v, bk, xs, w, nxt, ref, cublas, smem)
+                    for bk in (BLOCK_K_SMALL if M <= 256 else BLOCK_K_LARGE)
+                    for c in block_k_tiles(M, N, K) for v in stage_variants(c, bk)]
+            table = _time({**table_tile, "table": True}, xs, w, nxt, ref, cublas)
         by_bk = {}
         for bk in sorted({r["BLOCK_K"] for r in rows}):
             ok = [r for r in rows if r["BLOCK_K"] == bk and "ms" in r]
@@ -268,13 +267,16 @@ def sweep_block_k(log, shapes=BLOCK_K_SHAPES):
         cur = next((r for r in rows if r["BLOCK_K"] == 64 and "ms" in r and all(r[k] == current[k] for k in current)),
                    None)
         out.append({"shape": name, "M": M, "K": K, "N": N, "cublas_ms": round(cublas, 5), "current": current,
-                    "current_ratio": cur["ratio"] if cur else None, "by_block_k": by_bk, "candidates": rows,
-                    "all_same_bits": all(r["same_bits"] for r in rows if "ms" in r),
+                    "current_ratio": cur["ratio"] if cur else None, "table": table, "by_block_k": by_bk,
+                    "candidates": rows, "all_same_bits": all(r["same_bits"] for r in rows + [table] if "ms" in r),
                     "seconds": round(time.time() - t0, 1)})
+        if on_row is not None:
+            on_row(out)
         per_bk = "  ".join(f"bk{bk} {b['best']['ratio'] if b['best'] else float('nan'):.3f} "
                            f"{'same' if b['all_same_bits'] else 'DIFFER'}" for bk, b in by_bk.items())
         log(f"{name:<13} M={M:<5} K={K:<5} N={N:<5} cublas {cublas * 1000:7.1f} us  current "
-            f"{(cur['ratio'] if cur else float('nan')):.3f}  best {per_bk}  {out[-1]['seconds']:.1f} s")
+            f"{(cur['ratio'] if cur else float('nan')):.3f}  table {table.get('ratio', float('nan')):.3f}  "
+            f"best {per_bk}  {out[-1]['seconds']:.1f} s")
     return out
 
 
@@ -286,14 +288,22 @@ def main():
     ap.add_argument("--leaves", action="store_true")
     ap.add_argument("--occupancy", action="store_true")
     ap.add_argument("--leafwalk", action="store_true")
-    ap.add_argument("--block-k", action="store_true", help="BLOCK_K 64/128/256 at the small-M rows (~2 min)")
+    ap.add_argument("--block-k", action="store_true", help="K tiles 64/128/256 at the small-M rows (~1 min)")
+    ap.add_argument("--block-k-all", action="store_true",
+                    help="K tiles 64/128/256 at every small-M row of the eight shapes (~4 min)")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k)
+    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k or a.block_k_all)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    if a.block_k:
+    if a.block_k or a.block_k_all:
         res["commit"] = git_commit()
-        res["rows"] = sweep_block_k(lambda line: print(line, flush=True))
+
+        def save(rows):
+            with open(a.out, "w") as f:
+                json.dump({**res, "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
+
+        res["rows"] = sweep_block_k(lambda line: print(line, flush=True),
+                                    BLOCK_K_ALL_SHAPES if a.block_k_all else BLOCK_K_SHAPES, save)
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.leafwalk:

@@ -340,6 +340,22 @@ def tma_takes_residual(cfg: dict) -> bool:
     return not (big and not cfg.get("warp_specialize", False) and cfg["num_stages"] >= 3)
 
 
+def k_tile_for(cfg: dict, bk: int, K: int, leaves: int, dtype: torch.dtype) -> int:
+    """K columns one ``tl.dot`` of the launch takes: the tile's ``K_TILE`` (default BLOCK_K), used
+    only where it is sure to keep the schedule of BLOCK_K blocks: 16-bit inputs (the tensor cores
+    chain a dot's k16 steps into the fp32 accumulator in K order, so one dot over 128 columns is the
+    two dots over 64 in turn; fp32's ``ieee`` dot keeps BLOCK_K), one K leaf (leaf bounds are
+    counted in BLOCK_K blocks) and a K that K_TILE divides (no wider zero padding). On the H200
+    every K_TILE of 128 and 256 gave the bits of 64 at every tile and M tried
+    (``scripts/gemm_tile_sweep.py --block-k``), and the per-bucket GPU gates re-check it. Under the
+    interpreter ``tl.dot`` is the host BLAS's matmul, whose bits depend on the tile's K width: the
+    interpreter makes no invariance claim (see the tests)."""
+    kt = int(cfg.get("K_TILE", bk))
+    if kt == bk or dtype == torch.float32 or leaves != 1 or kt % bk or K % kt:
+        return bk
+    return kt
+
+
 def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res=None):
     if res is not None and not tma_takes_residual(cfg):
         _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
@@ -352,7 +368,8 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
     res_arg, res_stride = _residual_args(res, out)
     _gemm_tma_persistent_kernel[(programs,)](
         x2, w, out, bias_arg, res_arg, M, N, K, res_stride,
-        HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M,
+        HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K_=k_tile_for(cfg, bk, K, leaves, x2.dtype), GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -432,7 +449,8 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         _gemm_pointer_kernel[grid](
             x2, w, out, bias_arg, res_arg, M, N, K,
             x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1), res_stride,
-            HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk,
+            HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K_=k_tile_for(cfg, bk, K, leaves, x2.dtype),
             GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     elif path == "split":
@@ -463,7 +481,8 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
     num_warps, num_stages, warp_specialize, flatten, programs_per_sm, tma_residual (the TMA
-    kernel's own residual epilogue, a probe); BLOCK_K cannot be overridden; ``path``
+    kernel's own residual epilogue, a probe), K_TILE (:func:`k_tile_for`); BLOCK_K cannot be
+    overridden; ``path``
     in ``tile`` is ignored, use ``impl``).
     Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (fp32/fp16 only:
     the interpreter's bf16 dot is broken). ``out_dtype`` (default x's dtype): the dtype of the one

@@ -317,6 +317,7 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
         for m in list(BATCH_SIZES) + [257, 1000, 1024, 1025, 2048, 4096, 4097, 10240]:
             cfg = gemm.tile_for_m(m, torch.bfloat16, n)
             assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer", "split")
+            assert cfg.get("K_TILE", gemm.BLOCK_K) % gemm.BLOCK_K == 0   # a K tile is whole BLOCK_K blocks
             seen.add((n, tuple(sorted(cfg.items()))))
     # a shape with K leaves splits K at small M and walks the leaves at large M
     leafy = (1024, 3072)
@@ -590,6 +591,27 @@ def test_linear_cuda_split_k_equals_one_program_leaf_walk_bitwise(kb, leaves):
         walk = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
                                                                   num_stages=4), leaves=leaves)
         kb.assert_bitwise(split, walk, f"{leaves} leaves M={m}: split vs walk")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(1024, 3072), (6144, 1024), (4096, 4096)])
+def test_linear_cuda_k_tile_never_changes_bits(kb, N, K):
+    # one tl.dot over 128 or 256 K columns chains the same k16 tensor-core steps into the fp32
+    # accumulator as two or four dots over 64 (k_tile_for): the bits of BLOCK_K 64, both kernels
+    g = torch.Generator().manual_seed(66)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda()
+    for m in (1, 16, 64, 256, 2048):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        for impl, tile in (("pointer", dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)),
+                           ("pointer", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
+                           ("tma", dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2)),
+                           ("tma", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2))):
+            at64 = gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, K_TILE=64))
+            for kt in (128, 256) if impl == "pointer" else (128,):   # a 256-wide TMA stage may not fit
+                kb.assert_bitwise(gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, K_TILE=kt)), at64,
+                                  f"N={N} K={K} M={m} {impl} {tile['BLOCK_M']}x{tile['BLOCK_N']}: K tile {kt} vs 64")
+        kb.assert_bitwise(gemm.linear(x, w, b), at64, f"N={N} K={K} M={m}: the table vs K tile 64")
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
-"""scripts/gemm_tile_sweep.py --block-k (a GPU tuning mode) on CPU: the forced BLOCK_K reaches the GEMM
-launch and is put back even when a candidate raises (else every later call, and the reference bits,
-would run at 128), and every row has a candidate to time at every BLOCK_K."""
+"""scripts/gemm_tile_sweep.py --block-k (a GPU tuning mode) on CPU: a candidate's K tile reaches the
+GEMM launch (and only where ``k_tile_for`` allows it), the table's own K tile is dropped from the
+candidates, and every row has a candidate to time at every K tile."""
 
 import importlib.util
 from pathlib import Path
@@ -23,7 +23,7 @@ def _script():
 
 
 class _Launches:
-    """Stands in for the pointer kernel: records each launch's BLOCK_K instead of running it."""
+    """Stands in for the pointer kernel: records each launch's K tile instead of running it."""
 
     def __init__(self):
         self.block_k = []
@@ -32,26 +32,28 @@ class _Launches:
         return lambda *args, **kw: self.block_k.append(kw["BLOCK_K_"])
 
 
-def test_forced_block_k_reaches_the_launch_and_is_restored_after_an_exception(monkeypatch):
+def test_a_candidates_k_tile_reaches_the_launch_only_where_k_tile_for_allows_it(monkeypatch):
     sweep = _script()
     launches = _Launches()
     monkeypatch.setattr(tk, "_gemm_pointer_kernel", launches)
-    x, w = torch.zeros(4, 512), torch.zeros(32, 512)
-    pinned = tk.block_k_for
-    with pytest.raises(RuntimeError, match="candidate failed"):
-        with sweep.forced_block_k(128):
-            tk.linear_triton(x, w, impl="pointer")
-            raise RuntimeError("candidate failed")
-    assert tk.block_k_for is pinned
+    x, w = torch.zeros(4, 512, dtype=torch.float16), torch.zeros(32, 512, dtype=torch.float16)
+    row = {"path": "pointer", "BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4, "BLOCK_K": 128}
+    xs = [x]
+    sweep._time(row, xs, w, lambda: x, None, 1.0)   # torch.equal on None fails after the launch
+    tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 256})
+    tk.linear_triton(x.float(), w.float(), impl="pointer", tile={"K_TILE": 256})   # fp32: BLOCK_K
+    tk.linear_triton(x[:, :448], w[:, :448], impl="pointer", tile={"K_TILE": 128})   # 448 % 128: BLOCK_K
+    tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 128}, leaves=2)   # two leaves: BLOCK_K
     tk.linear_triton(x, w, impl="pointer")
-    assert launches.block_k == [128, 64]
+    assert launches.block_k == [128, 256, 64, 64, 64, 64]
 
 
 def test_every_row_has_a_candidate_to_time_at_every_block_k():
     sweep = _script()
-    for name, M, K, N in sweep.BLOCK_K_SHAPES:
+    for name, M, K, N in sweep.BLOCK_K_SHAPES + sweep.BLOCK_K_ALL_SHAPES:
         tiles = sweep.block_k_tiles(M, N, K)
-        assert tiles[0] == tk.tile_for_m(M, torch.bfloat16, N, K) and len(tiles) <= 8, (name, M)
+        table = {k: v for k, v in tk.tile_for_m(M, torch.bfloat16, N, K).items() if k != "K_TILE"}
+        assert tiles[0] == table and len(tiles) <= 8 and all("K_TILE" not in t for t in tiles), (name, M)
         assert all(K % bk == 0 for bk in sweep.BLOCK_K_SMALL), (name, K)   # no masked last block
         for bk in sweep.BLOCK_K_SMALL if M <= 256 else sweep.BLOCK_K_LARGE:
             cands = [v for c in tiles for v in sweep.stage_variants(c, bk)]
