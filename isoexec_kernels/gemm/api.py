@@ -33,7 +33,11 @@ Rounding schedule (every output element, whatever M, the row's position or its n
     (TMA, optional warp specialisation, GROUP_M raster) and a plain pointer one (fallback,
     interpreter, small M). Kernel and tile (BLOCK_M x BLOCK_N) are picked by an M bucket
     (:func:`tile_for_m`); BLOCK_K and the sequential K order never change, and on the H200
-    all tiles and both kernels gave identical bits (gated per bucket on each GPU).
+    all tiles and both kernels gave identical bits (gated per bucket on each GPU). At M <= 256 a
+    launch may take 2 or 4 blocks per ``tl.dot`` (the tile's ``K_TILE``, 16-bit inputs only):
+    the tensor cores chain the dot's k16 steps into the accumulator in K order, so it is the
+    same sequence of accumulations as one dot per block (identical bits on the H200 for every
+    tile, K tile and M swept; ``test_linear_cuda_k_tile_never_changes_bits``).
 
 Speed: see :func:`tile_for_m` (per-entry ratios to cuBLAS on an H200, CUDA-graph replay) and
 ``results/h200/bench/gemm.json``. Eager calls add ~20-60 us of Python/Triton launch overhead per

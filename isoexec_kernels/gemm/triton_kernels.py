@@ -7,7 +7,7 @@ import torch
 
 from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, tl,
                             tma_supported, triton)
-from .reference import _check, block_k_for, k_leaves_for, leaf_bounds
+from .reference import BLOCK_K, _check, block_k_for, k_leaves_for, leaf_bounds
 
 
 GROUP_M = 8
@@ -19,11 +19,12 @@ that meets both sides of each bound compiles every variant (isoexec.train.precom
 
 def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096) -> dict:
     """Triton launch for a batch of M rows against a weight [N, K]:
-    ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize}``.
+    ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, K_TILE}``.
 
-    Only scheduling changes between entries: BLOCK_K (64), the K leaves of the shape
-    (:func:`k_leaves_for`, never a function of M) and the K order inside a leaf are the same
-    everywhere, so every entry gives the same bits; ``path="split"`` (small M, shapes with more
+    Only scheduling changes between entries (kernel, tile, warps, stages, and the K tile
+    ``K_TILE``: whole BLOCK_K blocks that one ``tl.dot`` chains in K order, :func:`k_tile_for`):
+    BLOCK_K (64), the K leaves of the shape (:func:`k_leaves_for`, never a function of M) and the
+    K order inside a leaf are the same everywhere, so every entry gives the same bits; ``path="split"`` (small M, shapes with more
     than one leaf) computes the leaves in separate programs and sums them in a second pass in
     the order the fused kernels use (on the H200 every candidate of the tile
     sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for the dense-family shapes
@@ -40,9 +41,9 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         return dict(path="pointer", BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3,
                     warp_specialize=False)
 
-    def cfg(path, bm, bn, warps, stages, ws=False):
+    def cfg(path, bm, bn, warps, stages, ws=False, kt=BLOCK_K):
         return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                    warp_specialize=ws)
+                    warp_specialize=ws, K_TILE=kt)
 
     leaves = k_leaves_for(N, K)
     if leaves > 1:
@@ -59,32 +60,43 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
             return cfg("tma", 64, 128, 4, 4)
         return cfg("tma", 128, 128, 8, 4)
 
+    # M <= 256: K tiles of 128/256 (``kt``, see k_tile_for: the bits of BLOCK_K 64) halve or quarter
+    # the K loop's trips, which is what these latency-bound sizes pay for. Ratios: the worst of the
+    # entry's rows at M 1/16, 64 or 256 (scripts/gemm_tile_sweep.py --block-k-all, 8b2397a), was.
     if M <= 16:  # decode: weight-bandwidth bound, many thin tiles, deep pipelines for long K
+        if N > 65536:
+            return cfg("pointer", 16, 64, 4, 6)                  # lm_head ~1.0x
         if N > 16384:
-            return cfg("pointer", 16, 64, 4, 6)          # lm_head ~1.0x
+            return cfg("pointer", 16, 64, 4, 3, kt=128)          # 8B gate_up 1.02x, was 0.98x
         if K >= 8192:
-            return cfg("pointer", 64, 32, 4, 8)          # 8B down 0.81-0.90x
+            return cfg("pointer", 16, 16, 2, 6, kt=256)          # 8B down 1.08x, was 0.81x
         if K >= 4096 and N > 4096:
-            return cfg("pointer", 16, 16, 2, 6)          # 8B qkv 0.86-0.90x
-        return cfg("pointer", 16, 32, 4, 4)              # 0.68-0.92x (0.6B o/down 0.68-0.76x)
+            return cfg("pointer", 16, 16, 2, 6, kt=128)          # 8B qkv 1.02x, was 0.90x
+        if N <= 2048:
+            return cfg("pointer", 16, 16, 2, 6, kt=256)          # 0.6B o/down 0.99x, was 0.73x
+        if K <= 1024:
+            return cfg("pointer", 16, 64, 4, 3, kt=256)          # 0.6B qkv/gate_up 0.90x, was 0.79x
+        return cfg("pointer", 16, 32, 4, 4, kt=256)              # 8B o 1.15x, was 0.86x
     if M <= 64:
         if N > 16384:
-            return cfg("pointer", 64, 64, 4, 6)          # lm_head 0.94x, 8B gate_up 0.95x
+            return cfg("pointer", 64, 64, 4, 6)                  # lm_head 0.94x, 8B gate_up 0.96x
         if N <= 2048:
-            return cfg("pointer", 16, 32, 4, 4)          # 0.6B o/down 0.73x
+            return cfg("pointer", 16, 32, 4, 4, kt=256)          # 0.6B o/down 1.01x, was 0.74x
         if K <= 1024 and N > 4096:
-            return cfg("pointer", 64, 64, 4, 4)          # 0.6B gate_up 0.86x
-        return cfg("pointer", 64, 32, 4, 8)              # 0.61-0.86x
+            return cfg("pointer", 64, 64, 4, 4, kt=128)          # 0.6B gate_up 0.96x, was 0.86x
+        return cfg("pointer", 64, 32, 4, 4, kt=128)              # 0.81x (8B o), was 0.62x
     if M <= 256:
         if N > 16384:
-            return cfg("tma", 128, 128, 8, 4)            # lm_head 0.90x, 8B gate_up 0.91x
+            return cfg("tma", 128, 128, 8, 4)                    # lm_head 0.90x, 8B gate_up 0.92x
         if N <= 2048:
-            return cfg("pointer", 64, 32, 4, 8)          # 0.6B o/down 0.66-0.78x
+            return cfg("pointer", 64, 32, 4, 4, kt=128)          # 0.6B o/down 0.85x, was 0.66x
+        if K <= 1024 and N <= 4096:
+            return cfg("pointer", 64, 128, 4, 4, kt=128)         # 0.6B qkv 0.77x, was 0.71x
         if K <= 1024:
-            return cfg("pointer", 64, 64, 4, 4)          # 0.6B qkv/gate_up 0.70x
+            return cfg("pointer", 64, 64, 4, 4)                  # 0.6B gate_up 0.69x
         if N > 4096:
-            return cfg("tma", 128, 128, 8, 4)            # 8B qkv 0.76x
-        return cfg("tma", 64, 128, 4, 4)                 # 8B o/down 0.75-0.84x
+            return cfg("tma", 128, 128, 8, 4)                    # 8B qkv 0.79x
+        return cfg("tma", 64, 128, 4, 4, kt=128)                 # 8B o 0.86x, was 0.77x
     if M <= 1024:
         if N <= 2048:
             return cfg("tma", 64, 128, 4, 4)
