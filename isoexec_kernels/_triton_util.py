@@ -157,3 +157,22 @@ def ensure_allocator(device: torch.device) -> None:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def int32_segments(segments, device) -> list[torch.Tensor]:
+    """The int lists ``segments`` as int32 tensors on ``device``, made by one host-to-device copy,
+    each view starting on a 16-byte boundary. Triton specialises a pointer argument on 16-byte
+    alignment: views packed back to back start at offsets that move with the lists' lengths, so a
+    launch compiled a new kernel variant whenever a length crossed a multiple of 4 (the GDN state
+    kernel recompiled in the middle of RL runs). Each segment is padded to whole 16-byte groups."""
+    flat, lengths = [], []
+    for seg in segments:
+        seg = [int(x) for x in seg]
+        lengths.append(len(seg))
+        flat += seg + [0] * (-len(seg) % 4)
+    packed = torch.tensor(flat, dtype=torch.int32).to(device)
+    views, off = [], 0
+    for n in lengths:
+        views.append(packed[off:off + n])
+        off += n + (-n % 4)
+    return views

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from .native_wy import FP32_STATE_BV, WY_CHUNKS, _dtypes, launch_inverse_wu, launch_wy_state
-from .._triton_util import next_pow2
+from .._triton_util import int32_segments, next_pow2
 
 
 def _parts(k, v, g, beta, row0, nrow, rep, chunk, choice):
@@ -73,9 +73,8 @@ def wy_boundary_chain(k, v, g, beta, row0, chunk0, nfull, init, rep, chunk, choi
         states[P:].zero_()
     if P == 0:
         return states
-    idx = torch.tensor(row0 + [chunk] * P + chunk0 + list(nfull) + (list(range(B)) if init is not None else [-1] * B)
-                       + list(range(B)), dtype=torch.int32).to(dev)
-    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = torch.split(idx, [P, P, B, B, B, B])
+    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = int32_segments(
+        (row0, [chunk] * P, chunk0, nfull, range(B) if init is not None else [-1] * B, range(B)), dev)
     gc, W, U, num = _parts(k, v, g, beta, row0_t, nrow_t, rep, chunk, choice)
     _state(k, gc, W, U, init if init is not None else gc, states[:P], states[P:], row0_t, nrow_t, chunk0_t,
            nchunk_t, init_t, fin_t, rep, chunk, num, choice)

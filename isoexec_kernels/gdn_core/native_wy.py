@@ -81,7 +81,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton_util import interpreting, jit, next_pow2, tl
+from .._triton_util import int32_segments, interpreting, jit, next_pow2, tl
 from .padding import _prepare, _unpad_seqs
 from .plan import chunk_plan
 from .state import CHUNK
@@ -596,8 +596,8 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
         fin_idx = [-1] * B
     # every index list in one host-to-device copy (the host has just synchronised on cu_seqlens,
     # so each separate copy would leave the GPU idle a little longer)
-    idx = torch.tensor(row0 + nrow + chunk0 + nchunk + init_idx + list(fin_idx), dtype=torch.int32).to(dev)
-    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = torch.split(idx, [P, P, B, B, B, B])
+    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = int32_segments(
+        (row0, nrow, chunk0, nchunk, init_idx, fin_idx), dev)
     # k in the operand dtype for the state and output kernels: a copy when that is not k's dtype
     kc = k if k.dtype == st_dt else torch.empty(T, Hk, Dk, dtype=st_dt, device=dev)
     gc, Tm, W, U = launch_inverse_wu(k, v, g, beta, row0_t, nrow_t, kc, T, H, rep, C, BK, num, st_dt,
