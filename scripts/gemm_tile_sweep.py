@@ -203,14 +203,21 @@ BLOCK_K_SMALL_TILES = [_cfg("pointer", 64, 32, 4, 8), _cfg("pointer", 64, 64, 4,
                        _cfg("tma", 128, 128, 8, 4), _cfg("pointer", 64, 128, 4, 4), _cfg("tma", 128, 64, 4, 4),
                        _cfg("pointer", 16, 32, 4, 4)]
 BLOCK_K_LARGE_TILES = [_cfg("tma", 128, 256, 8, 3, True)]
+# --wide adds these at M <= 256 (for the rows --rows names: the entries no tile has lifted yet, such as
+# 0.6B gate_up at M = 256, 0.69x): wider N tiles, 8 warps, warp specialisation
+BLOCK_K_WIDE_TILES = [_cfg("tma", 64, 128, 4, 4), _cfg("tma", 64, 256, 8, 3), _cfg("pointer", 64, 128, 8, 4),
+                      _cfg("pointer", 128, 64, 8, 4), _cfg("tma", 128, 128, 8, 3, True), _cfg("tma", 64, 128, 4, 4, True),
+                      _cfg("pointer", 32, 128, 4, 4), _cfg("pointer", 32, 64, 4, 4)]
 SMEM_FALLBACK = 232448   # sm90's opt-in shared memory per block (227 KiB), for a torch that does not say
 
 
-def block_k_tiles(M, N, K):
+def block_k_tiles(M, N, K, wide=False):
     """The table's entry for (M, N, K) (its own K tile dropped) first, then the picks of the M range
     it is not already."""
     cur = {k: v for k, v in tile_for_m(M, torch.bfloat16, N, K).items() if k != "K_TILE"}
     picks = BLOCK_K_TINY_TILES if M <= 16 else BLOCK_K_SMALL_TILES if M <= 256 else BLOCK_K_LARGE_TILES
+    if wide and M <= 256:
+        picks = picks + [c for c in BLOCK_K_WIDE_TILES if c not in picks]
     return [cur] + [c for c in picks if c != cur]
 
 
@@ -241,7 +248,7 @@ def _time_candidate(c, bk, xs, w, nxt, ref, cublas, smem):
     return _time(row, xs, w, nxt, ref, cublas)
 
 
-def sweep_block_k(log, shapes=BLOCK_K_SHAPES, on_row=None):
+def sweep_block_k(log, shapes=BLOCK_K_SHAPES, on_row=None, wide=False):
     """Per row: cuBLAS, then each K tile x tile x stage count, then the table's own launch; the
     reference bits are the table's tile with a K tile of 64 (the contract's BLOCK_K), so ``same_bits``
     says whether that K tile keeps the schedule. ``on_row(rows so far)`` after each row (the caller
@@ -257,7 +264,7 @@ def sweep_block_k(log, shapes=BLOCK_K_SHAPES, on_row=None):
             ref = linear_triton(xs[0], w, tile={"K_TILE": 64})
             rows = [_time_candidate(v, bk, xs, w, nxt, ref, cublas, smem)
                     for bk in (BLOCK_K_SMALL if M <= 256 else BLOCK_K_LARGE)
-                    for c in block_k_tiles(M, N, K) for v in stage_variants(c, bk)]
+                    for c in block_k_tiles(M, N, K, wide) for v in stage_variants(c, bk)]
             table = _time({**table_tile, "table": True}, xs, w, nxt, ref, cublas)
         by_bk = {}
         for bk in sorted({r["BLOCK_K"] for r in rows}):
@@ -280,6 +287,25 @@ def sweep_block_k(log, shapes=BLOCK_K_SHAPES, on_row=None):
     return out
 
 
+def select_rows(shapes, spec):
+    """The rows of ``shapes`` that ``spec`` ("name:M,name:M", empty: all) names; an unknown name
+    stops the run before any GPU work (a typo must not sweep nothing for minutes)."""
+    if not spec:
+        return shapes
+    want = []
+    for item in spec.split(","):
+        name, _, m = item.strip().partition(":")
+        if not m.isdigit():
+            raise SystemExit(f"--rows: expected name:M, got {item.strip()!r}")
+        want.append((name, int(m)))
+    known = {(name, M) for name, M, _, _ in shapes}
+    missing = [f"{n}:{m}" for n, m in want if (n, m) not in known]
+    if missing:
+        raise SystemExit(f"--rows: no such row {', '.join(missing)} (rows: "
+                         f"{', '.join(sorted({n for n, _, _, _ in shapes}))} at M {sorted({M for _, M, _, _ in shapes})})")
+    return [r for r in shapes if (r[0], r[1]) in set(want)]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -291,6 +317,8 @@ def main():
     ap.add_argument("--block-k", action="store_true", help="K tiles 64/128/256 at the small-M rows (~1 min)")
     ap.add_argument("--block-k-all", action="store_true",
                     help="K tiles 64/128/256 at every small-M row of the eight shapes (~4 min)")
+    ap.add_argument("--rows", default="", help="with --block-k-all: only these rows, e.g. 0.6b.gate_up:256,8b.down:64")
+    ap.add_argument("--wide", action="store_true", help="with --block-k(-all): more tiles at M <= 256")
     a = ap.parse_args()
     both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k or a.block_k_all)
     t0 = time.time()
@@ -302,8 +330,8 @@ def main():
             with open(a.out, "w") as f:
                 json.dump({**res, "rows": rows, "seconds": round(time.time() - t0, 1)}, f, indent=1)
 
-        res["rows"] = sweep_block_k(lambda line: print(line, flush=True),
-                                    BLOCK_K_ALL_SHAPES if a.block_k_all else BLOCK_K_SHAPES, save)
+        rows = select_rows(BLOCK_K_ALL_SHAPES if a.block_k_all else BLOCK_K_SHAPES, a.rows)
+        res["rows"] = sweep_block_k(lambda line: print(line, flush=True), rows, save, a.wide)
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.leafwalk:

@@ -60,3 +60,16 @@ def test_every_row_has_a_candidate_to_time_at_every_block_k():
             cands = [v for c in tiles for v in sweep.stage_variants(c, bk)]
             assert len(cands) == (len(tiles) if bk == 64 else 2 * len(tiles)), (name, M, bk)
             assert any(sweep.smem_floor(v, bk) <= sweep.SMEM_FALLBACK for v in cands), (name, M, bk)
+
+
+def test_rows_selects_named_rows_and_refuses_an_unknown_one_before_any_work():
+    sweep = _script()
+    rows = sweep.select_rows(sweep.BLOCK_K_ALL_SHAPES, "0.6b.gate_up:256, 8b.down:64")
+    assert [(n, m) for n, m, _, _ in rows] == [("0.6b.gate_up", 256), ("8b.down", 64)]
+    assert sweep.select_rows(sweep.BLOCK_K_SHAPES, "") == sweep.BLOCK_K_SHAPES
+    with pytest.raises(SystemExit, match="no such row 0.6b.gate_up:300"):
+        sweep.select_rows(sweep.BLOCK_K_ALL_SHAPES, "0.6b.gate_up:300")
+    with pytest.raises(SystemExit, match="expected name:M"):
+        sweep.select_rows(sweep.BLOCK_K_ALL_SHAPES, "0.6b.gate_up")
+    wide = sweep.block_k_tiles(256, 6144, 1024, wide=True)
+    assert len(wide) == len({tuple(sorted(t.items())) for t in wide}) > len(sweep.block_k_tiles(256, 6144, 1024))
