@@ -24,11 +24,11 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     Only scheduling changes between entries (kernel, tile, warps, stages, and the K tile
     ``K_TILE``: whole BLOCK_K blocks that one ``tl.dot`` chains in K order, :func:`k_tile_for`):
     BLOCK_K (64), the K leaves of the shape (:func:`k_leaves_for`, never a function of M) and the
-    K order inside a leaf are the same everywhere, so every entry gives the same bits; ``path="split"`` (small M, shapes with more
-    than one leaf) computes the leaves in separate programs and sums them in a second pass in
-    the order the fused kernels use (on the H200 every candidate of the tile
-    sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for the dense-family shapes
-    at M 1..8192; the per-bucket gates
+    K order inside a leaf are the same everywhere, so every entry gives the same bits;
+    ``path="split"`` (small M, shapes with more than one leaf) computes the leaves in separate
+    programs and sums them in a second pass in the order the fused kernels use (on the H200 every
+    candidate of the tile sweep, ``scripts/gemm_tile_sweep.py``, gave identical bf16 outputs for
+    the dense-family shapes at M 1..8192; the per-bucket gates
     ``test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket`` re-check it on each
     GPU). Entries are keyed on the M bucket and the weight shape (N, K) and were picked from that
     sweep's CUDA-graph timings (ratio to cuBLAS in comments, H200, torch 2.11, triton 3.6).
@@ -61,8 +61,9 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         return cfg("tma", 128, 128, 8, 4)
 
     # M <= 256: K tiles of 128/256 (``kt``, see k_tile_for: the bits of BLOCK_K 64) halve or quarter
-    # the K loop's trips, which is what these latency-bound sizes pay for. Ratios: the worst of the
-    # entry's rows at M 1/16, 64 or 256 (scripts/gemm_tile_sweep.py --block-k-all, 8b2397a), was.
+    # the K loop's trips, which is what these latency-bound sizes pay for. Comments: the worst ratio
+    # to cuBLAS among the entry's swept rows (M 1 and 16, 64, or 256; scripts/gemm_tile_sweep.py
+    # --block-k-all at 8b2397a), then the former entry's
     if M <= 16:  # decode: weight-bandwidth bound, many thin tiles, deep pipelines for long K
         if N > 65536:
             return cfg("pointer", 16, 64, 4, 6)                  # lm_head ~1.0x
