@@ -204,10 +204,11 @@ BLOCK_K_SMALL_TILES = [_cfg("pointer", 64, 32, 4, 8), _cfg("pointer", 64, 64, 4,
                        _cfg("pointer", 16, 32, 4, 4)]
 BLOCK_K_LARGE_TILES = [_cfg("tma", 128, 256, 8, 3, True)]
 # --wide adds these at M <= 256 (for the rows --rows names: the entries no tile has lifted yet, such as
-# 0.6B gate_up at M = 256, 0.69x): wider N tiles, 8 warps, warp specialisation
+# 0.6B gate_up at M = 256, 0.69x): wider N tiles, 8 warps, warp specialisation, other pipeline depths
 BLOCK_K_WIDE_TILES = [_cfg("tma", 64, 128, 4, 4), _cfg("tma", 64, 256, 8, 3), _cfg("pointer", 64, 128, 8, 4),
                       _cfg("pointer", 128, 64, 8, 4), _cfg("tma", 128, 128, 8, 3, True), _cfg("tma", 64, 128, 4, 4, True),
-                      _cfg("pointer", 32, 128, 4, 4), _cfg("pointer", 32, 64, 4, 4)]
+                      _cfg("pointer", 32, 128, 4, 4), _cfg("pointer", 32, 64, 4, 4), _cfg("pointer", 64, 64, 4, 3),
+                      _cfg("pointer", 64, 64, 8, 4), _cfg("pointer", 128, 128, 8, 3)]
 SMEM_FALLBACK = 232448   # sm90's opt-in shared memory per block (227 KiB), for a torch that does not say
 
 
