@@ -56,14 +56,9 @@ def inputs(L, Hk, H, Dk, Dv, dtype, device, seed=0):
 
 
 def prefix_batch(x, L):
-    """Rows of every prefix of x (lengths 1..L) packed one after another, with their starts."""
-    starts, rows = [], []
-    at = 0
-    for n in range(1, L + 1):
-        starts.append(at)
-        rows.append(x[:n])
-        at += n
-    return torch.cat(rows), starts
+    """Rows of every prefix of x (lengths 1..L) packed one after another (the prefix of length n
+    starts at row n (n - 1) / 2)."""
+    return torch.cat([x[:n] for n in range(1, L + 1)])
 
 
 def probe(L, size, dot, device, with_init):
@@ -71,9 +66,9 @@ def probe(L, size, dot, device, with_init):
     dtype = torch.bfloat16 if dot == "bf16" else torch.float32
     q, k, v, g, beta, init0 = inputs(L, **dims, dtype=dtype, device=device)
     choice = NativeWYChoice(dot=dot)
-    packed = [prefix_batch(t, L)[0] for t in (q, k, v, g, beta)]
-    _, starts = prefix_batch(q, L)
+    packed = [prefix_batch(t, L) for t in (q, k, v, g, beta)]
     lens = list(range(1, L + 1))
+    starts = [n * (n - 1) // 2 for n in lens]
     init = init0.expand(L, -1, -1, -1).contiguous() if with_init else None
     fin_idx = [-1] * L
 
