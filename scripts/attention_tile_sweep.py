@@ -21,6 +21,16 @@ Usage on the GPU machine:
     python3 scripts/attention_tile_sweep.py --out $OUT/attention_sweep.json [--head-dim 256]
 
 ``--head-dim 256`` sweeps the mla_moe family's expanded MLA width (GLM-4.7-Flash heads) instead.
+
+``--decode-tiles`` asks a narrower question: can decode run a SMALLER row tile than prefill with the
+same bits? A decode tile holds GROUP live rows of BLOCK_M (2 of 64 at Qwen3-0.6B), and the sweep
+above found the 128-row tile decoding 1.6-1.8x slower than the 64-row one at the same loads: the
+dead rows' dots and softmax cost more than the K/V reads. Smaller tiles select other MMA
+instructions (mma.sync below 64 rows instead of wgmma) and other register layouts, so the bits are
+an empirical question: each candidate decode tile (BLOCK_N stays 64: the block boundaries are the
+rounding schedule) is checked against the PINNED prefill (one-shot and chunked, several seeds,
+contexts 1..5000) and timed against the pinned decode tile under CUDA graphs, at every head shape
+of the four families (head_dim 128 and 256).
 """
 
 from __future__ import annotations
@@ -54,6 +64,14 @@ CANDIDATES = [_c(64, 64, 4, 2), _c(64, 64, 4, 3, tma=True), _c(128, 64, 8, 3, tm
 HEADS_256 = [("glm.mla", 20, 20, 256)]
 CANDIDATES_256 = [_c(64, 64, 8, 2), _c(64, 64, 4, 2), _c(64, 64, 8, 2, tma=True), _c(64, 64, 8, 3, tma=True),
                   _c(128, 64, 8, 2, tma=True), _c(128, 32, 8, 2, tma=True)]
+
+
+# --decode-tiles: (name, q heads, kv heads, head_dim) of every family's attention, and the decode
+# tiles tried beside the pinned prefill tile (BLOCK_N 64 always)
+DECODE_HEADS = [("0.6b", 16, 8, 128), ("8b", 32, 8, 128), ("qwen3.5", 16, 4, 256), ("glm.mla", 20, 20, 256)]
+DECODE_TILES = [_c(16, 64, 4, 2), _c(16, 64, 4, 3), _c(16, 64, 2, 2), _c(16, 64, 1, 2), _c(32, 64, 4, 2),
+                _c(32, 64, 2, 2), _c(16, 64, 8, 2)]
+DECODE_SHAPES = [(64, 384), (64, 2048), (256, 2048), (8, 4096)]
 
 
 def _launch(q, kc, vc, bt, cu, lens, scale, maxq, page, cfg, kv_tma=False):
@@ -211,11 +229,99 @@ def backward_timings(hq, hkv, d):
     return res
 
 
+def decode_tile_invariance(cand, pinned, hq, hkv, d, seeds=(0, 1, 2)) -> dict:
+    """Differing elements between the candidate tile's decode rows and the pinned tile's prefill
+    rows at the same positions: one-shot prefill's last row of each sequence, and every row of a
+    prefill chunked into 97-query pieces decoded one query at a time for one sequence."""
+    lens_l = [1, 2, 15, 16, 17, 63, 64, 65, 127, 128, 129, 200, 517, 1000, 2049, 5000]
+    scale = d ** -0.5
+    out = {"decode_vs_pinned_prefill": 0, "decode_steps_vs_pinned_prefill": 0, "elements": 0}
+    for seed in seeds:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        b = len(lens_l)
+        max_pages = max(-(-n // PAGE) for n in lens_l)
+        pages = b * max_pages
+        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        vc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        bt = torch.randperm(pages, device="cuda", generator=g).to(torch.int32).view(b, max_pages)
+        lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+        cu = torch.tensor([0] + lens_l, device="cuda").cumsum(0).to(torch.int32)
+        q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + seed)
+        one, _ = _launch(q, kc, vc, bt, cu, lens, scale, max(lens_l), PAGE, pinned)
+        last = cu[1:].long() - 1
+        ar = torch.arange(b + 1, device="cuda", dtype=torch.int32)
+        dec, _ = _launch(q[last].contiguous(), kc, vc, bt, ar, lens, scale, 1, PAGE, cand)
+        out["decode_vs_pinned_prefill"] += _ndiff(dec, one[last])
+        out["elements"] += dec.numel()
+        # every position of one 517-token sequence as a decode step (context = position + 1)
+        s = lens_l.index(517)
+        n = lens_l[s]
+        rows = torch.arange(int(cu[s]), int(cu[s]) + n, device="cuda")
+        steps, _ = _launch(q[rows].contiguous(), kc, vc, bt[s:s + 1].expand(n, -1).contiguous(),
+                           torch.arange(n + 1, device="cuda", dtype=torch.int32),
+                           torch.arange(1, n + 1, device="cuda", dtype=torch.int32), scale, 1, PAGE, cand)
+        out["decode_steps_vs_pinned_prefill"] += _ndiff(steps, one[rows])
+        out["elements"] += steps.numel()
+    return out
+
+
+def decode_tile_timings(cfg, hq, hkv, d) -> list[dict]:
+    scale = d ** -0.5
+    res = []
+    for b, ctx in DECODE_SHAPES:
+        pages = b * ctx // PAGE
+        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vc = torch.randn_like(kc)
+        bt = torch.randperm(pages, device="cuda").to(torch.int32).view(b, ctx // PAGE)
+        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
+        ms = time_ms(lambda: _launch(q, kc, vc, bt, cu, lens, scale, 1, PAGE, cfg), "cuda-graph")
+        kv_bytes = 2 * b * ctx * hkv * d * 2
+        res.append({"batch": b, "context": ctx, "ms": round(ms, 5), "kv_tb_s": round(kv_bytes / ms / 1e9, 3)})
+    return res
+
+
+def decode_tiles(out_path: str) -> None:
+    results = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "heads": {}}
+    with torch.no_grad():
+        for name, hq, hkv, d in DECODE_HEADS:
+            pinned = {**at.tile_config(d), "fp_fusion": False, "tma": False}
+            base = decode_tile_timings(pinned, hq, hkv, d)
+            print(f"{name} pinned {pinned}: " + " ".join(f"{r['batch']}x{r['context']}:{r['ms']:.4f}ms"
+                                                         f"({r['kv_tb_s']}TB/s)" for r in base), flush=True)
+            rows = []
+            for cand in DECODE_TILES:
+                t0 = time.time()
+                try:
+                    inv = decode_tile_invariance(cand, pinned, hq, hkv, d)
+                    tm = decode_tile_timings(cand, hq, hkv, d)
+                except Exception as e:  # noqa: BLE001 - a candidate that does not compile is reported
+                    print(f"{name} {cand} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    rows.append({"cfg": cand, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    continue
+                for r, r0 in zip(tm, base):
+                    r["speedup_vs_pinned"] = round(r0["ms"] / r["ms"], 4)
+                rows.append({"cfg": cand, "invariance": inv, "timings": tm})
+                print(f"{name} {cand} inv={inv} " + " ".join(
+                    f"{r['batch']}x{r['context']}:{r['ms']:.4f}ms x{r['speedup_vs_pinned']:.2f}" for r in tm)
+                    + f" ({time.time() - t0:.0f}s)", flush=True)
+            results["heads"][name] = {"hq": hq, "hkv": hkv, "d": d, "pinned": pinned, "pinned_timings": base,
+                                      "rows": rows}
+            with open(out_path, "w") as f:   # after every head shape: a cut-short run keeps the finished ones
+                json.dump(results, f, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--head-dim", type=int, default=128, choices=(128, 256))
+    ap.add_argument("--decode-tiles", action="store_true",
+                    help="only the decode-tile question (module docstring): candidate decode tiles vs the pinned prefill")
     args = ap.parse_args()
+    if args.decode_tiles:
+        decode_tiles(args.out)
+        return
     global HEADS, CANDIDATES
     if args.head_dim == 256:
         HEADS, CANDIDATES = HEADS_256, CANDIDATES_256
