@@ -8,6 +8,13 @@ in CUDA graphs (the sampler's share), then greedy eager steps (the host cost of 
 which every prefill step takes).
 
     python3 scripts/engine_profile.py [--composition isoexec] [--seqs 64] [--top 25] [--greedy-graphs-only]
+    python3 scripts/engine_profile.py --replay-only [--steps 50]
+
+``--replay-only`` asks where the wall time of a graph decode step goes without profiling it: for
+decode graphs captured without and with programmatic dependent launch
+(``EngineConfig.programmatic_launch``) it times the bucket's graph replayed back to back on the
+device (CUDA events: the kernels plus the gaps between them, no host in the way), the greedy
+``Engine.step`` with a sync after each, and ``Engine.step`` with decode lookahead (no sync).
 
 It prints, per run, the number of device kernels (and copies) per decode step and their summed
 device time, which unlike the wall time do not move with the speed of the machine's host.
@@ -36,15 +43,17 @@ def _decode_steps(engine, n: int) -> tuple[float, float]:
     return host / n * 1e3, wall / n * 1e3
 
 
-def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool, graphs: bool = True) -> None:
+def _decode_engine(composition: str, seqs: int, prompt: int, max_tokens: int, sampled: bool, graphs: bool,
+                   built=None, **engine_kw):
+    """An engine at Qwen3-0.6B dimensions, warmed up, with ``seqs`` prompts admitted and prefilled:
+    every later step is a decode step. ``built`` reuses a (model, contract, hf config) triple."""
     from isoexec.bench.engine import _model
     from isoexec.engine import Engine, EngineConfig, SamplingParams
 
-    model, contract, cfg = _model("dense_qwen3_0p6b", composition, "cuda", torch.bfloat16)
-    max_tokens = 3 * steps + 16
+    model, contract, cfg = built or _model("dense_qwen3_0p6b", composition, "cuda", torch.bfloat16)
     max_len = prompt + max_tokens + 16
     ecfg = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=seqs, num_pages=seqs * (-(-max_len // 16)) + 8,
-                        max_model_len=max_len, cuda_graphs=graphs)
+                        max_model_len=max_len, cuda_graphs=graphs, **engine_kw)
     engine = Engine(model, contract, ecfg, trainer_contract=contract)
     params = (SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=1) if sampled
               else SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -54,6 +63,44 @@ def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, samp
         engine.add_request(p, params, 10_000 + i)
     while len(engine.scheduler.waiting):
         engine.step()                                 # prefill (chunked) until every sequence decodes
+    return engine, (model, contract, cfg)
+
+
+def replay_only(seqs: int, prompt: int, steps: int) -> None:
+    """The ``--replay-only`` rows (module docstring), PDL off then on, one model for both."""
+    built = None
+    for pdl in (False, True):
+        for overlap in (False, True):
+            engine, built = _decode_engine("isoexec", seqs, prompt, 3 * steps + 16, False, True, built,
+                                           programmatic_launch=pdl, overlap_decode=overlap)
+            _decode_steps(engine, 3)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            step_ms = (time.perf_counter() - t0) / steps * 1e3
+            line = f"==== pdl={pdl} overlap={overlap}: Engine.step {step_ms:.3f} ms ({seqs / step_ms * 1e3:.0f} tok/s)"
+            if not overlap:
+                host, wall = _decode_steps(engine, steps)
+                graphs = engine.runner.graphs
+                g = graphs.graphs[graphs.bucket(seqs)]
+                g.replay()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                for _ in range(steps):
+                    g.replay()
+                end.record()
+                torch.cuda.synchronize()
+                line += (f"; synced steps host {host:.3f} / wall {wall:.3f} ms; graph replayed back to back "
+                         f"{start.elapsed_time(end) / steps:.3f} ms per step")
+            print(line, flush=True)
+            del engine
+            torch.cuda.empty_cache()
+
+
+def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool, graphs: bool = True) -> None:
+    engine, _ = _decode_engine(composition, seqs, prompt, 3 * steps + 16, sampled, graphs)
     _decode_steps(engine, 3)
     host, wall = _decode_steps(engine, steps)
     tag = f"{composition} {'top-p sampled' if sampled else 'greedy'} {seqs} seqs {'graphs' if graphs else 'eager'}"
@@ -91,7 +138,11 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--greedy-graphs-only", action="store_true", help="only the greedy decode in CUDA graphs")
+    ap.add_argument("--replay-only", action="store_true", help="graph replay and step times, PDL off and on")
     args = ap.parse_args()
+    if args.replay_only:
+        replay_only(args.seqs, args.prompt, args.steps)
+        return
     runs = ((False, True),) if args.greedy_graphs_only else ((False, True), (True, True), (False, False))
     for sampled, graphs in runs:
         profile(args.composition, args.seqs, args.prompt, args.steps, args.top, sampled, graphs)

@@ -494,7 +494,8 @@ def test_linear_triton_under_interpreter(interp_results, kb, case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1024, 2048), (1000, 200), (151936, 1024)])
+@pytest.mark.parametrize("N,K", [(4096, 4096), (1024, 3072), (1024, 2048), (1000, 200), (151936, 1024),
+                                 (6144, 1024), (4096, 12288)])   # 0.6B gate_up, 8B down: their own M <= 256 tiles
 def test_linear_cuda_row_alone_equals_row_in_batch_bitwise_every_bucket(kb, N, K):
     # a shape listed in K_LEAVES runs split-K at M <= 256 and the leaf walk above: this also
     # gates split == fused for it
