@@ -10,9 +10,7 @@ schedule; ``reference.py`` is the fixed-order torch twin; ``triton_kernels.py`` 
 ``__init__.py`` re-exports its public names.
 
 Shared by the ops: ``_ref.py`` (fixed-order sums and float64 exp/log/sin/cos from basic
-operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator, and
-``programmatic_launch``: the engine's decode graphs launch the kernels that support it with
-programmatic dependent launch).
+operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator).
 
 The import name is ``isoexec_kernels``, not ``kernels``: transformers treats an importable
 top-level ``kernels`` module as the Hugging Face kernel hub and changes its behaviour.

@@ -8,7 +8,6 @@ is still honoured; one compiled object is kept per mode (interpreted or not).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 
@@ -50,8 +49,6 @@ __all__ = [
     "ensure_allocator",
     "tma_supported",
     "next_pow2",
-    "programmatic_launch",
-    "pdl_kwargs",
 ]
 
 
@@ -155,45 +152,6 @@ def ensure_allocator(device: torch.device) -> None:
     before every descriptor launch (cheap) rather than once per process."""
     if HAS_TRITON:
         triton.set_allocator(_scratch_alloc if device.type == "cuda" else _scratch_alloc_cpu)
-
-
-_PDL_ON = False
-
-
-@contextlib.contextmanager
-def programmatic_launch(enabled: bool = True):
-    """Launch the kernels that support it with programmatic dependent launch (PDL, Hopper and
-    later) while the block runs: the engine captures its decode graphs this way. Such a launch
-    lets the next kernel of the stream be scheduled while the current one finishes, so the gap
-    between two small kernels of a decode step (a microsecond or two each, some 300 per step)
-    overlaps the previous kernel's tail. Each kernel that takes it begins with
-    ``griddepcontrol.wait`` (``GDC``: wait until the previous kernel's writes are visible) before
-    any load or store, then allows its own successor to launch; its arithmetic is unchanged, so
-    its bits are too."""
-    global _PDL_ON
-    prev, _PDL_ON = _PDL_ON, bool(enabled)
-    try:
-        yield
-    finally:
-        _PDL_ON = prev
-
-
-@functools.lru_cache(maxsize=None)
-def _pdl_capable(index: int) -> bool:
-    return HAS_TRITON and torch.cuda.get_device_capability(index)[0] >= 9
-
-
-_PDL_KWARGS = {"GDC": True, "launch_pdl": True}
-
-
-def pdl_kwargs(t: torch.Tensor) -> dict:
-    """Launch keywords for a kernel with a ``GDC`` constexpr: ``GDC`` and ``launch_pdl`` inside
-    :func:`programmatic_launch` on a CUDA device of compute capability 9 or later, else none
-    (the kernel's ``GDC`` defaults to False: no wait, an ordinary launch)."""
-    if not _PDL_ON or not t.is_cuda or interpreting():
-        return {}
-    return _PDL_KWARGS if _pdl_capable(t.device.index if t.device.index is not None
-                                       else torch.cuda.current_device()) else {}
 
 
 def next_pow2(n: int) -> int:

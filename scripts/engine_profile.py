@@ -10,11 +10,11 @@ which every prefill step takes).
     python3 scripts/engine_profile.py [--composition isoexec] [--seqs 64] [--top 25] [--greedy-graphs-only]
     python3 scripts/engine_profile.py --replay-only [--steps 50]
 
-``--replay-only`` asks where the wall time of a graph decode step goes without profiling it: for
-decode graphs captured without and with programmatic dependent launch
-(``EngineConfig.programmatic_launch``) it times the bucket's graph replayed back to back on the
-device (CUDA events: the kernels plus the gaps between them, no host in the way), the greedy
-``Engine.step`` with a sync after each, and ``Engine.step`` with decode lookahead (no sync).
+``--replay-only`` asks where the wall time of a graph decode step goes without profiling it: it
+times the bucket's graph replayed back to back on the device (CUDA events: the kernels plus the
+gaps between them, no host in the way), the greedy ``Engine.step`` with a sync after each, and
+``Engine.step`` with decode lookahead (no sync). The difference between the first and the others is
+what the host adds to a step.
 
 It prints, per run, the number of device kernels (and copies) per decode step and their summed
 device time, which unlike the wall time do not move with the speed of the machine's host.
@@ -67,36 +67,35 @@ def _decode_engine(composition: str, seqs: int, prompt: int, max_tokens: int, sa
 
 
 def replay_only(seqs: int, prompt: int, steps: int) -> None:
-    """The ``--replay-only`` rows (module docstring), PDL off then on, one model for both."""
+    """The ``--replay-only`` rows (module docstring), lookahead off then on, one model for both."""
     built = None
-    for pdl in (False, True):
-        for overlap in (False, True):
-            engine, built = _decode_engine("isoexec", seqs, prompt, 3 * steps + 16, False, True, built,
-                                           programmatic_launch=pdl, overlap_decode=overlap)
-            _decode_steps(engine, 3)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
+    for overlap in (False, True):
+        engine, built = _decode_engine("isoexec", seqs, prompt, 3 * steps + 16, False, True, built,
+                                       overlap_decode=overlap)
+        _decode_steps(engine, 3)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - t0) / steps * 1e3
+        line = f"==== overlap={overlap}: Engine.step {step_ms:.3f} ms ({seqs / step_ms * 1e3:.0f} tok/s)"
+        if not overlap:
+            host, wall = _decode_steps(engine, steps)
+            graphs = engine.runner.graphs
+            g = graphs.graphs[graphs.bucket(seqs)]
+            g.replay()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-            step_ms = (time.perf_counter() - t0) / steps * 1e3
-            line = f"==== pdl={pdl} overlap={overlap}: Engine.step {step_ms:.3f} ms ({seqs / step_ms * 1e3:.0f} tok/s)"
-            if not overlap:
-                host, wall = _decode_steps(engine, steps)
-                graphs = engine.runner.graphs
-                g = graphs.graphs[graphs.bucket(seqs)]
+            start.record()
+            for _ in range(steps):
                 g.replay()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                start.record()
-                for _ in range(steps):
-                    g.replay()
-                end.record()
-                torch.cuda.synchronize()
-                line += (f"; synced steps host {host:.3f} / wall {wall:.3f} ms; graph replayed back to back "
-                         f"{start.elapsed_time(end) / steps:.3f} ms per step")
-            print(line, flush=True)
-            del engine
-            torch.cuda.empty_cache()
+            end.record()
+            torch.cuda.synchronize()
+            line += (f"; synced steps host {host:.3f} / wall {wall:.3f} ms; graph replayed back to back "
+                     f"{start.elapsed_time(end) / steps:.3f} ms per step")
+        print(line, flush=True)
+        del engine
+        torch.cuda.empty_cache()
 
 
 def profile(composition: str, seqs: int, prompt: int, steps: int, top: int, sampled: bool, graphs: bool = True) -> None:
@@ -138,7 +137,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--greedy-graphs-only", action="store_true", help="only the greedy decode in CUDA graphs")
-    ap.add_argument("--replay-only", action="store_true", help="graph replay and step times, PDL off and on")
+    ap.add_argument("--replay-only", action="store_true", help="graph replay and step times, lookahead off and on")
     args = ap.parse_args()
     if args.replay_only:
         replay_only(args.seqs, args.prompt, args.steps)

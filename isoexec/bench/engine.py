@@ -23,9 +23,6 @@ Two absolute yardsticks besides the ratio:
   with the next decode step launched before the current one's tokens are read (rows with
   ``overlap_decode: true``). Those staggered runs do not synchronise after every step (that would
   undo the overlap), so they report no host share.
-* **programmatic dependent launch** (``EngineConfig.programmatic_launch``, on by default, every
-  other row): on a CUDA device the lookahead batch row runs once more with decode graphs captured
-  without it (``programmatic_launch: false``), IsoExec against IsoExec.
 """
 
 from __future__ import annotations
@@ -60,7 +57,7 @@ def _model(name: str, composition: str, device: str, dtype):
 
 
 def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: bool,
-                overlap: bool = False, repeats: int = 1, pdl: bool = True) -> tuple[float, int, list[float]]:
+                overlap: bool = False, repeats: int = 1) -> tuple[float, int, list[float]]:
     """(median ms, tokens, every run's ms) of ``repeats`` timed runs of the batch on one engine,
     after a warm-up run."""
     pages = len(prompts) * (-(-(len(prompts[0]) + max_tokens) // 16)) + 8
@@ -68,7 +65,7 @@ def _engine_run(model, contract, prompts, max_tokens: int, device: str, graphs: 
     # attention gathers that many keys per sequence); the same for both compositions.
     cfg = EngineConfig(max_num_batched_tokens=8192, max_num_seqs=len(prompts), num_pages=pages,
                        max_model_len=len(prompts[0]) + max_tokens + 16, cuda_graphs=graphs and device == "cuda",
-                       overlap_decode=overlap, programmatic_launch=pdl)
+                       overlap_decode=overlap)
     engine = Engine(model, contract, cfg, trainer_contract=contract)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     engine.generate(prompts[:2], params)            # warm-up: compile kernels, capture graphs
@@ -213,25 +210,6 @@ def bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
     log(f"engine isoexec with decode lookahead vs native: {r['ours_tok_s']} vs "
         f"{r['baseline_tok_s']} tok/s (graphs={variants[-1]}); decode only {r['ours_decode_tok_s']} tok/s"
         + (f" = {r['decode_roofline_frac']:.1%} of the HBM roofline" if roofline else ""))
-    if device == "cuda":
-        # the same without programmatic dependent launch in the decode graphs: its own prefill run
-        # too (the decode-only figure subtracts a prefill made the same way)
-        np_ms, np_tok, np_runs = _engine_run(iso, iso_c, prompts, mt, device, True, overlap=True, repeats=reps, pdl=False)
-        np_pre, _, _ = _engine_run(iso, iso_c, prompts, 1, device, True, overlap=True, repeats=reps, pdl=False)
-        np_dec = n * (mt - 1) / max(np_ms - np_pre, 1e-9) * 1000
-        r = row({**shape, "workload": "batch", "cuda_graphs": True, "overlap_decode": True,
-                 "programmatic_launch": False, "ours_tok_s": round(ov_tok / ov_ms * 1000, 1),
-                 "baseline_tok_s": round(np_tok / np_ms * 1000, 1), "ours_decode_tok_s": round(ov_dec, 1),
-                 "baseline_decode_tok_s": round(np_dec, 1),
-                 "decode_roofline_tok_s": round(roofline, 1) if roofline else None,
-                 "baseline_decode_roofline_frac": round(np_dec / roofline, 4) if roofline else None,
-                 "repeats": reps, "ours_ms_runs": [round(t, 2) for t in ov_runs],
-                 "baseline_ms_runs": [round(t, 2) for t in np_runs]},
-                "isoexec_without_programmatic_launch", np_ms, ov_ms)
-        rows.append(r)
-        log(f"engine isoexec lookahead, decode graphs with vs without programmatic launch: {r['ours_tok_s']} vs "
-            f"{r['baseline_tok_s']} tok/s; decode only {r['ours_decode_tok_s']} vs {r['baseline_decode_tok_s']} tok/s"
-            + (f" ({np_dec / roofline:.1%} of the roofline without)" if roofline else ""))
     hf_ms, hf_tok = _hf_run(iso, cfg, prompts, size["max_tokens"], device, dtype)
     r = row({**shape, "workload": "batch", "cuda_graphs": variants[-1], "ours_tok_s": plain["ours_tok_s"],
              "baseline_tok_s": round(hf_tok / hf_ms * 1000, 1)}, "transformers_generate", hf_ms,

@@ -34,12 +34,6 @@ class EngineConfig:
     # invariant), tested on CPU and inside CUDA graphs on the H200, where it raised decode from
     # 22.3% to 24.9% of the HBM roofline and staggered arrivals from 3,620 to 6,420 tok/s
     overlap_decode: bool = True
-    # capture the decode graphs with programmatic dependent launch (Hopper and later): each of the
-    # step's ~300 small Triton kernels (GEMM, attention, norms, RoPE, KV write, SiLU-mul) may be
-    # scheduled while the previous one finishes and waits on the device for its writes
-    # (isoexec_kernels._triton_util.programmatic_launch). Scheduling only: the same arithmetic,
-    # so the same bits (the engine_graph_eager gate compares replays with eager steps)
-    programmatic_launch: bool = True
 
     def __post_init__(self):
         assert self.max_num_seqs >= 1, "max_num_seqs must be >= 1"

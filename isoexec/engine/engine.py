@@ -99,8 +99,7 @@ class Engine:
         self.block_manager = BlockManager(config.num_pages, page_size, slots)
         self.runner = ModelRunner(model, config.num_pages, page_size, max_model_len, config.max_num_seqs,
                                   cuda_graphs=config.cuda_graphs, graph_batch_sizes=config.decode_buckets(),
-                                  num_state_slots=slots, record_full_logprobs=config.record_full_logprobs,
-                                  programmatic_launch=config.programmatic_launch)
+                                  num_state_slots=slots, record_full_logprobs=config.record_full_logprobs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.chunk_align, max_model_len,
                                    config.effective_prefill_interval(self.runner.graphs is not None))

@@ -16,9 +16,7 @@ Parameters are updated in place by ``Engine.update_weights``, so captured graphs
 Graphs are opt-in (``EngineConfig.cuda_graphs``); on the H200 the graph == eager gate
 (``engine_graph_eager``) passed with 0 differing logprobs for the dense family. Every op of the
 decode forward stays on the device (rope from the model's device table, attention grids from
-static sizes), which capture requires. On Hopper the graphs are captured with programmatic
-dependent launch (``EngineConfig.programmatic_launch``): the Triton kernels that support it wait on
-the device for the previous kernel's writes instead of being launched after it has finished.
+static sizes), which capture requires.
 
 Recurrent (hybrid) families: each running sequence owns a state slot holding, per GDN layer, its
 delta-rule state, open chunk and conv window; the runner zeroes a slot when its sequence starts
@@ -33,8 +31,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from isoexec_kernels._triton_util import programmatic_launch
-
 from ..model.batch import ForwardBatch, KVCache
 from .sampler import SampleOutput, Sampler
 from .scheduler import ScheduledBatch
@@ -43,7 +39,7 @@ from .scheduler import ScheduledBatch
 class ModelRunner:
     def __init__(self, model, num_pages: int, page_size: int, max_model_len: int, max_num_seqs: int,
                  cuda_graphs: bool = False, graph_batch_sizes: tuple[int, ...] = (), num_state_slots: int = 0,
-                 record_full_logprobs: bool = False, programmatic_launch: bool = True):
+                 record_full_logprobs: bool = False):
         self.model = model
         cfg = model.cfg
         self.device = model.embed.device
@@ -70,7 +66,7 @@ class ModelRunner:
             max_pages = -(-max_model_len // page_size)
             sizes = tuple(b for b in graph_batch_sizes if b <= max_num_seqs)
             self.graphs = DecodeGraphs(model, self.kv, sizes, max_pages, self.gdn_states, self.conv_states,
-                                       self.scratch_slot, pdl=programmatic_launch)
+                                       self.scratch_slot)
 
     def forward(self, batch: ScheduledBatch, ahead_ids: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, str]:
         """Hidden rows [T, H] of the step's new tokens and the case they ran under. A lookahead
@@ -146,9 +142,8 @@ class DecodeGraphs:
     CUDA only; docs/gates.md family 4 (replay with padded lanes == eager) checks it on the GPU."""
 
     def __init__(self, model, kv: KVCache, batch_sizes: tuple[int, ...], max_pages_per_seq: int,
-                 gdn_states=None, conv_states=None, scratch_slot: int = 0, pdl: bool = True):
+                 gdn_states=None, conv_states=None, scratch_slot: int = 0):
         self.model = model
-        self.pdl = pdl
         self.kv = kv
         self.gdn_states, self.conv_states, self.scratch_slot = gdn_states, conv_states, scratch_slot
         dev = model.embed.device
@@ -177,9 +172,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         pool = None
-        # warm-up and capture with programmatic dependent launch (EngineConfig.programmatic_launch):
-        # the warm-up compiles the PDL variants, the capture records programmatic edges
-        with torch.no_grad(), programmatic_launch(pdl):
+        with torch.no_grad():
             for bs in reversed(self.sizes):          # largest first: the others reuse its pool
                 fb = self._batch(bs)
                 model.hidden_states(self.ids[:bs], fb)   # warm-up: compiles kernels; pads write nothing

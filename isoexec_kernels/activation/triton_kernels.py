@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_util import jit, pdl_kwargs, tl
+from .._triton_util import jit, tl
 from .reference import _split
 
 
@@ -14,11 +14,7 @@ _BLOCK = 1024
 
 @jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_cols, stride_g, stride_u, stride_o,
-                     BLOCK: tl.constexpr, GDC: tl.constexpr = False):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -59,7 +55,7 @@ def _triton_fwd(g, u):
     if R and C:
         grid = (R, (C + _BLOCK - 1) // _BLOCK)
         _silu_mul_kernel[grid](g2, u2, out, C, g2.stride(0), u2.stride(0), out.stride(0),
-                               BLOCK=_BLOCK, num_warps=4, **pdl_kwargs(g2))
+                               BLOCK=_BLOCK, num_warps=4)
     return out.reshape(shape)
 
 

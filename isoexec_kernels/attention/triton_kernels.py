@@ -86,7 +86,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_util import ensure_allocator, pdl_kwargs, tma_supported
+from .._triton_util import ensure_allocator, tma_supported
 
 VARLEN_PAGE_SIZE = 1 << 30  # "page" length used to address packed varlen K/V as one page
 
@@ -155,12 +155,8 @@ def _attention_fwd_kernel(
     stride_ot, stride_oh, stride_lt, stride_bt,
     page_size, qk_scale, causal,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    KV_TMA: tl.constexpr, GDC: tl.constexpr = False,
+    KV_TMA: tl.constexpr,
 ):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     # heavy (late, long-causal) tiles first: pid 0 takes the last tile
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     kvh = tl.program_id(1)
@@ -312,18 +308,13 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale,
         page_size, scale * 1.4426950408889634, 1 if causal else 0,
         GROUP=group, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], KV_TMA=kv_tma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], enable_fp_fusion=_fp_fusion,
-        **pdl_kwargs(q),
     )
     return out, lse
 
 
 @triton.jit
 def _write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_vt, stride_kcs, stride_vcs,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t).to(tl.int64)
     if slot >= 0:
@@ -351,7 +342,7 @@ def write_kv_pages_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         # the slots as given (int32 or int64): a cast would be one more kernel per layer and step
         k2, v2, k_cache, v_cache, slot_mapping.contiguous(),
         k2.stride(0), v2.stride(0), k_cache.stride(1), v_cache.stride(1),
-        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4, **pdl_kwargs(k2),
+        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, pdl_kwargs, tl,
+from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, tl,
                             tma_supported, triton)
 from .reference import BLOCK_K, _check, block_k_for, k_leaves_for, leaf_bounds
 
@@ -134,12 +134,8 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee", GDC: tl.constexpr = False,
+    PRECISION: tl.constexpr = "ieee",
 ):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
     # (One K loop over all leaves, adding each into the sum at its last block, gave the same bits
@@ -201,13 +197,9 @@ def _gemm_pointer_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, stride_rm,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee", GDC: tl.constexpr = False,
+    PRECISION: tl.constexpr = "ieee",
 ):
     # One program per output tile, same grouping and the same K loop as the TMA kernel.
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -394,7 +386,7 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
         HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K_=k_tile_for(cfg, bk, K, leaves, x2.dtype), GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kwargs(x2),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
@@ -475,7 +467,6 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
             HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K_=k_tile_for(cfg, bk, K, leaves, x2.dtype),
             GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-            **pdl_kwargs(x2),
         )
     elif path == "split":
         # small M: one program per (tile, leaf) writes the leaf in fp32, a second pass sums the

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_util import jit, next_pow2, pdl_kwargs, tl
+from .._triton_util import jit, next_pow2, tl
 from .reference import _check, _eps32, _out_dtype, _rows
 
 
@@ -17,12 +17,7 @@ def _warps_for(H: int) -> int:
 
 @jit
 def _rms_fwd_kernel(x_ptr, w_ptr, w2_ptr, out_ptr, rstd_ptr, H, stride_x, stride_o, eps, heads, stride_head,
-                    heads1, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr, TWO_WEIGHTS: tl.constexpr,
-                    GDC: tl.constexpr = False):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                    heads1, BLOCK_H: tl.constexpr, ZERO_CENTRED: tl.constexpr, TWO_WEIGHTS: tl.constexpr):
     # row r of x is (r // heads, r % heads) of a [T, heads, H] view with strides
     # (stride_x, stride_head, 1): a head-strided q/k slice is read in place instead of copied
     # (the address changes, the row's arithmetic does not)
@@ -142,7 +137,7 @@ def _triton_fwd(x2, weight, eps, zero_centred: bool = False, weight2=None, heads
         _rms_fwd_kernel[(R,)](x2, w, w if weight2 is None else weight2.contiguous(), out, rstd, H, stride_x,
                               out.stride(0), _eps32(eps), heads, stride_head, heads1, BLOCK_H=next_pow2(H),
                               ZERO_CENTRED=zero_centred, TWO_WEIGHTS=weight2 is not None,
-                              num_warps=_warps_for(H), **pdl_kwargs(x2))
+                              num_warps=_warps_for(H))
     return out, rstd
 
 

@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_util import jit, next_pow2, pdl_kwargs, tl
+from .._triton_util import jit, next_pow2, tl
 from .reference import _check
 
 
 @jit
 def _rope_kernel(x_ptr, pos_ptr, cache_ptr, out_ptr, NH, stride_xt, stride_xh, stride_ot,
                  stride_oh, stride_c, HALF: tl.constexpr, BLOCK_NH: tl.constexpr,
-                 BLOCK_HALF: tl.constexpr, TRANSPOSE: tl.constexpr, GDC: tl.constexpr = False):
-    if GDC:  # programmatic dependent launch (_triton_util.programmatic_launch): wait for the
-        # previous kernel's writes before any load or store, then let the next kernel launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+                 BLOCK_HALF: tl.constexpr, TRANSPOSE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_NH)
     cols = tl.arange(0, BLOCK_HALF)
@@ -57,7 +53,7 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
             x3, positions.contiguous(), cache, out, NH, x3.stride(0), x3.stride(1),
             out.stride(0), out.stride(1), cache.stride(0), HALF=R // 2,
             BLOCK_NH=next_pow2(NH), BLOCK_HALF=next_pow2(R // 2), TRANSPOSE=transpose,
-            num_warps=4, enable_fp_fusion=False, **pdl_kwargs(x3),
+            num_warps=4, enable_fp_fusion=False,
         )
     return out.reshape(x.shape)
 

@@ -53,22 +53,3 @@ def test_decode_graph_replay_with_padded_lanes_equals_eager_bitwise():
     assert graphed_engine.runner.graphs is not None
     same_results(eager, graphed_engine.generate(prompts, params))
     assert verify(model, eager).differing == 0
-
-
-@pytest.mark.gpu
-def test_decode_graphs_with_programmatic_launch_equal_graphs_without_it_bitwise():
-    """EngineConfig.programmatic_launch changes only when the kernels of a decode graph may start
-    (they wait on the device for their predecessor's writes): tokens and logprobs equal the
-    graphs captured without it and the eager engine. Needs CUDA (PDL itself needs sm90+; below,
-    both arms are ordinary launches and the test still holds)."""
-    model, c = cuda_tiny_model()
-    prompts = random_prompts(torch.Generator().manual_seed(7), 13, 1, 60)
-    params = SamplingParams(temperature=1.0, max_tokens=16, seed=4)
-    cfg = dict(max_num_seqs=16, num_pages=256, max_num_batched_tokens=256, cuda_graphs=True)
-    plain = Engine(model, c, EngineConfig(programmatic_launch=False, **cfg))
-    pdl = Engine(model, c, EngineConfig(programmatic_launch=True, **cfg))
-    assert pdl.runner.graphs is not None and pdl.runner.graphs.pdl and not plain.runner.graphs.pdl
-    out = pdl.generate(prompts, params)
-    assert pdl.runner.graph_replays > 0
-    same_results(plain.generate(prompts, params), out)
-    assert verify(model, out).differing == 0
