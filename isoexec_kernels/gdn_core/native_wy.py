@@ -478,14 +478,15 @@ def _rows3(x):
 
 
 def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
-                    choice: NativeWYChoice | None = None, t_out: torch.Tensor | None = None):
+                    choice: NativeWYChoice | None = None, t_out: torch.Tensor | None = None,
+                    states_dtype: torch.dtype | None = None):
     """The native WY chunk forward over B pieces (rows ``starts[b] .. starts[b] + lens[b]``), chunks
     cut from each piece's first token. ``init`` [B, H, Dk, Dv] fp32: piece b starts from
     ``init[b]`` (None: from zero); the final state of piece b goes to ``fin[fin_idx[b]]``
     (``fin_idx[b] < 0`` or an empty piece: not written; ``fin`` may be None). ``t_out``: the
     chunks' T = (I + A)^-1 [P, H, C, C] are stored there (tests). Returns o [T, H, Dv] fp32.
     CUDA tensors, or CPU tensors under the interpreter."""
-    f = wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, choice)
+    f = wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk, choice, states_dtype)
     o = torch.empty(k.shape[0], v.shape[1], v.shape[2], dtype=torch.float32, device=v.device)
     if f is None:
         return o
@@ -567,9 +568,12 @@ def launch_wy_state(kc, gc, W, U, init, st, vn, fin, row0, nrow, chunk0, nchunk,
 
 
 def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
-                     choice: NativeWYChoice | None = None) -> WYParts | None:
+                     choice: NativeWYChoice | None = None, states_dtype: torch.dtype | None = None) -> WYParts | None:
     """The inverse, W/U and state kernels of the forward (arguments as ``wy_chunk_triton``); None
-    when there is no chunk. The backward recomputes the forward with this."""
+    when there is no chunk. The backward recomputes the forward with this. ``states_dtype``: the
+    storage of the states entering each chunk (default: the choice's storage dtype); fp32 keeps
+    them exact (CPR's chunk-form engine reads the open chunk's from there) and gives the output
+    kernel the same operand bits, which it rounds to the operand dtype as it loads them."""
     choice = choice or NATIVE_WY
     if chunk not in WY_CHUNKS:
         raise ValueError(f"the WY kernels take chunks of {WY_CHUNKS} tokens; got {chunk}")
@@ -602,7 +606,7 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
     kc = k if k.dtype == st_dt else torch.empty(T, Hk, Dk, dtype=st_dt, device=dev)
     gc, Tm, W, U = launch_inverse_wu(k, v, g, beta, row0_t, nrow_t, kc, T, H, rep, C, BK, num, st_dt,
                                       choice.inv_dot, choice.prep_warps, choice.wu_warps)
-    states = torch.empty(P, H, Dk, Dv, dtype=st_dt, device=dev)
+    states = torch.empty(P, H, Dk, Dv, dtype=states_dtype or st_dt, device=dev)
     vn = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
     # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in
     launch_wy_state(kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,

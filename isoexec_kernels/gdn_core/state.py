@@ -28,6 +28,8 @@ class GDNState:
     buf_g    [S, C, H]        log decays of the open chunk
     buf_beta [S, C, H]        betas of the open chunk
     fill     [S] int32        tokens since the last boundary (0 <= fill < C)
+    buf_q    [S, C, H, Dk]    queries of the open chunk (CPR version 4's chunk-form decode only;
+                              None unless allocated with ``with_q``)
     """
 
     boundary: torch.Tensor
@@ -37,9 +39,11 @@ class GDNState:
     buf_g: torch.Tensor
     buf_beta: torch.Tensor
     fill: torch.Tensor
+    buf_q: torch.Tensor | None = None
 
     @classmethod
-    def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK) -> "GDNState":
+    def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK,
+                 with_q: bool = False) -> "GDNState":
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             boundary=torch.zeros(num_slots, H, Dk, Dv, **f32),
@@ -49,6 +53,7 @@ class GDNState:
             buf_g=torch.zeros(num_slots, chunk, H, **f32),
             buf_beta=torch.zeros(num_slots, chunk, H, **f32),
             fill=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            buf_q=torch.zeros(num_slots, chunk, H, Dk, **f32) if with_q else None,
         )
 
     @property
@@ -66,4 +71,6 @@ class GDNState:
         """Zero the given slots in place (new sequence, preemption, weight update)."""
         slots = slots.to(device=self.fill.device, dtype=torch.long)
         for f in fields(self):
-            getattr(self, f.name).index_fill_(0, slots, 0)
+            t = getattr(self, f.name)
+            if t is not None:
+                t.index_fill_(0, slots, 0)

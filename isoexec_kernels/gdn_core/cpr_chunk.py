@@ -1,0 +1,172 @@
+"""CPR version 4 (work in progress, not pinned): every output from the chunk form, on the native
+WY kernels (docs/cpr.md, "Next: outputs in the chunk form").
+
+Version 3 takes each output inside a chunk from a 64-step per-token recurrence; here every case
+computes the chunk form of ``native_wy.py`` (inverse, W/U, state pass, output kernel) with the
+operands pinned to bf16 (``CPR4_CHOICE``) whatever v's dtype, so that trainer, engine prefill split
+anywhere and engine decode give each token the same bits:
+
+* trainer: the native forward over each sequence from the zero state;
+* engine prefill: each piece runs as [the open chunk's buffered rows + the new rows] from the fp32
+  state entering the open chunk (the slot's ``boundary``), so its chunks are the trainer's chunks
+  and the state pass continues the trainer's chain from the same fp32 value; the state entering the
+  new open chunk is read from the state pass (stored in fp32), or is the final state when the piece
+  ends on a chunk boundary;
+* engine decode: the token is appended to the slot's buffer and the native forward runs on the open
+  chunk's rows so far (fill + 1 rows) from ``boundary``; the output is its last row; when the chunk
+  completes, the state pass's final state becomes the new ``boundary``.
+
+Why the bits agree: row t of every matrix of the chunk form depends only on rows 0..t of its chunk
+(causal mask, lower-triangular inverse, ``tl.cumsum``'s prefix), so a prefix of a chunk gives its
+rows the bits of the whole chunk: on the H200 0 of 128 prefixes differed through these kernels
+(``scripts/chunk_prefix_probe.py``, bf16 and tf32x3, zero and random start states). The chain
+resumed from a stored fp32 state continues with the values it carries in registers.
+
+Decode here recomputes the whole open chunk every step (a first correct version: about a prefill of
+B x C rows per step); the row-only replay that makes it cheap is the next step (docs/cpr.md). Not
+yet measured on a GPU, not in any contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .native_wy import (NativeWYChoice, _dtypes, _rows3, _wy_out_kernel, launch_inverse_wu, launch_wy_state,
+                        next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
+from .state import CHUNK, GDNState
+
+CPR4_CHOICE = NativeWYChoice(dot="bf16")
+"""The native kernels' tiles with the operands pinned to bf16 (fp32 accumulation, fp32 state chain)."""
+
+
+def cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Trainer: each sequence of ``cu_seqlens`` from the zero state; o [T, H, Dv] fp32."""
+    cu = cu_seqlens.tolist()
+    starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+    return wy_chunk_triton(q, k, v, g, beta, starts, lens, None, None, None, chunk, CPR4_CHOICE,
+                           states_dtype=torch.float32)
+
+
+def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
+    """[N, Hk, D] keys or queries repeated to the H value heads ([N, H, D])."""
+    return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
+
+
+def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine prefill: sequence b's new rows continue slot ``slots[b]``; updates ``state``
+    (boundary, the open chunk's buffers, fill) and returns o [T, H, Dv] fp32 for the new rows."""
+    C = chunk
+    H, Dv = v.shape[1], v.shape[2]
+    dev = v.device
+    cu = cu_seqlens_q.tolist()
+    sl = [int(s) for s in slots.tolist()]
+    fills = [int(f) for f in state.fill[slots.long()].tolist()]
+    qe, ke = _expand(q, H).float(), _expand(k, H).float()
+    pieces_q, pieces_k, pieces_v, pieces_g, pieces_b = [], [], [], [], []
+    starts, lens, new_rows = [], [], []
+    row = 0
+    for b, s in enumerate(sl):
+        a, e, f = cu[b], cu[b + 1], fills[b]
+        pieces_q += [state.buf_q[s, :f], qe[a:e]]
+        pieces_k += [state.buf_k[s, :f], ke[a:e]]
+        pieces_v += [state.buf_v[s, :f], v[a:e].float()]
+        pieces_g += [state.buf_g[s, :f], g[a:e].float()]
+        pieces_b += [state.buf_beta[s, :f], beta[a:e].float()]
+        starts.append(row)
+        lens.append(f + e - a)
+        new_rows.append((row + f, e - a))
+        row += f + e - a
+    pq, pk, pv, pg, pb = (torch.cat(x) for x in (pieces_q, pieces_k, pieces_v, pieces_g, pieces_b))
+    slot_t = torch.tensor(sl, dtype=torch.long, device=dev)
+    init = state.boundary[slot_t]
+    # a piece that ends on a chunk boundary: its final state is the new boundary (fin); otherwise
+    # the state entering its last (open) chunk, read from the stored entering states below
+    ends = [L > 0 and L % C == 0 for L in lens]
+    fin_idx = [s if end else -1 for s, end in zip(sl, ends)]
+    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, state.boundary, fin_idx, C, CPR4_CHOICE,
+                         states_dtype=torch.float32)
+    o_all = torch.empty(row, H, Dv, dtype=torch.float32, device=dev)
+    if f is not None:
+        _launch_out(pq, f, o_all, C)
+        nch = [-(-L // C) for L in lens]
+        first = [sum(nch[:b]) for b in range(len(lens))]
+        for b, s in enumerate(sl):
+            if lens[b] and not ends[b]:
+                state.boundary[s].copy_(f.states[first[b] + nch[b] - 1])
+    # the open chunk after each piece: its last L % C rows
+    for b, s in enumerate(sl):
+        L = lens[b]
+        r = L % C
+        if r:
+            a0 = starts[b] + L - r
+            state.buf_q[s, :r] = pq[a0:a0 + r]
+            state.buf_k[s, :r] = pk[a0:a0 + r]
+            state.buf_v[s, :r] = pv[a0:a0 + r]
+            state.buf_g[s, :r] = pg[a0:a0 + r]
+            state.buf_beta[s, :r] = pb[a0:a0 + r]
+        state.fill[s] = r
+    return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
+
+
+def _launch_out(q, f, o, C):
+    dm = f.dims
+    obv = min(f.choice.out_bv, dm["DVP"])
+    q = _rows3(q)
+    _wy_out_kernel[(-(-dm["Dv"] // obv), dm["H"], f.P)](
+        q, f.kc, f.gc, f.states, f.vn, o, f.row0, f.nrow, dm["H"], dm["rep"], dm["Dk"], dm["Dv"],
+        q.stride(0), q.stride(1), f.kc.stride(0), f.kc.stride(1), o.stride(0), o.stride(1),
+        C=C, DKP=dm["DKP"], BK=dm["BK"], BV=obv, **f.num,
+        num_warps=f.choice.out_warps, num_stages=f.choice.out_stages)
+
+
+def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode, one token per lane: appends it to the slot's open chunk and runs the chunk
+    form on the chunk's rows so far from ``boundary``; o [B, H, Dv] fp32 is their last row. No host
+    sync: the plan (rows, counts, state indices) is computed on the device, so a CUDA graph can
+    capture it. Padded lanes point at a scratch slot and touch only that slot."""
+    C = chunk
+    choice = CPR4_CHOICE
+    B = q.shape[0]
+    S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
+    Dv = state.buf_v.shape[3]
+    dev = v.device
+    sl = slots.to(device=dev, dtype=torch.long)
+    pos = state.fill[sl].long()
+    state.buf_q[sl, pos] = _expand(q, H).float()
+    state.buf_k[sl, pos] = _expand(k, H).float()
+    state.buf_v[sl, pos] = v.float()
+    state.buf_g[sl, pos] = g.float()
+    state.buf_beta[sl, pos] = beta.float()
+    n = pos + 1
+    row0 = (sl * C).to(torch.int32)
+    nrow = n.to(torch.int32)
+    chunk0 = torch.arange(B, dtype=torch.int32, device=dev)
+    nchunk = torch.ones(B, dtype=torch.int32, device=dev)
+    init_idx = sl.to(torch.int32)
+    fin_idx = torch.where(n == C, sl, -1).to(torch.int32)
+    bq, bk = state.buf_q.view(-1, H, Dk), state.buf_k.view(-1, H, Dk)
+    bv, bg, bb = state.buf_v.view(-1, H, Dv), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
+    OP_DT, DOT_DT, PREC, st_dt = _dtypes(choice.dot)
+    num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
+    DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
+    BK = min(choice.bk, DKP, DVP)
+    kc = torch.empty(S_ * C, H, Dk, dtype=st_dt, device=dev)
+    gc, Tm, W, U = launch_inverse_wu(bk, bv, bg, bb, row0, nrow, kc, S_ * C, H, 1, C, BK, num, st_dt,
+                                      choice.inv_dot, choice.prep_warps, choice.wu_warps)
+    states = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=dev)
+    vn = torch.empty(B, H, C, Dv, dtype=st_dt, device=dev)
+    # init and fin are the same tensor: each program reads and writes only its own tile
+    launch_wy_state(kc, gc, W, U, state.boundary, states, vn, state.boundary, row0, nrow, chunk0, nchunk,
+                    init_idx, fin_idx, H, 1, C, DKP, state_tile(choice, st_dt, DVP), num,
+                    choice.state_warps, choice.state_stages)
+    o_rows = torch.empty(S_ * C, H, Dv, dtype=torch.float32, device=dev)
+    obv = min(choice.out_bv, DVP)
+    _wy_out_kernel[(-(-Dv // obv), H, B)](
+        bq, kc, gc, states, vn, o_rows, row0, nrow, H, 1, Dk, Dv,
+        bq.stride(0), bq.stride(1), kc.stride(0), kc.stride(1), o_rows.stride(0), o_rows.stride(1),
+        C=C, DKP=DKP, BK=BK, BV=obv, **num, num_warps=choice.out_warps, num_stages=choice.out_stages)
+    state.fill[sl] = (n % C).to(state.fill.dtype)
+    return o_rows[sl * C + pos]
+
+
+__all__ = ["CPR4_CHOICE", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton"]

@@ -1,0 +1,148 @@
+"""CPR version 4 on a GPU (a probe, not a benchmark of record): does the chunk form on the native WY
+kernels (``isoexec_kernels/gdn_core/cpr_chunk.py``) give trainer == engine prefill split anywhere ==
+decode, bitwise, at Qwen3.5-9B's GDN sizes, also inside a CUDA graph; and what does it cost against
+the native composition and CPR version 3, stage by stage (the shapes of ``isoexec bench cpr``)?
+
+Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
+steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows; then 40 decode steps
+of 256 lanes replayed from a CUDA graph against the same steps run eagerly (outputs and states).
+Timings (forward only for the trainer, the backward being the native one in both): trainer forward
+5 x 2048, prefill 5 x 2048 from fresh slots, decode 256 lanes with random fills under a CUDA graph.
+
+    python3 scripts/cpr4_probe.py [--out $OUT/cpr4_probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
+
+from isoexec.bench.common import time_ms  # noqa: E402
+from isoexec.bench.cpr import FULL, GDN_DIMS, _graphed, _inputs  # noqa: E402
+from isoexec.bits import count_differing  # noqa: E402
+from isoexec.envinfo import git_commit  # noqa: E402
+from isoexec_kernels import gdn_core as cpr  # noqa: E402
+from isoexec_kernels.gdn_core import GDNState  # noqa: E402
+from isoexec_kernels.gdn_core import cpr_chunk as C4  # noqa: E402
+from isoexec_kernels.gdn_core import native as nat  # noqa: E402
+
+
+def _state(n, dims, dev, q=True):
+    return GDNState.allocate(n, dims["H"], dims["Dk"], dims["Dv"], dev, chunk=dims["chunk"], with_q=q)
+
+
+def bits(dims, dev) -> dict:
+    from test_gdn_core import random_plan, run_engine
+
+    C = dims["chunk"]
+    lens = [300, 70, 129]
+    xs, cu = _inputs(lens, dims, dev, torch.bfloat16, seed=5)
+    trainer = C4.cpr4_varlen_triton(*xs, cu, chunk=C)
+    out = {"elements": trainer.numel(), "plans": []}
+    for seed in (1, 2, 3):
+        st = _state(len(lens) + 2, dims, dev)
+        plan = random_plan(lens, seed, max_decode=80)
+        o = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
+        out["plans"].append({"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan),
+                             "differing": count_differing(o, trainer)})
+    # decode in a CUDA graph == eager (outputs of every step and the final state)
+    B = 256
+    gen = torch.Generator(device="cpu").manual_seed(6)
+    steps = [_inputs([B], dims, dev, torch.bfloat16, seed=100 + i)[0] for i in range(40)]
+    slots = torch.arange(B, device=dev)
+    fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
+    res = {}
+    for mode in ("eager", "graph"):
+        st = _state(B + 1, dims, dev)
+        st.fill.copy_(fills)
+        st.boundary.copy_(torch.randn(st.boundary.shape, generator=torch.Generator().manual_seed(7)).to(dev) * 0.05)
+        inp = [torch.empty_like(x) for x in steps[0]]
+        outs = []
+        fn = lambda: C4.cpr4_decode_triton(*inp, slots, st, chunk=C)  # noqa: E731
+        if mode == "graph":
+            keep = {f: getattr(st, f).clone() for f in ("boundary", "fill", "buf_q", "buf_k", "buf_v", "buf_g", "buf_beta")}
+            for x, y in zip(inp, steps[0]):
+                x.copy_(y)
+            graph = torch.cuda.CUDAGraph()
+            fn()                                   # compile outside the capture
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                o_static = fn()
+            for f, t in keep.items():              # capture and warm-up ran steps: start over
+                getattr(st, f).copy_(t)
+        for x_step in steps:
+            for x, y in zip(inp, x_step):
+                x.copy_(y)
+            if mode == "graph":
+                graph.replay()
+                outs.append(o_static.clone())
+            else:
+                outs.append(fn())
+        res[mode] = (torch.stack(outs), st.boundary.clone())
+    out["graph_vs_eager_outputs"] = count_differing(res["graph"][0], res["eager"][0])
+    out["graph_vs_eager_boundary"] = count_differing(res["graph"][1], res["eager"][1])
+    return out
+
+
+def timings(dims, dev) -> list[dict]:
+    C = dims["chunk"]
+    rows = []
+    b, L = FULL["train"]
+    xs, cu = _inputs([L] * b, dims, dev, torch.bfloat16, seed=1)
+    with torch.no_grad():
+        for name, fn in (("native", lambda: nat.gdn_chunk_varlen(*xs, cu, chunk=C)),
+                         ("cpr_v3", lambda: cpr.gdn_cpr_varlen(*xs, cu, chunk=C)),
+                         ("cpr_v4", lambda: C4.cpr4_varlen_triton(*xs, cu, chunk=C))):
+            rows.append({"stage": "trainer_fwd", "impl": name, "ms": round(time_ms(fn, "cuda"), 4)})
+        slots = torch.arange(b, device=dev)
+        for name, fn, q in (("native", nat.gdn_chunk_engine, False), ("cpr_v3", cpr.gdn_cpr_engine, False),
+                            ("cpr_v4", C4.cpr4_engine_triton, True)):
+            st = _state(b, dims, dev, q)
+            rows.append({"stage": "prefill", "impl": name,
+                         "ms": round(time_ms(lambda: fn(*xs, cu, slots, st, chunk=C), "cuda"), 4)})
+        del xs
+        B = FULL["decode"]
+        xs, _ = _inputs([B], dims, dev, torch.bfloat16, seed=3)
+        slots = torch.arange(B, device=dev)
+        gen = torch.Generator().manual_seed(4)
+        fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
+        for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
+                            ("cpr_v4", C4.cpr4_decode_triton, True)):
+            st = _state(B + 1, dims, dev, q)
+            st.fill.copy_(fills)
+            run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")
+            rows.append({"stage": "decode", "impl": name, "graphs": True, "ms": round(time_ms(run, "cuda"), 4)})
+    for r in rows:
+        nat_ms = next(x["ms"] for x in rows if x["stage"] == r["stage"] and x["impl"] == "native")
+        r["vs_native"] = round(r["ms"] / nat_ms, 3)
+        print(f"{r['stage']:12s} {r['impl']:7s} {r['ms']:9.4f} ms  x{r['vs_native']:.2f} native", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = "cuda"
+    t0 = time.time()
+    res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit(),
+           "dims": GDN_DIMS}
+    with torch.no_grad():
+        res["bits"] = bits(GDN_DIMS, dev)
+    print("bits:", json.dumps(res["bits"]), flush=True)
+    res["timings"] = timings(GDN_DIMS, dev)
+    res["seconds"] = round(time.time() - t0, 1)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
