@@ -6,7 +6,9 @@ and the chunk size), ``plan.py`` (argument checks and host-side planning shared 
 ``chunk_form.py`` (the gated delta rule in stock torch ops: the stock twin's CPU path and the
 backward of every trainer path), ``chunk_backward.py`` (that backward as fused Triton kernels, used
 on CUDA, and its torch reference twin), ``native.py`` (the stock twin) and ``native_wy.py`` (its
-chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin).
+chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin);
+``cpr_chunk.py`` is CPR version 4 in progress (every output from the chunk form on those kernels;
+not an impl yet, docs/cpr.md).
 """
 
 from ..impl import Constant, Impl, per_case
