@@ -98,11 +98,16 @@ def _time(row, xs, w, nxt, ref, cublas, leaves=None):
     return {**row, "ms": round(ms_, 5), "ratio": round(cublas / ms_, 4), "same_bits": same}
 
 
-def sweep(shapes, ms, candidates, log):
+def sweep(shapes, ms, candidates, log, only=None):
+    """Every candidate at every (shape, M); ``only``: a set of (name, M) to restrict it to."""
     out = []
     for name, K, N in shapes:
+        if only is not None and not any(n == name for n, _ in only):
+            continue
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         for M in ms:
+            if only is not None and (name, M) not in only:
+                continue
             with torch.no_grad():
                 xs, nxt, ref, cublas, current = _row(M, N, K, w)
                 rows = [_time(dict(c), xs, w, nxt, ref, cublas) for c in candidates]
@@ -318,7 +323,8 @@ def main():
     ap.add_argument("--block-k", action="store_true", help="K tiles 64/128/256 at the small-M rows (~1 min)")
     ap.add_argument("--block-k-all", action="store_true",
                     help="K tiles 64/128/256 at every small-M row of the eight shapes (~4 min)")
-    ap.add_argument("--rows", default="", help="with --block-k-all: only these rows, e.g. 0.6b.gate_up:256,8b.down:64")
+    ap.add_argument("--rows", default="", help="with --block-k-all, --large or --small: only these rows, "
+                                                "e.g. 0.6b.gate_up:256,8b.down:64 or 0.6b.o:2048")
     ap.add_argument("--wide", action="store_true", help="with --block-k(-all): more tiles at M <= 256")
     a = ap.parse_args()
     both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k or a.block_k_all)
@@ -340,9 +346,13 @@ def main():
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:
-        res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print)
+        only = ({(n, m) for n, m, _, _ in select_rows([(n, m, K, N) for n, K, N in LARGE_SHAPES for m in LARGE_M],
+                                                      a.rows)} if a.rows and not a.block_k_all else None)
+        res["large"] = sweep(LARGE_SHAPES, LARGE_M, LARGE_CANDIDATES, print, only)
     if a.small or both:
-        res["small"] = sweep(SMALL_SHAPES, SMALL_M, SMALL_CANDIDATES, print)
+        only = ({(n, m) for n, m, _, _ in select_rows([(n, m, K, N) for n, K, N in SMALL_SHAPES for m in SMALL_M],
+                                                      a.rows)} if a.rows and not a.block_k_all else None)
+        res["small"] = sweep(SMALL_SHAPES, SMALL_M, SMALL_CANDIDATES, print, only)
     res["seconds"] = round(time.time() - t0, 1)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)

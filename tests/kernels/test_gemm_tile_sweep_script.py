@@ -73,3 +73,13 @@ def test_rows_selects_named_rows_and_refuses_an_unknown_one_before_any_work():
         sweep.select_rows(sweep.BLOCK_K_ALL_SHAPES, "0.6b.gate_up")
     wide = sweep.block_k_tiles(256, 6144, 1024, wide=True)
     assert len(wide) == len({tuple(sorted(t.items())) for t in wide}) > len(sweep.block_k_tiles(256, 6144, 1024))
+
+
+def test_rows_select_large_m_rows_and_refuse_unknown_ones():
+    sweep = _script()
+    large = [(n, m, K, N) for n, K, N in sweep.LARGE_SHAPES for m in sweep.LARGE_M]
+    assert sweep.select_rows(large, "0.6b.o:2048") == [("0.6b.o", 2048, 2048, 1024)]
+    with pytest.raises(SystemExit, match="no such row 0.6b.o:256"):
+        sweep.select_rows(large, "0.6b.o:256")
+    # a row filter that names none of a mode's shapes sweeps nothing (and touches no GPU)
+    assert sweep.sweep(sweep.LARGE_SHAPES, sweep.LARGE_M, [], print, only={("8b.o", 2048)}) == []
