@@ -52,9 +52,29 @@ def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
     return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
 
 
-def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
-    """Engine prefill: sequence b's new rows continue slot ``slots[b]``; updates ``state``
-    (boundary, the open chunk's buffers, fill) and returns o [T, H, Dv] fp32 for the new rows."""
+def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
+    """The chunk form over pieces (rows ``starts[b]..+lens[b]``, piece b from ``init[b]``): o [rows,
+    H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk) and each
+    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece)."""
+    H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
+    B = len(lens)
+    fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
+    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, CPR4_CHOICE,
+                         states_dtype=torch.float32)
+    o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
+    if f is None:
+        return o, None, fin
+    _launch_out(pq, f, o, C)
+    return o, f.states, fin
+
+
+def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward) -> torch.Tensor:
+    """The engine prefill of version 4 on a chunk-form ``forward`` (``_forward_triton`` or the
+    reference's): sequence b's new rows continue slot ``slots[b]`` (module docstring); updates
+    ``state`` (boundary, the open chunk's buffers, fill) and returns o [T, H, Dv] fp32 for the new
+    rows. Host-side planning: the prefill path, not the captured decode."""
+    if state.buf_q is None:
+        raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
     C = chunk
     H, Dv = v.shape[1], v.shape[2]
     dev = v.device
@@ -62,50 +82,43 @@ def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *
     sl = [int(s) for s in slots.tolist()]
     fills = [int(f) for f in state.fill[slots.long()].tolist()]
     qe, ke = _expand(q, H).float(), _expand(k, H).float()
-    pieces_q, pieces_k, pieces_v, pieces_g, pieces_b = [], [], [], [], []
+    pieces = ([], [], [], [], [])
     starts, lens, new_rows = [], [], []
     row = 0
     for b, s in enumerate(sl):
         a, e, f = cu[b], cu[b + 1], fills[b]
-        pieces_q += [state.buf_q[s, :f], qe[a:e]]
-        pieces_k += [state.buf_k[s, :f], ke[a:e]]
-        pieces_v += [state.buf_v[s, :f], v[a:e].float()]
-        pieces_g += [state.buf_g[s, :f], g[a:e].float()]
-        pieces_b += [state.buf_beta[s, :f], beta[a:e].float()]
+        for dst, buf, new in zip(pieces, (state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
+                                 (qe, ke, v, g, beta)):
+            dst += [buf[s, :f], new[a:e].float()]
         starts.append(row)
         lens.append(f + e - a)
         new_rows.append((row + f, e - a))
         row += f + e - a
-    pq, pk, pv, pg, pb = (torch.cat(x) for x in (pieces_q, pieces_k, pieces_v, pieces_g, pieces_b))
-    slot_t = torch.tensor(sl, dtype=torch.long, device=dev)
-    init = state.boundary[slot_t]
-    # a piece that ends on a chunk boundary: its final state is the new boundary (fin); otherwise
-    # the state entering its last (open) chunk, read from the stored entering states below
-    ends = [L > 0 and L % C == 0 for L in lens]
-    fin_idx = [s if end else -1 for s, end in zip(sl, ends)]
-    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, state.boundary, fin_idx, C, CPR4_CHOICE,
-                         states_dtype=torch.float32)
-    o_all = torch.empty(row, H, Dv, dtype=torch.float32, device=dev)
-    if f is not None:
-        _launch_out(pq, f, o_all, C)
-        nch = [-(-L // C) for L in lens]
-        first = [sum(nch[:b]) for b in range(len(lens))]
-        for b, s in enumerate(sl):
-            if lens[b] and not ends[b]:
-                state.boundary[s].copy_(f.states[first[b] + nch[b] - 1])
-    # the open chunk after each piece: its last L % C rows
+    pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
+    init = state.boundary[torch.tensor(sl, dtype=torch.long, device=dev)]
+    o_all, states, fin = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+    first = 0
     for b, s in enumerate(sl):
         L = lens[b]
-        r = L % C
+        nch = -(-L // C)
+        if L and L % C == 0:     # ends on a chunk boundary: the final state is the new boundary
+            state.boundary[s].copy_(fin[b])
+        elif L:                  # else the state entering its last (open) chunk
+            state.boundary[s].copy_(states[first + nch - 1])
+        first += nch
+        r = L % C                # the open chunk after the piece: its last L % C rows
         if r:
             a0 = starts[b] + L - r
-            state.buf_q[s, :r] = pq[a0:a0 + r]
-            state.buf_k[s, :r] = pk[a0:a0 + r]
-            state.buf_v[s, :r] = pv[a0:a0 + r]
-            state.buf_g[s, :r] = pg[a0:a0 + r]
-            state.buf_beta[s, :r] = pb[a0:a0 + r]
+            for buf, src in zip((state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
+                                (pq, pk, pv, pg, pb)):
+                buf[s, :r] = src[a0:a0 + r]
         state.fill[s] = r
     return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
+
+
+def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine prefill on the native WY kernels (``engine_step``)."""
+    return engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_triton)
 
 
 def _launch_out(q, f, o, C):

@@ -1,7 +1,9 @@
-"""CPR version 4 (isoexec_kernels/gdn_core/cpr_chunk.py, work in progress): every output from the
-chunk form on the native WY kernels. Under the Triton interpreter: the trainer's rows equal the
-engine's, prefill split anywhere and decode token by token interleaved, bitwise, and they are the
-function (tolerance against the float64 recurrence); a slot reset starts a sequence over."""
+"""CPR version 4 (isoexec_kernels/gdn_core/cpr_chunk.py and its reference twin cpr_chunk_reference.py,
+work in progress): every output from the chunk form on the native WY kernels. On the CPU, the
+reference: trainer == engine prefill split anywhere == decode, bitwise, and the function at bf16
+tolerance. Under the Triton interpreter, the kernels: the same equalities, a slot reset starts a
+sequence over, and the kernels agree with the reference twin (at tolerance: the interpreter's bf16
+cast truncates, so the twin is run with truncation too)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,35 @@ def _cpr4():
     from isoexec_kernels.gdn_core import cpr_chunk
 
     return cpr_chunk
+
+
+def _ref4():
+    from isoexec_kernels.gdn_core import cpr_chunk_reference
+
+    return cpr_chunk_reference
+
+
+@pytest.mark.parametrize("C,lens,seed", [(16, [40, 5, 33, 1], 40), (64, [70, 3, 130], 41)])
+def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C, lens, seed):
+    R = _ref4()
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=seed)
+    trainer = R.cpr4_varlen_reference(*inp, chunk=C)
+    want = torch_recurrence(*(x.double() for x in inp[:5]), inp[5])
+    assert kb.rel_l2(trainer, want) < 1e-2, "bf16 operands, fp32 accumulation"
+    for plan_seed in (1, 2, 3):
+        st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True)
+        plan = random_plan(lens, plan_seed + 10 * seed, max_decode=2 * C)
+        slots = list(range(len(lens) + 1, 0, -1))[:len(lens)]
+        o = run_engine(inp, lens, plan, slots, st, R.cpr4_engine_reference, R.cpr4_decode_reference, C)
+        kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
+
+
+def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
+    R = _ref4()
+    inp = make_inputs([5], Hk=1, H=2, Dk=16, Dv=16, seed=42)
+    st = GDNState.allocate(2, 2, 16, 16, "cpu", chunk=16)
+    with pytest.raises(ValueError, match="with_q=True"):
+        R.cpr4_engine_reference(*inp[:5], inp[5], torch.tensor([1]), st, chunk=16)
 
 
 def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
@@ -49,6 +80,23 @@ def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):
     assert int(st.fill[1]) == 0 and not st.boundary[1].any() and not st.buf_q[1].any()
     again = run_engine(inp, lens, plan, [1], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
     kb.assert_bitwise(again, first, "the same sequence again after a slot reset")
+
+
+def interp_case_cpr4_kernels_agree_with_the_reference_twin(kb):
+    from isoexec_kernels.gdn_core import native_wy as NW
+    from test_gdn_native_wy import trunc_bf16
+
+    C4, R = _cpr4(), _ref4()
+    for C, lens in ((16, [40, 5, 33]), (64, [70, 3])):
+        inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=43, v_dtype=torch.bfloat16)
+        got = C4.cpr4_varlen_triton(*inp, chunk=C)
+        keep = NW.round_bf16
+        NW.round_bf16 = trunc_bf16   # the interpreter truncates where a GPU rounds to nearest even
+        try:
+            twin = R.cpr4_varlen_reference(*inp, chunk=C)
+        finally:
+            NW.round_bf16 = keep
+        assert kb.rel_l2(got, twin) < 1e-4, C
 
 
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
