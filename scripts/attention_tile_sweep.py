@@ -94,6 +94,20 @@ def _ndiff(a, b):
     return int((a.contiguous().view(torch.int16) != b.contiguous().view(torch.int16)).sum())
 
 
+def _paged_case(lens_l, hkv, d, g):
+    """Random paged K/V for sequences of ``lens_l`` tokens (pages of PAGE, a random page table):
+    (k cache, v cache, block table, context lengths, cu_seqlens)."""
+    b = len(lens_l)
+    max_pages = max(-(-n // PAGE) for n in lens_l)
+    pages = b * max_pages
+    kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    bt = torch.randperm(pages, device="cuda", generator=g).to(torch.int32).view(b, max_pages)
+    lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0] + lens_l, device="cuda").cumsum(0).to(torch.int32)
+    return kc, vc, bt, lens, cu
+
+
 def invariance(cfg, hq, hkv, d, pinned):
     """Differing elements: decode vs prefill last row, chunked vs one-shot prefill, varlen vs paged,
     and across tiles: decode and paged prefill with the pinned tile vs this candidate's prefill
@@ -102,13 +116,7 @@ def invariance(cfg, hq, hkv, d, pinned):
     lens_l = [1, 63, 64, 65, 200, 517, 1000]
     b = len(lens_l)
     scale = d ** -0.5
-    max_pages = max(-(-n // PAGE) for n in lens_l)
-    pages = b * max_pages
-    kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    vc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    bt = torch.randperm(pages, device="cuda", generator=g).to(torch.int32).view(b, max_pages)
-    lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0] + lens_l, device="cuda").cumsum(0).to(torch.int32)
+    kc, vc, bt, lens, cu = _paged_case(lens_l, hkv, d, g)
     t = int(cu[-1])
     q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     one, _ = _launch(q, kc, vc, bt, cu, lens, scale, max(lens_l), PAGE, cfg)
@@ -239,13 +247,7 @@ def decode_tile_invariance(cand, pinned, hq, hkv, d, seeds=(0, 1, 2)) -> dict:
     for seed in seeds:
         g = torch.Generator(device="cuda").manual_seed(seed)
         b = len(lens_l)
-        max_pages = max(-(-n // PAGE) for n in lens_l)
-        pages = b * max_pages
-        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        vc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        bt = torch.randperm(pages, device="cuda", generator=g).to(torch.int32).view(b, max_pages)
-        lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
-        cu = torch.tensor([0] + lens_l, device="cuda").cumsum(0).to(torch.int32)
+        kc, vc, bt, lens, cu = _paged_case(lens_l, hkv, d, g)
         q = torch.randn(int(cu[-1]), hq, d, device="cuda", dtype=torch.bfloat16, generator=g) * (1 + seed)
         one, _ = _launch(q, kc, vc, bt, cu, lens, scale, max(lens_l), PAGE, pinned)
         last = cu[1:].long() - 1

@@ -26,45 +26,8 @@ import torch
 
 from . import cpr_chunk, native_wy
 from .plan import chunk_plan
-from .reference import _exp, _mm, _sum_dim
+from .reference import _exp, _mm, block_cumsum_reference, blocked_inverse_reference
 from .state import CHUNK, GDNState
-
-
-def _block_G(g: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """G [N, C]: running sums inside each ``block``-row block plus the blocks before it."""
-    N, C = g.shape
-    block = block if C % block == 0 else C
-    G = torch.empty_like(g)
-    before = None
-    for a in range(C // block):
-        acc = g.new_zeros(N)
-        for t in range(a * block, (a + 1) * block):
-            acc = acc + g[:, t]
-            G[:, t] = acc if before is None else acc + before
-        before = acc if before is None else before + acc
-    return G
-
-
-def _blocked_inverse(A: torch.Tensor, block: int = 16) -> torch.Tensor:
-    """(I + A)^-1 for strictly lower triangular A [N, C, C] by 16-row blocks (module docstring)."""
-    N, C, _ = A.shape
-    block = block if C % block == 0 else C
-    eye = torch.eye(block, dtype=A.dtype, device=A.device)
-    blk = lambda x, a, b: x[:, a * block:(a + 1) * block, b * block:(b + 1) * block]  # noqa: E731
-    Tm = torch.zeros_like(A)
-    for a in range(C // block):
-        Ta = eye.expand(N, block, block).clone()
-        Aa = blk(A, a, a)
-        for i in range(1, block):
-            Ta[:, i] = eye[i] - _sum_dim(Aa[:, i, :, None] * Ta, 1)
-        blk(Tm, a, a).copy_(Ta)
-        for b in range(a - 1, -1, -1):
-            acc = None
-            for c in range(b, a):
-                term = _mm(blk(A, a, c), blk(Tm, c, b))
-                acc = term if acc is None else acc + term
-            blk(Tm, a, b).copy_(-_mm(Ta, acc))
-    return Tm
 
 
 def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
@@ -88,14 +51,14 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
         return y.movedim(2, 1).reshape(P * H, C, *x.shape[2:])
 
     Q, K, V, g, beta = chunks(pq), chunks(pk), chunks(pv), chunks(pg), chunks(pb)
-    G = _block_G(g)
+    G = block_cumsum_reference(g)
     strict = t[None, :] < t[:, None]
     incl = t[None, :] <= t[:, None]
     zero = torch.zeros((), dtype=torch.float32, device=dev)
     dG = G[:, :, None] - G[:, None, :]
     Kr = r(K)
     A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * _exp(torch.where(strict, dG, zero)), zero)
-    Tm = r(_blocked_inverse(A))
+    Tm = r(blocked_inverse_reference(A))
     W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
     U = r(_mm(Tm, r(V * beta[:, :, None])))
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)

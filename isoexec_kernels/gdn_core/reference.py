@@ -78,35 +78,34 @@ def _chunk_state_reference(S, W, U, Kd, e_last):
     return S * e_last[:, None, None] + _mm(Kd.transpose(1, 2), Vnew)
 
 
-def _chunk_prep_wy_reference(K, V, g, beta, block: int = 16):
-    """The state-independent part of chunk_update in the WY form (``boundary = "wy"``, cpr_wy.py)
-    for N complete chunks (blocks of 16 rows; a chunk that is not a multiple of 16 is one block):
-    G by running sums inside the blocks plus the blocks before them; A;
-    T = (I + A)^-1 with each diagonal block by forward substitution and the blocks below by
-    T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb) (the sum from c = a - 1 down, as the kernel nests its
-    dots); W = T (k beta e^G), U = T (v beta). Returns (W, U, K, e_last, tail = e^(G_last - G)),
-    so that B_c+1 = B_c e_last + K^T ((U - W B_c) tail)."""
+def block_cumsum_reference(g: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """G [N, C] of the WY form: running sums inside each ``block``-row block plus the sums of the
+    blocks before it (a chunk that is not a multiple of ``block`` rows is one block)."""
     N, C = g.shape
     if C % block:
-        block = C   # a chunk shorter than (or not a multiple of) 16 rows is one diagonal block
-    nb = C // block
+        block = C
     G = torch.empty_like(g)
     before = g.new_zeros(N)
-    for a in range(nb):
+    for a in range(C // block):
         acc = g.new_zeros(N)
         for t in range(a * block, (a + 1) * block):
             acc = acc + g[:, t]
             G[:, t] = acc + before if a else acc
         before = before + acc if a else acc
-    idx = torch.arange(C, device=g.device)
-    lower = idx[None, :] < idx[:, None]
-    zero = torch.zeros((), dtype=g.dtype, device=g.device)
-    dG = torch.where(lower, G[:, :, None] - G[:, None, :], zero)
-    A = torch.where(lower, (beta[:, :, None] * _mm(K, K.transpose(1, 2))) * _exp(dG), zero)
-    eye = torch.eye(block, dtype=g.dtype, device=g.device)
+    return G
+
+
+def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower triangular A [N, C, C]: each diagonal ``block``-row block by
+    forward substitution, the blocks below it by T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb), the sum
+    from the innermost dot A_ab T_bb on, as the kernel nests its dots (A's dtype, fixed order)."""
+    N, C, _ = A.shape
+    if C % block:
+        block = C
+    eye = torch.eye(block, dtype=A.dtype, device=A.device)
     blk = lambda x, a, b: x[:, a * block:(a + 1) * block, b * block:(b + 1) * block]  # noqa: E731
     Tm = torch.zeros_like(A)
-    for a in range(nb):
+    for a in range(C // block):
         Ta = eye.expand(N, block, block).clone()
         Aa = blk(A, a, a)
         for i in range(1, block):
@@ -118,6 +117,25 @@ def _chunk_prep_wy_reference(K, V, g, beta, block: int = 16):
                 term = _mm(blk(A, a, c), blk(Tm, c, b))
                 acc = term if acc is None else acc + term
             blk(Tm, a, b).copy_(-_mm(Ta, acc))
+    return Tm
+
+
+def _chunk_prep_wy_reference(K, V, g, beta, block: int = 16):
+    """The state-independent part of chunk_update in the WY form (``boundary = "wy"``, cpr_wy.py)
+    for N complete chunks (blocks of 16 rows; a chunk that is not a multiple of 16 is one block):
+    G by running sums inside the blocks plus the blocks before them; A;
+    T = (I + A)^-1 with each diagonal block by forward substitution and the blocks below by
+    T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb) (the sum from c = a - 1 down, as the kernel nests its
+    dots); W = T (k beta e^G), U = T (v beta). Returns (W, U, K, e_last, tail = e^(G_last - G)),
+    so that B_c+1 = B_c e_last + K^T ((U - W B_c) tail)."""
+    N, C = g.shape
+    G = block_cumsum_reference(g, block)
+    idx = torch.arange(C, device=g.device)
+    lower = idx[None, :] < idx[:, None]
+    zero = torch.zeros((), dtype=g.dtype, device=g.device)
+    dG = torch.where(lower, G[:, :, None] - G[:, None, :], zero)
+    A = torch.where(lower, (beta[:, :, None] * _mm(K, K.transpose(1, 2))) * _exp(dG), zero)
+    Tm = blocked_inverse_reference(A, block)
     W = _mm(Tm, K * (beta * _exp(G))[:, :, None])
     U = _mm(Tm, V * beta[:, :, None])
     g_last = G[:, C - 1]
