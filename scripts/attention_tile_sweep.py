@@ -108,6 +108,18 @@ def _paged_case(lens_l, hkv, d, g):
     return kc, vc, bt, lens, cu
 
 
+def _decode_case(b, ctx, hkv, d):
+    """Paged K/V of b sequences of ctx tokens each for a decode timing: (k cache, v cache, block
+    table, context lengths, the decode cu_seqlens)."""
+    pages = b * ctx // PAGE
+    kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    bt = torch.randperm(pages, device="cuda").to(torch.int32).view(b, ctx // PAGE)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    return kc, vc, bt, lens, cu
+
+
 def invariance(cfg, hq, hkv, d, pinned):
     """Differing elements: decode vs prefill last row, chunked vs one-shot prefill, varlen vs paged,
     and across tiles: decode and paged prefill with the pinned tile vs this candidate's prefill
@@ -178,12 +190,7 @@ def timings(cfg, hq, hkv, d, with_baseline):
             r["sdpa_ms"] = round(time_ms(sdpa, "cuda"), 5)
         res.append(r)
     for b, ctx in DECODE:
-        pages = b * ctx // PAGE
-        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(pages, device="cuda").to(torch.int32).view(b, ctx // PAGE)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        kc, vc, bt, lens, cu = _decode_case(b, ctx, hkv, d)
         qs = [torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         i = {"i": 0}
 
@@ -271,12 +278,7 @@ def decode_tile_timings(cfg, hq, hkv, d) -> list[dict]:
     scale = d ** -0.5
     res = []
     for b, ctx in DECODE_SHAPES:
-        pages = b * ctx // PAGE
-        kc = torch.randn(pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        bt = torch.randperm(pages, device="cuda").to(torch.int32).view(b, ctx // PAGE)
-        lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
-        cu = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+        kc, vc, bt, lens, cu = _decode_case(b, ctx, hkv, d)
         q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
         ms = time_ms(lambda: _launch(q, kc, vc, bt, cu, lens, scale, 1, PAGE, cfg), "cuda-graph")
         kv_bytes = 2 * b * ctx * hkv * d * 2
