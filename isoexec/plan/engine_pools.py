@@ -17,7 +17,6 @@ change to what a page or a state slot holds changes the plan with it.
 
 from __future__ import annotations
 
-from dataclasses import fields
 
 import torch
 
@@ -45,7 +44,7 @@ def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str, eng
     slots = num_state_slots + 1                 # + the scratch slot of padded graph lanes
     st = GDNState.allocate(slots, cfg.linear_num_value_heads // engine_tp, cfg.linear_key_head_dim,
                            cfg.linear_value_head_dim, "meta", chunk=chunk)
-    per_layer = sum(getattr(st, f.name).nbytes for f in fields(st))
+    per_layer = st.nbytes
     conv = torch.empty((slots, cfg.conv_dim // engine_tp, cfg.linear_conv_kernel_dim - 1),
                        dtype=TORCH_DTYPES[dtype], device="meta")
     return len(cfg.gdn_layers) * (per_layer + conv.nbytes)

@@ -67,10 +67,17 @@ class GDNState:
         return (self.buf_k.view(-1, H, Dk), self.buf_v.view(-1, H, Dv), self.buf_g.view(-1, H),
                 self.buf_beta.view(-1, H))
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The allocated tensors (``buf_q`` only when it was asked for)."""
+        return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every allocated tensor (the memory plan counts them)."""
+        return sum(t.nbytes for t in self.tensors())
+
     def reset_(self, slots: torch.Tensor) -> None:
         """Zero the given slots in place (new sequence, preemption, weight update)."""
         slots = slots.to(device=self.fill.device, dtype=torch.long)
-        for f in fields(self):
-            t = getattr(self, f.name)
-            if t is not None:
-                t.index_fill_(0, slots, 0)
+        for t in self.tensors():
+            t.index_fill_(0, slots, 0)

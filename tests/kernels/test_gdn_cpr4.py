@@ -43,6 +43,17 @@ def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C
         kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
 
 
+def test_the_query_buffer_is_allocated_counted_and_reset_only_when_asked_for():
+    plain = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16)
+    with_q = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16, with_q=True)
+    assert plain.buf_q is None and with_q.buf_q.shape == (3, 16, 2, 16)
+    assert with_q.nbytes - plain.nbytes == with_q.buf_q.nbytes == 3 * 16 * 2 * 16 * 4
+    with_q.buf_q.fill_(1.0)
+    plain.reset_(torch.tensor([1]))                  # no buffer, nothing to reset: no error
+    with_q.reset_(torch.tensor([1]))
+    assert not with_q.buf_q[1].any() and with_q.buf_q[0].all() and with_q.buf_q[2].all()
+
+
 def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
     R = _ref4()
     inp = make_inputs([5], Hk=1, H=2, Dk=16, Dv=16, seed=42)

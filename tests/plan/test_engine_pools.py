@@ -15,7 +15,9 @@ def _engine_bytes(engine):
     kv = sum(t.nbytes for t in r.kv.k + r.kv.v)
     state = 0
     if r.recurrent:
-        state = sum(getattr(s, f).nbytes for s in r.gdn_states for f in s.__dataclass_fields__)
+        # every tensor the slots hold, counted here without GDNState.nbytes (which the plan uses)
+        state = sum(t.nbytes for s in r.gdn_states for t in (getattr(s, f) for f in s.__dataclass_fields__)
+                    if t is not None)
         state += sum(c.nbytes for c in r.conv_states)
     return kv, state
 
