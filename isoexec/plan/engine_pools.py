@@ -17,7 +17,6 @@ change to what a page or a state slot holds changes the plan with it.
 
 from __future__ import annotations
 
-
 import torch
 
 from isoexec_kernels.gdn_core import GDNState

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .native_wy import (NativeWYChoice, _dtypes, _rows3, _wy_out_kernel, launch_inverse_wu, launch_wy_state,
+from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
+from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
 CPR4_CHOICE = NativeWYChoice(dot="bf16")
@@ -49,7 +50,7 @@ def cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> t
 
 def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
     """[N, Hk, D] keys or queries repeated to the H value heads ([N, H, D])."""
-    return x if x.shape[1] == H else x.repeat_interleave(H // x.shape[1], dim=1)
+    return _expand_heads(x, H // x.shape[1])
 
 
 def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
@@ -64,7 +65,7 @@ def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
         return o, None, fin
-    _launch_out(pq, f, o, C)
+    launch_wy_out(pq, f, o, C)
     return o, f.states, fin
 
 
@@ -121,17 +122,6 @@ def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *
     return engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_triton)
 
 
-def _launch_out(q, f, o, C):
-    dm = f.dims
-    obv = min(f.choice.out_bv, dm["DVP"])
-    q = _rows3(q)
-    _wy_out_kernel[(-(-dm["Dv"] // obv), dm["H"], f.P)](
-        q, f.kc, f.gc, f.states, f.vn, o, f.row0, f.nrow, dm["H"], dm["rep"], dm["Dk"], dm["Dv"],
-        q.stride(0), q.stride(1), f.kc.stride(0), f.kc.stride(1), o.stride(0), o.stride(1),
-        C=C, DKP=dm["DKP"], BK=dm["BK"], BV=obv, **f.num,
-        num_warps=f.choice.out_warps, num_stages=f.choice.out_stages)
-
-
 def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
     """Engine decode, one token per lane: appends it to the slot's open chunk and runs the chunk
     form on the chunk's rows so far from ``boundary``; o [B, H, Dv] fp32 is their last row. No host
@@ -173,11 +163,9 @@ def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int =
                     init_idx, fin_idx, H, 1, C, DKP, state_tile(choice, st_dt, DVP), num,
                     choice.state_warps, choice.state_stages)
     o_rows = torch.empty(S_ * C, H, Dv, dtype=torch.float32, device=dev)
-    obv = min(choice.out_bv, DVP)
-    _wy_out_kernel[(-(-Dv // obv), H, B)](
-        bq, kc, gc, states, vn, o_rows, row0, nrow, H, 1, Dk, Dv,
-        bq.stride(0), bq.stride(1), kc.stride(0), kc.stride(1), o_rows.stride(0), o_rows.stride(1),
-        C=C, DKP=DKP, BK=BK, BV=obv, **num, num_warps=choice.out_warps, num_stages=choice.out_stages)
+    dims = dict(T=S_ * C, Hk=H, H=H, Dk=Dk, Dv=Dv, rep=1, DKP=DKP, DVP=DVP, BK=BK)
+    launch_wy_out(bq, WYParts(choice, B, B, row0, nrow, chunk0, nchunk, gc, Tm, W, kc, states, vn, num, dims,
+                              st_dt), o_rows, C)
     state.fill[sl] = (n % C).to(state.fill.dtype)
     return o_rows[sl * C + pos]
 

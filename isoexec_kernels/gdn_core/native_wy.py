@@ -492,15 +492,21 @@ def wy_chunk_triton(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: i
         return o
     if t_out is not None:
         t_out.copy_(f.T)
-    choice, dm = f.choice, f.dims
+    launch_wy_out(q, f, o, chunk)
+    return o
+
+
+def launch_wy_out(q, f: "WYParts", o: torch.Tensor, C: int) -> None:
+    """The output kernel over the chunks of ``f`` (what ``wy_forward_parts`` or a caller's own
+    launches of the first three kernels left): o's rows of every chunk, written in place."""
+    dm = f.dims
     q = _rows3(q)
-    obv = min(choice.out_bv, dm["DVP"])
+    obv = min(f.choice.out_bv, dm["DVP"])
     _wy_out_kernel[(-(-dm["Dv"] // obv), dm["H"], f.P)](
         q, f.kc, f.gc, f.states, f.vn, o, f.row0, f.nrow, dm["H"], dm["rep"], dm["Dk"], dm["Dv"],
         q.stride(0), q.stride(1), f.kc.stride(0), f.kc.stride(1), o.stride(0), o.stride(1),
-        C=chunk, DKP=dm["DKP"], BK=dm["BK"], BV=obv, **f.num,
-        num_warps=choice.out_warps, num_stages=choice.out_stages)
-    return o
+        C=C, DKP=dm["DKP"], BK=dm["BK"], BV=obv, **f.num,
+        num_warps=f.choice.out_warps, num_stages=f.choice.out_stages)
 
 
 @dataclass
