@@ -106,8 +106,10 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         return cfg("tma", 128, 128, 8, 4, ws=True)
     if N <= 2048:
         if M <= 2048:
-            # 0.6B o 0.908x in the sweep that had the former 4-warp entry at 0.890x (fc3181a, one
-            # wave: 128 tiles on 132 SMs, so the tile's own latency is what counts)
+            # 0.6B o 0.87-0.91x, down 0.90-0.93x: a tie with the former 128 x 128 / 4-warp entry
+            # (0.908 vs 0.890x at fc3181a, 0.879 vs 0.893x at 91cc296, same-run sweeps). One wave
+            # (128 tiles, 132 SMs) at ~8 TB/s of L2 reads: what cuBLAS has over it is likely
+            # cluster multicast, which Triton 3.6 does not offer on Hopper
             return cfg("tma", 128, 128, 8, 4, ws=True)
         return cfg("tma", 128, 256, 8, 3, ws=True)       # 0.94-0.98x
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
