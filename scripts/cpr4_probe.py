@@ -4,8 +4,9 @@ decode, bitwise, at Qwen3.5-9B's GDN sizes, also inside a CUDA graph; and what d
 the native composition and CPR version 3, stage by stage (the shapes of ``isoexec bench cpr``)?
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
-steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows; then 40 decode steps
-of 256 lanes replayed from a CUDA graph against the same steps run eagerly (outputs and states).
+steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
+and with the prefix decode; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
+the same steps run eagerly (outputs and states). Last, the row decode's kernels under torch.profiler.
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
 5 x 2048, prefill 5 x 2048 from fresh slots, decode 256 lanes with random fills under a CUDA graph.
 
@@ -47,11 +48,15 @@ def bits(dims, dev) -> dict:
     trainer = C4.cpr4_varlen_triton(*xs, cu, chunk=C)
     out = {"elements": trainer.numel(), "plans": []}
     for seed in (1, 2, 3):
-        st = _state(len(lens) + 2, dims, dev)
         plan = random_plan(lens, seed, max_decode=80)
-        o = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
-        out["plans"].append({"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan),
-                             "differing": count_differing(o, trainer)})
+        row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
+        got = {}
+        for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton)):
+            st = _state(len(lens) + 2, dims, dev)
+            got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
+            row[f"differing_{name}"] = count_differing(got[name], trainer)
+        row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
+        out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
     B = 256
     gen = torch.Generator(device="cpu").manual_seed(6)
@@ -67,7 +72,8 @@ def bits(dims, dev) -> dict:
         outs = []
         fn = lambda: C4.cpr4_decode_triton(*inp, slots, st, chunk=C)  # noqa: E731
         if mode == "graph":
-            keep = {f: getattr(st, f).clone() for f in ("boundary", "fill", "buf_q", "buf_k", "buf_v", "buf_g", "buf_beta")}
+            keep = {f: getattr(st, f).clone() for f in ("boundary", "fill", "buf_q", "buf_k", "buf_v", "buf_g", "buf_beta",
+                                                          "buf_vn")}
             for x, y in zip(inp, steps[0]):
                 x.copy_(y)
             graph = torch.cuda.CUDAGraph()
@@ -114,7 +120,7 @@ def timings(dims, dev) -> list[dict]:
         gen = torch.Generator().manual_seed(4)
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
-                            ("cpr_v4", C4.cpr4_decode_triton, True)):
+                            ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")
@@ -122,7 +128,29 @@ def timings(dims, dev) -> list[dict]:
     for r in rows:
         nat_ms = next(x["ms"] for x in rows if x["stage"] == r["stage"] and x["impl"] == "native")
         r["vs_native"] = round(r["ms"] / nat_ms, 3)
-        print(f"{r['stage']:12s} {r['impl']:7s} {r['ms']:9.4f} ms  x{r['vs_native']:.2f} native", flush=True)
+        print(f"{r['stage']:12s} {r['impl']:13s} {r['ms']:9.4f} ms  x{r['vs_native']:.2f} native", flush=True)
+    return rows
+
+
+def decode_profile(dims, dev) -> list[dict]:
+    """The row decode's kernels at 256 lanes (eager, 20 steps, random fills): device time per kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    C, B = dims["chunk"], FULL["decode"]
+    xs, _ = _inputs([B], dims, dev, torch.bfloat16, seed=3)
+    slots = torch.arange(B, device=dev)
+    st = _state(B + 1, dims, dev)
+    st.fill.copy_(torch.randint(0, C, (B + 1,), generator=torch.Generator().manual_seed(4), dtype=torch.int32).to(dev))
+    C4.cpr4_decode_triton(*xs, slots, st, chunk=C)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            C4.cpr4_decode_triton(*xs, slots, st, chunk=C)
+        torch.cuda.synchronize()
+    rows = []
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
+        rows.append({"kernel": e.key[:90], "calls": e.count, "us_per_step": round(e.device_time_total / 20, 1)})
+        print(f"  {rows[-1]['us_per_step']:9.1f} us/step  {e.count:4d}x  {rows[-1]['kernel']}", flush=True)
     return rows
 
 
@@ -138,6 +166,7 @@ def main():
         res["bits"] = bits(GDN_DIMS, dev)
     print("bits:", json.dumps(res["bits"]), flush=True)
     res["timings"] = timings(GDN_DIMS, dev)
+    res["decode_profile"] = decode_profile(GDN_DIMS, dev)
     res["seconds"] = round(time.time() - t0, 1)
     if args.out:
         with open(args.out, "w") as f:

@@ -22,9 +22,10 @@ rows the bits of the whole chunk: on the H200 0 of 128 prefixes differed through
 (``scripts/chunk_prefix_probe.py``, bf16 and tf32x3, zero and random start states). The chain
 resumed from a stored fp32 state continues with the values it carries in registers.
 
-Decode here recomputes the whole open chunk every step (a first correct version: about a prefill of
-B x C rows per step); the row-only replay that makes it cheap is the next step (docs/cpr.md). Not
-yet measured on a GPU, not in any contract.
+Decode by rows (``cpr_row_decode.py``) computes row t of the chunk form alone; the prefix decode
+(``cpr4_decode_prefix_triton``) recomputes the whole open chunk every step (the first correct
+version, 5.5x native decode on the H200 at ``fc3181a``) and is kept as its yardstick. Not in any
+contract yet.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
+from .cpr_row_decode import cpr4_decode_rows_triton
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -55,8 +57,9 @@ def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
 
 def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     """The chunk form over pieces (rows ``starts[b]..+lens[b]``, piece b from ``init[b]``): o [rows,
-    H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk) and each
-    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece)."""
+    H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk), each
+    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece) and Vn [P, H, C, Dv] as the
+    output kernel reads it (None without a chunk)."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
     fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
@@ -64,16 +67,16 @@ def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
                          states_dtype=torch.float32)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
-        return o, None, fin
+        return o, None, fin, None
     launch_wy_out(pq, f, o, C)
-    return o, f.states, fin
+    return o, f.states, fin, f.vn
 
 
 def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward) -> torch.Tensor:
     """The engine prefill of version 4 on a chunk-form ``forward`` (``_forward_triton`` or the
     reference's): sequence b's new rows continue slot ``slots[b]`` (module docstring); updates
-    ``state`` (boundary, the open chunk's buffers, fill) and returns o [T, H, Dv] fp32 for the new
-    rows. Host-side planning: the prefill path, not the captured decode."""
+    ``state`` (boundary, the open chunk's buffers and Vn rows, fill) and returns o [T, H, Dv] fp32
+    for the new rows. Host-side planning: the prefill path, not the captured decode."""
     if state.buf_q is None:
         raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
     C = chunk
@@ -97,7 +100,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
         row += f + e - a
     pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
     init = state.boundary[torch.tensor(sl, dtype=torch.long, device=dev)]
-    o_all, states, fin = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+    o_all, states, fin, vn = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
     first = 0
     for b, s in enumerate(sl):
         L = lens[b]
@@ -113,6 +116,8 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             for buf, src in zip((state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
                                 (pq, pk, pv, pg, pb)):
                 buf[s, :r] = src[a0:a0 + r]
+            if state.buf_vn is not None:   # the open chunk's Vn rows, for the row decode
+                state.buf_vn[s, :r] = vn[first - 1, :, :r].transpose(0, 1)   # its last chunk
         state.fill[s] = r
     return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
 
@@ -123,10 +128,18 @@ def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *
 
 
 def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
-    """Engine decode, one token per lane: appends it to the slot's open chunk and runs the chunk
+    """Engine decode, one token per lane, by rows: row t of the chunk form alone
+    (``cpr_row_decode.py``); o [B, H, Dv] fp32."""
+    return cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, CPR4_CHOICE, chunk=chunk)
+
+
+def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode, one token per lane, by prefix (the first correct version, kept as the row
+    decode's yardstick on the GPU): appends it to the slot's open chunk and runs the chunk
     form on the chunk's rows so far from ``boundary``; o [B, H, Dv] fp32 is their last row. No host
     sync: the plan (rows, counts, state indices) is computed on the device, so a CUDA graph can
-    capture it. Padded lanes point at a scratch slot and touch only that slot."""
+    capture it. Padded lanes point at a scratch slot and touch only that slot. It leaves the
+    slot's ``buf_vn`` as it was: a lane must not switch between the two decodes inside a chunk."""
     C = chunk
     choice = CPR4_CHOICE
     B = q.shape[0]
@@ -170,4 +183,4 @@ def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int =
     return o_rows[sl * C + pos]
 
 
-__all__ = ["CPR4_CHOICE", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton"]
+__all__ = ["CPR4_CHOICE", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton", "cpr4_decode_prefix_triton"]

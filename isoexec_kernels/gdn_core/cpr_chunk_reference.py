@@ -40,7 +40,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     o = torch.zeros(pk.shape[0], H, Dv, dtype=torch.float32, device=dev)
     fin = torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev)
     if P == 0:
-        return o, None, fin
+        return o, None, fin, None
     r = native_wy.round_bf16   # looked up per call: the interpreter tests swap in truncation
     t = torch.arange(C, device=dev)
     src = torch.tensor(row0, device=dev)[:, None] + t[None, :]                  # [P, C]
@@ -80,7 +80,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
-    return o, states, fin
+    return o, states, fin, vn.view(P, H, C, Dv)
 
 
 def cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:

@@ -536,11 +536,12 @@ class WYParts:
 
 
 def launch_inverse_wu(k, v, g, beta, row0, nrow, kc, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps,
-                      wu_warps):
+                      wu_warps, wu_nrow=None):
     """The inverse and W/U kernels over the chunks of ``row0`` / ``nrow`` (int32 on device; a chunk
     of 0 rows is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C], W [P, H, C,
     Dk], U [P, H, C, Dv]) in ``st_dt``. ``kc``: where the W/U kernel writes k in the operand dtype
-    (``k`` itself: nothing written)."""
+    (``k`` itself: nothing written). ``wu_nrow``: the W/U kernel's row counts where they differ
+    from the inverse's (CPR's row decode: W and U only for the chunks that complete)."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     dev = v.device
@@ -554,7 +555,7 @@ def launch_inverse_wu(k, v, g, beta, row0, nrow, kc, n_rows, H, rep, C, BK, num,
         C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=inv_dot, **num, num_warps=inv_warps)
     nkb = -(-Dk // BK)
     _wy_wu_kernel[(nkb + -(-Dv // BK), H, P)](
-        k, v, beta, row0, nrow, gc, Tm, W, U, kc, H, rep, Dk, Dv,
+        k, v, beta, row0, nrow if wu_nrow is None else wu_nrow, gc, Tm, W, U, kc, H, rep, Dk, Dv,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), beta.stride(0), kc.stride(0), kc.stride(1),
         C=C, BK=BK, NKB=nkb, STORE_KC=kc is not k, **num, num_warps=wu_warps)
     return gc, Tm, W, U

@@ -1,5 +1,6 @@
-"""CPR version 4 (isoexec_kernels/gdn_core/cpr_chunk.py and its reference twin cpr_chunk_reference.py,
-work in progress): every output from the chunk form on the native WY kernels. On the CPU, the
+"""CPR version 4 (isoexec_kernels/gdn_core/cpr_chunk.py, its decode by rows cpr_row_decode.py and the
+reference twin cpr_chunk_reference.py, work in progress): every output from the chunk form on the
+native WY kernels. On the CPU, the
 reference: trainer == engine prefill split anywhere == decode, bitwise, and the function at bf16
 tolerance. Under the Triton interpreter, the kernels: the same equalities, a slot reset starts a
 sequence over, and the kernels agree with the reference twin (at tolerance: the interpreter's bf16
@@ -43,15 +44,19 @@ def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C
         kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
 
 
-def test_the_query_buffer_is_allocated_counted_and_reset_only_when_asked_for():
+def test_the_query_and_vn_buffers_are_allocated_counted_and_reset_only_when_asked_for():
     plain = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16)
     with_q = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16, with_q=True)
-    assert plain.buf_q is None and with_q.buf_q.shape == (3, 16, 2, 16)
-    assert with_q.nbytes - plain.nbytes == with_q.buf_q.nbytes == 3 * 16 * 2 * 16 * 4
+    assert plain.buf_q is None and plain.buf_vn is None
+    assert with_q.buf_q.shape == (3, 16, 2, 16) and with_q.buf_vn.shape == (3, 16, 2, 8)
+    assert with_q.buf_vn.dtype == torch.bfloat16, "Vn rows in the chunk form's storage dtype"
+    assert with_q.nbytes - plain.nbytes == 3 * 16 * 2 * 16 * 4 + 3 * 16 * 2 * 8 * 2
     with_q.buf_q.fill_(1.0)
+    with_q.buf_vn.fill_(1.0)
     plain.reset_(torch.tensor([1]))                  # no buffer, nothing to reset: no error
     with_q.reset_(torch.tensor([1]))
-    assert not with_q.buf_q[1].any() and with_q.buf_q[0].all() and with_q.buf_q[2].all()
+    for buf in (with_q.buf_q, with_q.buf_vn):
+        assert not buf[1].any() and buf[0].all() and buf[2].all()
 
 
 def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
@@ -76,7 +81,11 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
         assert sum(kind == "decode" for kind, _ in plan) >= 3, "the plan must decode"
         slots = list(range(len(lens) + 1, 0, -1))[:len(lens)]
         o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
-        kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C}")
+        kb.assert_bitwise(o, trainer, f"engine split + decode by rows == trainer, C={C}")
+        if C == 16:   # the prefix decode (the row decode's yardstick on the GPU) too
+            st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True)
+            o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, C4.cpr4_decode_prefix_triton, C)
+            kb.assert_bitwise(o, trainer, "engine split + decode by prefix == trainer, C=16")
 
 
 def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):
@@ -88,7 +97,7 @@ def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):
     plan = [("prefill", {0: 3})] + [("decode", [0])] * 34
     first = run_engine(inp, lens, plan, [1], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
     st.reset_(torch.tensor([1]))
-    assert int(st.fill[1]) == 0 and not st.boundary[1].any() and not st.buf_q[1].any()
+    assert int(st.fill[1]) == 0 and not st.boundary[1].any() and not st.buf_q[1].any() and not st.buf_vn[1].any()
     again = run_engine(inp, lens, plan, [1], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
     kb.assert_bitwise(again, first, "the same sequence again after a slot reset")
 
