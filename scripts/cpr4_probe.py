@@ -154,14 +154,73 @@ def decode_profile(dims, dev) -> list[dict]:
     return rows
 
 
+SWEEP = [dict(), dict(prep_warps=1), dict(prep_warps=2), dict(prep_warps=1, out_warps=8),
+         dict(prep_warps=2, out_warps=8), dict(prep_warps=1, out_warps=2)]
+"""CPR4_CHOICE variants for ``--sweep`` (fields of NativeWYChoice over the pinned ``dot="bf16"``): the
+inverse kernel's warps (its 15-step substitution reduces 16 x 16 tiles across warps) and the output
+kernel's, which the row decode takes too."""
+
+
+def sweep(dims, dev) -> list[dict]:
+    """Each variant of ``SWEEP`` pinned in turn for trainer, prefill and decode alike: the bits of one
+    random plan (row decode against the trainer) and the three stages' times."""
+    import dataclasses
+
+    from test_gdn_core import random_plan, run_engine
+
+    C, B = dims["chunk"], FULL["decode"]
+    keep = C4.CPR4_CHOICE
+    lens = [300, 70, 129]
+    xs, cu = _inputs(lens, dims, dev, torch.bfloat16, seed=5)
+    b, L = FULL["train"]
+    xt, cut = _inputs([L] * b, dims, dev, torch.bfloat16, seed=1)
+    xd, _ = _inputs([B], dims, dev, torch.bfloat16, seed=3)
+    fills = torch.randint(0, C, (B + 1,), generator=torch.Generator().manual_seed(4), dtype=torch.int32).to(dev)
+    out = []
+    try:
+        for var in SWEEP:
+            C4.CPR4_CHOICE = dataclasses.replace(keep, **var)
+            row = {"variant": var}
+            try:
+                trainer = C4.cpr4_varlen_triton(*xs, cu, chunk=C)
+                st = _state(len(lens) + 2, dims, dev)
+                o = run_engine((*xs, cu), lens, random_plan(lens, 1, max_decode=80), [4, 1, 2], st,
+                               C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
+                row["differing"] = count_differing(o, trainer)
+                row["trainer_fwd_ms"] = round(time_ms(lambda: C4.cpr4_varlen_triton(*xt, cut, chunk=C), "cuda"), 4)
+                sp = _state(b, dims, dev)
+                slots = torch.arange(b, device=dev)
+                row["prefill_ms"] = round(time_ms(lambda: C4.cpr4_engine_triton(*xt, cut, slots, sp, chunk=C), "cuda"), 4)
+                sd = _state(B + 1, dims, dev)
+                sd.fill.copy_(fills)
+                dslots = torch.arange(B, device=dev)
+                run = _graphed(lambda: C4.cpr4_decode_triton(*xd, dslots, sd, chunk=C), "cuda")
+                row["decode_ms"] = round(time_ms(run, "cuda"), 4)
+            except Exception as exc:  # noqa: BLE001 - a variant may not compile (registers, shared memory)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            print("sweep", json.dumps(row), flush=True)
+            out.append(row)
+    finally:
+        C4.CPR4_CHOICE = keep
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="only the CPR4_CHOICE variants of SWEEP")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit(),
            "dims": GDN_DIMS}
+    if args.sweep:
+        with torch.no_grad():
+            res["sweep"] = sweep(GDN_DIMS, dev)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     with torch.no_grad():
         res["bits"] = bits(GDN_DIMS, dev)
     print("bits:", json.dumps(res["bits"]), flush=True)
