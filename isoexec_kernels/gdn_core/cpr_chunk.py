@@ -38,8 +38,12 @@ from .cpr_row_decode import cpr4_decode_rows_triton
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
-CPR4_CHOICE = NativeWYChoice(dot="bf16")
-"""The native kernels' tiles with the operands pinned to bf16 (fp32 accumulation, fp32 state chain)."""
+CPR4_CHOICE = NativeWYChoice(dot="bf16", prep_warps=1)
+"""The native kernels' tiles with the operands pinned to bf16 (fp32 accumulation, fp32 state chain),
+and the inverse kernel on one warp: its 15-step substitution reduces 16 x 16 tiles, within one warp
+by shuffles (H200 at df9bebd, ``scripts/cpr4_probe.py --sweep``: decode by rows 1.14 ms instead of
+1.43 at 256 lanes, trainer forward 1.07 instead of 1.20 ms, prefill 2.11 instead of 2.25 ms, 0
+differing in each)."""
 
 
 def cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
@@ -85,15 +89,21 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     cu = cu_seqlens_q.tolist()
     sl = [int(s) for s in slots.tolist()]
     fills = [int(f) for f in state.fill[slots.long()].tolist()]
-    qe, ke = _expand(q, H).float(), _expand(k, H).float()
+    # pieces in the inputs' layout (q and k on their Hk heads, q, k and v in their dtypes: the kernels
+    # read them so, as the trainer's do); the buffered rows go back to it exactly (the buffers hold
+    # the fp32 values of those dtypes, the key heads repeated to the value heads)
+    rep = H // k.shape[1]
     pieces = ([], [], [], [], [])
     starts, lens, new_rows = [], [], []
     row = 0
     for b, s in enumerate(sl):
         a, e, f = cu[b], cu[b + 1], fills[b]
-        for dst, buf, new in zip(pieces, (state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
-                                 (qe, ke, v, g, beta)):
-            dst += [buf[s, :f], new[a:e].float()]
+        for dst, buf, new in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
+                                          state.buf_g, state.buf_beta), (q, k, v, g, beta)):
+            dt = new.dtype if new is not g and new is not beta else torch.float32
+            if f:
+                dst.append(buf[s, :f].to(dt))
+            dst.append(new[a:e].to(dt))
         starts.append(row)
         lens.append(f + e - a)
         new_rows.append((row + f, e - a))
@@ -114,7 +124,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
         if r:
             a0 = starts[b] + L - r
             for buf, src in zip((state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
-                                (pq, pk, pv, pg, pb)):
+                                (_expand(pq, H), _expand(pk, H), pv, pg, pb)):
                 buf[s, :r] = src[a0:a0 + r]
             if state.buf_vn is not None:   # the open chunk's Vn rows, for the row decode
                 state.buf_vn[s, :r] = vn[first - 1, :, :r].transpose(0, 1)   # its last chunk

@@ -31,8 +31,10 @@ from .state import CHUNK, GDNState
 
 
 def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
-    """The chunk form over pieces, as ``cpr_chunk._forward_triton`` (same returns)."""
+    """The chunk form over pieces, as ``cpr_chunk._forward_triton`` (same returns; q and k on the key
+    heads or already repeated to the value heads)."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
+    pq, pk = cpr_chunk._expand(pq, H), cpr_chunk._expand(pk, H)
     dev = pv.device
     B = len(lens)
     row0, nrow, _sidx, chunk0, nchunk, _s0, _ns = chunk_plan(starts, lens, C)
