@@ -62,13 +62,13 @@ def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
 def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     """The chunk form over pieces (rows ``starts[b]..+lens[b]``, piece b from ``init[b]``): o [rows,
     H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk), each
-    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece) and Vn [P, H, C, Dv] as the
-    output kernel reads it (None without a chunk)."""
+    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece) and Vn [P, H, C, Dv] in fp32,
+    unrounded (None without a chunk)."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
     fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
     f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, CPR4_CHOICE,
-                         states_dtype=torch.float32)
+                         states_dtype=torch.float32, vn_dtype=torch.float32)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
         return o, None, fin, None

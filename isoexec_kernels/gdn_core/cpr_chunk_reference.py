@@ -65,6 +65,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     U = r(_mm(Tm, r(V * beta[:, :, None])))
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
     vn = torch.empty(P * H, C, Dv, dtype=torch.float32, device=dev)
+    vn_raw = torch.empty_like(vn)   # unrounded, as the engine keeps the open chunk's
     okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
     for b in range(B):
         S = (init[b].float() if init is not None else torch.zeros(H, Dk, Dv, device=dev))
@@ -73,6 +74,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
             states[c] = S
             Vn = U[lanes] - _mm(W[lanes], r(S))
             vn[lanes] = r(Vn)
+            vn_raw[lanes] = Vn
             gl = G[lanes, nrow[c] - 1]
             Vd = Vn * torch.where(okl[lanes], _exp(gl[:, None] - G[lanes]), zero)[:, :, None]
             S = _mm(Kr[lanes].transpose(1, 2), r(Vd)) + S * _exp(gl)[:, None, None]
@@ -82,7 +84,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
-    return o, states, fin, vn.view(P, H, C, Dv)
+    return o, states, fin, vn_raw.view(P, H, C, Dv)
 
 
 def cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:

@@ -3,44 +3,43 @@ chunk form alone instead of the whole open chunk (docs/cpr.md, "The row-only dec
 
 The prefix decode (``cpr_chunk.cpr4_decode_prefix_triton``) runs the four native WY kernels on the
 open chunk's rows so far at every step and keeps the last row. Here a step at in-chunk position t
-runs:
+runs two kernels:
 
 1. the inverse kernel on the rows so far (G and T = (I + A)^-1 for rows 0..t: small, 64 x 64 per
-   head, and it is the same kernel as prefill's, so T's row t has prefill's bits);
+   head, and it is prefill's own kernel, so row t of T has prefill's bits);
 2. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
-   operations for row t only, each dot on the native kernels' C-row tile holding row t alone, at
-   its own position (the same instruction on the same row as prefill; the other rows are zero):
-   W_t = r(T_t) r(k beta e^G) and U_t = r(T_t) r(v beta) as the W/U kernel (stored there in
+   operations for row t only, each dot with row t alone in its operand tile (the other rows zero):
+   W_t = r(T_t) r(k beta e^G) and U_t = r(T_t) r(v beta) as the W/U kernel (which stores them in
    bf16), Vn_t = U_t - r(W_t) r(S) as the state kernel (S the slot's fp32 ``boundary``, the state
-   entering the open chunk), kept in the slot's ``buf_vn`` (bf16), then
+   entering the open chunk), kept unrounded in the slot's ``buf_vn``, then
    o_t = e^{G_t} (r(q_t) r(S)) + r(M_t) r(Vn) with M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t) as the
    output kernel, its q dots over Dk in the same BK blocks, Vn's rows j < t read from ``buf_vn``,
-   where earlier steps (or the prefill that opened the chunk) left them;
-3. when the step completes the chunk (t = C - 1): the W/U and state kernels over those lanes only
-   (the others' programs return at once), which carry ``boundary`` across the chunk as the trainer's
-   state pass does.
+   where earlier steps (or the prefill that opened the chunk) left them. When the step completes the
+   chunk (t = C - 1) the same program carries ``boundary`` across it as the state kernel does:
+   S' = r(k)^T r(Vn e^(G_t - G)) + e^{G_t} S, from the unrounded Vn rows.
 
 Why the bits are prefill's: every row of the chunk form depends only on rows 0..t (the prefix
 property, measured on the H200 through these kernels: ``scripts/chunk_prefix_probe.py``), and each
-dot here is the prefill kernel's dot, same tile shape, with the rows other than t zeroed, which an
-output row of a matrix product does not read. (A 16-row tile holding row t alone also rounded as
-the 64-row product on the H200, ``scripts/row_product_probe.py``, but not under the interpreter,
-whose dots are BLAS calls blocked by shape: the C-row tile keeps the CPU tests bitwise too.) The
-GPU probe (``scripts/cpr4_probe.py``) counts differing outputs against the trainer and against the
-prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16 operands,
-fp32 accumulation, W and U rounded to bf16 before use, Vn stored in bf16, the state in fp32.
+dot here is the prefill kernel's dot with the rows other than t zeroed, which an output row of a
+matrix product does not read. The operand tiles have ``ROW_TILE`` rows on a GPU (C: the native
+kernels' own tiles, the same instruction on the same row position as prefill) and C rows under the
+interpreter, whose dots are BLAS calls blocked by shape (a 16-row tile there differs from the
+64-row product in the last bit; on the H200 it did not, ``scripts/row_product_probe.py``). The GPU
+probe (``scripts/cpr4_probe.py``) counts differing outputs against the trainer and against the
+prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16
+operands, fp32 accumulation, W and U rounded to bf16 before use, Vn rounded to bf16 as an operand
+of the output (and kept unrounded for the state), the state in fp32.
 
-Cost per step: the boundary state read once per lane (as native decode reads its state), the open
-chunk's buffered rows, and the inverse; plus, at a chunk's completion, the native W/U and state
-kernels for the lanes that complete.
+Cost per step: the boundary state read once per lane (as native decode reads its state, and written
+back where the chunk completes), the open chunk's buffered rows, and the inverse.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .._triton_util import jit, next_pow2, tl
-from .native_wy import _dtypes, launch_inverse_wu, launch_wy_state, state_tile
+from .._triton_util import interpreting, jit, next_pow2, tl
+from .native_wy import _dtypes, launch_inverse
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -49,14 +48,14 @@ from .state import CHUNK, GDNState
 def _cpr4_row_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, s_ptr, vn_ptr, o_ptr, slot_ptr, pos_ptr,
     H, DK, DV,
-    C: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), T is the inverse kernel's [B, H, C, C] for
-    # lane b's rows so far, G its [S * C, H]; S [slots, H, Dk, Dv] fp32 (the slot's boundary).
-    # Every dot has the native kernels' C-row tile with only row t loaded (``sel``): the same
-    # instruction on the same row position as prefill, the other rows zero.
+    # lane b's rows so far, G its [S * C, H]; S [slots, H, Dk, Dv] fp32 (the slot's boundary); the
+    # slot's Vn rows [S * C, H, Dv] fp32. Row t sits at row t % ROWS of ROWS-row operand tiles, the
+    # other rows zero (ROWS = C: the native kernels' own tiles).
     vt = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -65,40 +64,42 @@ def _cpr4_row_kernel(
     r0 = s * C
     rows = tl.arange(0, C)
     ok = rows <= t
-    sel = rows[:, None] == t
+    rr = tl.arange(0, ROWS)
+    sel = rr[:, None] == t % ROWS
     dk = tl.arange(0, DKP)
     dv = vt * BV + tl.arange(0, BV)
     km = dk < DK
     vm = dv < DV
     G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
+    Gt = tl.load(gc_ptr + (r0 + t) * H + h)
     beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
     # T's row t (the W/U kernel reads T in its bf16 storage, then as the operand dtype)
-    Tt = tl.load(t_ptr + (b.to(tl.int64) * H + h) * (C * C) + rows[:, None] * C + rows[None, :],
+    Tt = tl.load(t_ptr + ((b.to(tl.int64) * H + h) * C + t) * C + rr[:, None] * 0 + rows[None, :],
                  mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
     # W_t over all of Dk (the W/U kernel's column blocks of BK are independent dots over C)
     kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dk[None, :], mask=ok[:, None] & km[None, :],
                    other=0.0)
     x = kraw.to(tl.float32) * (beta * tl.exp(G))[:, None]
-    Wt = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [C, DKP]
+    Wt = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [ROWS, DKP]
     y = tl.load(v_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=ok[:, None] & vm[None, :],
                 other=0.0).to(tl.float32) * beta[:, None]
-    Ut = tl.dot(Tt, y.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [C, BV]
-    # Vn_t = U_t - W_t S (the state kernel: one dot over all of Dk)
+    Ut = tl.dot(Tt, y.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [ROWS, BV]
+    # Vn_t = U_t - W_t S (the state kernel: one dot over all of Dk), kept unrounded in the slot
     sb = s_ptr + (s * H + h) * (DK * DV)
     S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0)
     Vt = Ut.to(tl.float32) - tl.dot(Wt.to(DOT_DT), S.to(OP_DT).to(DOT_DT), input_precision=PREC)
     vnb = vn_ptr + (r0 * H + h) * DV
-    vrow = rows[:, None] * (H * DV) + dv[None, :]
-    # kept in the storage dtype of the state kernel's Vn
-    tl.store(vnb + vrow, Vt.to(vn_ptr.dtype.element_ty), mask=sel & vm[None, :])
+    tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=sel & vm[None, :])
     tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
-    # o_t as the output kernel: q S and q k^T over Dk in blocks of BK, accumulated in order
-    qk = tl.zeros((C, C), dtype=tl.float32)
-    o = tl.zeros((C, BV), dtype=tl.float32)
+    Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
+    # o_t as the output kernel: q S and q k^T over Dk in blocks of BK, accumulated in order, then
+    # the masked, decayed q k^T row against Vn in the operand dtype (what the output kernel reads)
+    qk = tl.zeros((ROWS, C), dtype=tl.float32)
+    o = tl.zeros((ROWS, BV), dtype=tl.float32)
     for d0 in range(0, DKP, BK):
         dc = d0 + tl.arange(0, BK)
         dm = dc[None, :] < DK
-        Q = tl.load(q_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=sel & dm,
+        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
                     other=0.0).to(OP_DT).to(DOT_DT)
         K = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
                     other=0.0).to(OP_DT).to(DOT_DT)
@@ -106,19 +107,33 @@ def _cpr4_row_kernel(
                      other=0.0).to(OP_DT).to(DOT_DT)
         qk = tl.dot(Q, tl.trans(K), qk, input_precision=PREC)
         o = tl.dot(Q, Sb, o, input_precision=PREC)
-    incl = sel & (rows[None, :] <= rows[:, None])
-    M = tl.where(incl, qk * tl.exp(tl.where(incl, G[:, None] - G[None, :], 0.0)), 0.0)
-    Vn = tl.load(vnb + vrow, mask=ok[:, None] & vm[None, :], other=0.0).to(OP_DT).to(DOT_DT)
-    o = o * tl.exp(G)[:, None]
-    o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn, o, input_precision=PREC)
-    tl.store(o_ptr + (b.to(tl.int64) * H + h) * DV + rows[:, None] * 0 + dv[None, :], o, mask=sel & vm[None, :])
+    incl = sel & ok[None, :]
+    M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
+    o = o * tl.exp(Gt)
+    o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
+    tl.store(o_ptr + (b.to(tl.int64) * H + h) * DV + rr[:, None] * 0 + dv[None, :], o, mask=sel & vm[None, :])
+    if t == C - 1:
+        # the chunk completes: the boundary carried across it as the state kernel carries it
+        # (the decay on the Vn side, k read as it is, the old state as the dot's accumulator)
+        Vd = Vn * tl.where(ok, tl.exp(Gt - G), 0.0)[:, None]
+        Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None] & ok[None, :],
+                     other=0.0)
+        Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(Gt), input_precision=PREC)
+        tl.store(sb + dk[:, None] * DV + dv[None, :], Sn, mask=km[:, None] & vm[None, :])
 
 
-def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK) -> torch.Tensor:
+ROW_TILE = 64
+"""Rows of the row kernel's operand tiles on a GPU (row t alone in them): C, the native kernels'
+own tiles. Under the interpreter always C: its dots are BLAS calls, blocked by shape."""
+
+
+def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
+                            row_tile: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
-    ``NativeWYChoice`` (CPR version 4's). Appends the token to the slot's open chunk and returns
-    o [B, H, Dv] fp32. No host sync (a CUDA graph can capture it); padded lanes point at a scratch
-    slot and touch only that slot."""
+    ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
+    ``ROW_TILE``, at most C). Appends the token to the slot's open chunk and returns o [B, H, Dv]
+    fp32. No host sync (a CUDA graph can capture it); padded lanes point at a scratch slot and
+    touch only that slot."""
     if state.buf_vn is None:
         raise ValueError("CPR version 4 needs the open chunk's queries and Vn rows: "
                          "GDNState.allocate(..., with_q=True)")
@@ -134,36 +149,24 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     state.buf_v[sl, pos] = v.float()
     state.buf_g[sl, pos] = g.float()
     state.buf_beta[sl, pos] = beta.float()
-    n = pos + 1
-    row0 = (sl * C).to(torch.int32)
     OP_DT, DOT_DT, PREC, st_dt = _dtypes(choice.dot)
     num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     BK = min(choice.bk, DKP, DVP)
     BV = min(choice.out_bv, DVP)
-    bq, bk = state.buf_q.view(-1, H, Dk), state.buf_k.view(-1, H, Dk)
-    bv, bg, bb = state.buf_v.view(-1, H, Dv), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
-    # 1. G and T over each lane's rows so far; 3. (below) W/U and the state pass where the chunk completes
-    done = n == C
-    nrow_done = torch.where(done, C, 0).to(torch.int32)
-    # k is read from its fp32 buffer and rounded as it is loaded (the values of the bf16 copy)
-    kc = bk
-    gc, Tm, W, U = launch_inverse_wu(bk, bv, bg, bb, row0, n.to(torch.int32), kc, S_ * C, H, 1, C, BK, num, st_dt,
-                                      choice.inv_dot, choice.prep_warps, choice.wu_warps, wu_nrow=nrow_done)
-    # 2. row t of W, U, Vn and o
+    rows = C if interpreting() else min(row_tile or ROW_TILE, C)
+    bk, bg, bb = state.buf_k.view(-1, H, Dk), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
+    # 1. G and T over each lane's rows so far
+    gc, Tm = launch_inverse(bk, bg, bb, (sl * C).to(torch.int32), (pos + 1).to(torch.int32), S_ * C, H, 1, C, BK,
+                            num, st_dt, choice.inv_dot, choice.prep_warps)
+    # 2. row t of W, U, Vn and o; 3. the boundary where the chunk completes
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     _cpr4_row_kernel[(-(-Dv // BV), H, B)](
-        bq, bk, bv, bb, gc, Tm, state.boundary, state.buf_vn, o, sl, pos.to(torch.int32), H, Dk, Dv,
-        C=C, DKP=DKP, BK=BK, BV=BV, **num, num_warps=choice.out_warps)
-    # 3. the chunk's end: boundary carried across it (programs of lanes that did not complete return)
-    ones = done.to(torch.int32)
-    lanes = torch.arange(B, dtype=torch.int32, device=dev)
-    fin_idx = torch.where(done, sl, -1).to(torch.int32)
-    launch_wy_state(kc, gc, W, U, state.boundary, None, None, state.boundary, row0, nrow_done, lanes, ones,
-                    sl.to(torch.int32), fin_idx, H, 1, C, DKP, state_tile(choice, st_dt, DVP), num,
-                    choice.state_warps, choice.state_stages)
-    state.fill[sl] = (n % C).to(state.fill.dtype)
+        state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, Tm, state.boundary, state.buf_vn,
+        o, sl, pos.to(torch.int32), H, Dk, Dv,
+        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=choice.out_warps)
+    state.fill[sl] = ((pos + 1) % C).to(state.fill.dtype)
     return o
 
 
-__all__ = ["cpr4_decode_rows_triton"]
+__all__ = ["ROW_TILE", "cpr4_decode_rows_triton"]

@@ -19,7 +19,7 @@ reference twin and the Triton twin's ``PINNED`` choice both follow it."""
 
 @dataclass
 class GDNState:
-    """Recurrent state of one GDN layer for ``S`` engine slots (all fp32 except ``fill`` and ``buf_vn``).
+    """Recurrent state of one GDN layer for ``S`` engine slots (all fp32 except ``fill``).
 
     boundary [S, H, Dk, Dv]   state at the last chunk boundary
     running  [S, H, Dk, Dv]   state after the last token (== boundary when fill == 0)
@@ -30,9 +30,9 @@ class GDNState:
     fill     [S] int32        tokens since the last boundary (0 <= fill < C)
     buf_q    [S, C, H, Dk]    queries of the open chunk (CPR version 4's chunk-form decode only;
                               None unless allocated with ``with_q``)
-    buf_vn   [S, C, H, Dv]    Vn = U - W S of the open chunk's rows in bf16, as the chunk form
-                              stores it (version 4's row decode reads the earlier rows' from
-                              here; None unless allocated with ``with_q``)
+    buf_vn   [S, C, H, Dv]    Vn = U - W S of the open chunk's rows, unrounded (version 4's row
+                              decode reads the earlier rows' for its output and, when the chunk
+                              completes, for the boundary; None unless allocated with ``with_q``)
     """
 
     boundary: torch.Tensor
@@ -58,7 +58,7 @@ class GDNState:
             buf_beta=torch.zeros(num_slots, chunk, H, **f32),
             fill=torch.zeros(num_slots, dtype=torch.int32, device=device),
             buf_q=torch.zeros(num_slots, chunk, H, Dk, **f32) if with_q else None,
-            buf_vn=torch.zeros(num_slots, chunk, H, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
+            buf_vn=torch.zeros(num_slots, chunk, H, Dv, **f32) if with_q else None,
         )
 
     @property
