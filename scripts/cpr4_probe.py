@@ -5,7 +5,7 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-with the prefix decode and with the row decode on 16-row tiles; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
+with the prefix decode and with the row decode on C-row tiles; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
 the same steps run eagerly (outputs and states). Last, the row decode's kernels under torch.profiler.
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
 5 x 2048, prefill 5 x 2048 from fresh slots, decode 256 lanes with random fills under a CUDA graph.
@@ -40,9 +40,9 @@ def _state(n, dims, dev, q=True):
     return GDNState.allocate(n, dims["H"], dims["Dk"], dims["Dv"], dev, chunk=dims["chunk"], with_q=q)
 
 
-def _rows16(q, k, v, g, beta, slots, state, *, chunk):
-    """The row decode with 16-row operand tiles (row t at t % 16) instead of the pinned ROW_TILE."""
-    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_tile=16)
+def _rows_c(q, k, v, g, beta, slots, state, *, chunk):
+    """The row decode with C-row operand tiles (the native kernels' own) instead of the pinned ROW_TILE."""
+    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_tile=chunk)
 
 
 def bits(dims, dev) -> dict:
@@ -58,12 +58,12 @@ def bits(dims, dev) -> dict:
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
         for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows16", _rows16)):
+                          ("rows_c", _rows_c)):
             st = _state(len(lens) + 2, dims, dev)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        row["rows16_vs_rows"] = count_differing(got["rows16"], got["rows"])
+        row["rows_c_vs_rows"] = count_differing(got["rows_c"], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
     B = 256
@@ -129,7 +129,7 @@ def timings(dims, dev) -> list[dict]:
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
                             ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows16", _rows16, True)):
+                            ("cpr_v4_rows_c", _rows_c, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")

@@ -3,7 +3,7 @@ chunk form alone instead of the whole open chunk (docs/cpr.md, "The row-only dec
 
 The prefix decode (``cpr_chunk.cpr4_decode_prefix_triton``) runs the four native WY kernels on the
 open chunk's rows so far at every step and keeps the last row. Here a step at in-chunk position t
-runs two kernels:
+runs three kernels:
 
 1. the inverse kernel on the rows so far (G and T = (I + A)^-1 for rows 0..t: small, 64 x 64 per
    head, and it is prefill's own kernel, so row t of T has prefill's bits);
@@ -14,17 +14,19 @@ runs two kernels:
    entering the open chunk), kept unrounded in the slot's ``buf_vn``, then
    o_t = e^{G_t} (r(q_t) r(S)) + r(M_t) r(Vn) with M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t) as the
    output kernel, its q dots over Dk in the same BK blocks, Vn's rows j < t read from ``buf_vn``,
-   where earlier steps (or the prefill that opened the chunk) left them. When the step completes the
-   chunk (t = C - 1) the same program carries ``boundary`` across it as the state kernel does:
-   S' = r(k)^T r(Vn e^(G_t - G)) + e^{G_t} S, from the unrounded Vn rows.
+   where earlier steps (or the prefill that opened the chunk) left them;
+3. ``_cpr4_complete_kernel``: where the step completes the chunk (t = C - 1), ``boundary`` carried
+   across it as the state kernel does, S' = r(k)^T r(Vn e^(G_t - G)) + e^{G_t} S from the
+   unrounded Vn rows (the other lanes' programs return at once).
 
 Why the bits are prefill's: every row of the chunk form depends only on rows 0..t (the prefix
 property, measured on the H200 through these kernels: ``scripts/chunk_prefix_probe.py``), and each
 dot here is the prefill kernel's dot with the rows other than t zeroed, which an output row of a
-matrix product does not read. The operand tiles have ``ROW_TILE`` rows on a GPU (C: the native
-kernels' own tiles, the same instruction on the same row position as prefill) and C rows under the
-interpreter, whose dots are BLAS calls blocked by shape (a 16-row tile there differs from the
-64-row product in the last bit; on the H200 it did not, ``scripts/row_product_probe.py``). The GPU
+matrix product does not read. The operand tiles have ``ROW_TILE`` rows on a GPU (16: a row alone
+in a 16-row tile rounds as in the 64-row product on the H200, ``scripts/row_product_probe.py``, and
+gave the same outputs as C-row tiles in the probe) and C rows under the interpreter, the native
+kernels' own tiles, whose dots there are BLAS calls blocked by shape (a 16-row tile differs from the
+64-row product in the last bit on the CPU). The GPU
 probe (``scripts/cpr4_probe.py``) counts differing outputs against the trainer and against the
 prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16
 operands, fp32 accumulation, W and U rounded to bf16 before use, Vn rounded to bf16 as an operand
@@ -39,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from .._triton_util import interpreting, jit, next_pow2, tl
-from .native_wy import _dtypes, launch_inverse
+from .native_wy import _dtypes, launch_inverse, state_tile
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -112,19 +114,49 @@ def _cpr4_row_kernel(
     o = o * tl.exp(Gt)
     o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
     tl.store(o_ptr + (b.to(tl.int64) * H + h) * DV + rr[:, None] * 0 + dv[None, :], o, mask=sel & vm[None, :])
-    if t == C - 1:
-        # the chunk completes: the boundary carried across it as the state kernel carries it
-        # (the decay on the Vn side, k read as it is, the old state as the dot's accumulator)
-        Vd = Vn * tl.where(ok, tl.exp(Gt - G), 0.0)[:, None]
-        Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None] & ok[None, :],
-                     other=0.0)
-        Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(Gt), input_precision=PREC)
-        tl.store(sb + dk[:, None] * DV + dv[None, :], Sn, mask=km[:, None] & vm[None, :])
 
 
-ROW_TILE = 64
-"""Rows of the row kernel's operand tiles on a GPU (row t alone in them): C, the native kernels'
-own tiles. Under the interpreter always C: its dots are BLAS calls, blocked by shape."""
+@jit
+def _cpr4_complete_kernel(
+    k_ptr, gc_ptr, s_ptr, vn_ptr, slot_ptr, pos_ptr, H, DK, DV,
+    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    # One program per (Dv tile, value head h, lane b), after the row kernel: where this step
+    # completed the chunk (t = C - 1), the boundary carried across it as the state kernel carries it
+    # (the decay on the Vn side from the unrounded Vn rows, k read as it is, the old state as the
+    # dot's accumulator); every other program returns at once. A kernel of its own, not a branch of
+    # the row kernel: there its tiles raised the registers of every step (H200, efdb0dd: the row
+    # kernel 0.92 ms per step instead of 0.73).
+    vt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    t = tl.load(pos_ptr + b)
+    if t != C - 1:
+        return
+    s = tl.load(slot_ptr + b).to(tl.int64)
+    r0 = s * C
+    rows = tl.arange(0, C)
+    dk = tl.arange(0, DKP)
+    dv = vt * BV + tl.arange(0, BV)
+    km = dk < DK
+    vm = dv < DV
+    G = tl.load(gc_ptr + (r0 + rows) * H + h)
+    gl = tl.load(gc_ptr + (r0 + C - 1) * H + h)
+    Vn = tl.load(vn_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+    Vd = Vn * tl.exp(gl - G)[:, None]
+    Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None], other=0.0)
+    sp = s_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+    S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
+    Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
+    tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
+
+
+ROW_TILE = 16
+"""Rows of the row kernel's operand tiles on a GPU (row t alone in them, at t % 16). On the H200 at
+efdb0dd 16 gave the bits of C-row tiles (0 differing in the probe's three plans and against the
+prefix decode) at 1.08 instead of 1.25 ms per decode step. Under the interpreter always C: its dots
+are BLAS calls, blocked by shape."""
 
 
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
@@ -159,12 +191,19 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     # 1. G and T over each lane's rows so far
     gc, Tm = launch_inverse(bk, bg, bb, (sl * C).to(torch.int32), (pos + 1).to(torch.int32), S_ * C, H, 1, C, BK,
                             num, st_dt, choice.inv_dot, choice.prep_warps)
-    # 2. row t of W, U, Vn and o; 3. the boundary where the chunk completes
+    # 2. row t of W, U, Vn and o
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
-    _cpr4_row_kernel[(-(-Dv // BV), H, B)](
+    pos32 = pos.to(torch.int32)
+    grid = (-(-Dv // BV), H, B)
+    _cpr4_row_kernel[grid](
         state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, Tm, state.boundary, state.buf_vn,
-        o, sl, pos.to(torch.int32), H, Dk, Dv,
+        o, sl, pos32, H, Dk, Dv,
         C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=choice.out_warps)
+    # 3. the boundary where the chunk completes (the state kernel's Dv tile and warps)
+    sbv = state_tile(choice, torch.float32, DVP)
+    _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
+        bk, gc, state.boundary, state.buf_vn, sl, pos32, H, Dk, Dv,
+        C=C, DKP=DKP, BV=sbv, **num, num_warps=choice.state_warps)
     state.fill[sl] = ((pos + 1) % C).to(state.fill.dtype)
     return o
 
