@@ -45,6 +45,14 @@ def _rows_c(q, k, v, g, beta, slots, state, *, chunk):
     return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_tile=chunk)
 
 
+def _rows_w2(q, k, v, g, beta, slots, state, *, chunk):
+    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_warps=2)
+
+
+def _rows_w8(q, k, v, g, beta, slots, state, *, chunk):
+    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_warps=8)
+
+
 def bits(dims, dev) -> dict:
     from test_gdn_core import random_plan, run_engine
 
@@ -58,12 +66,13 @@ def bits(dims, dev) -> dict:
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
         for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows_c", _rows_c)):
+                          ("rows_c", _rows_c), ("rows_w2", _rows_w2), ("rows_w8", _rows_w8)):
             st = _state(len(lens) + 2, dims, dev)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        row["rows_c_vs_rows"] = count_differing(got["rows_c"], got["rows"])
+        for v in ("rows_c", "rows_w2", "rows_w8"):
+            row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
     B = 256
@@ -129,7 +138,8 @@ def timings(dims, dev) -> list[dict]:
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
                             ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows_c", _rows_c, True)):
+                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_w2", _rows_w2, True),
+                            ("cpr_v4_rows_w8", _rows_w8, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")

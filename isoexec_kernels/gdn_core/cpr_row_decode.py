@@ -159,11 +159,15 @@ prefix decode) at 1.08 instead of 1.25 ms per decode step. Under the interpreter
 are BLAS calls, blocked by shape."""
 
 
+ROW_WARPS = 4
+"""Warps of the row kernel (a row of every product is computed alone: warps change its speed only)."""
+
+
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
-                            row_tile: int | None = None) -> torch.Tensor:
+                            row_tile: int | None = None, row_warps: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
-    ``ROW_TILE``, at most C). Appends the token to the slot's open chunk and returns o [B, H, Dv]
+    ``ROW_TILE``, at most C); ``row_warps``: the row kernel's warps (default ``ROW_WARPS``). Appends the token to the slot's open chunk and returns o [B, H, Dv]
     fp32. No host sync (a CUDA graph can capture it); padded lanes point at a scratch slot and
     touch only that slot."""
     if state.buf_vn is None:
@@ -198,7 +202,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     _cpr4_row_kernel[grid](
         state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, Tm, state.boundary, state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
-        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=choice.out_warps)
+        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=row_warps or ROW_WARPS)
     # 3. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
@@ -208,4 +212,4 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["ROW_TILE", "cpr4_decode_rows_triton"]
+__all__ = ["ROW_TILE", "ROW_WARPS", "cpr4_decode_rows_triton"]
