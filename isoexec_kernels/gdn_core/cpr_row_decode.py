@@ -159,8 +159,10 @@ prefix decode) at 1.08 instead of 1.25 ms per decode step. Under the interpreter
 are BLAS calls, blocked by shape."""
 
 
-ROW_WARPS = 4
-"""Warps of the row kernel (a row of every product is computed alone: warps change its speed only)."""
+ROW_WARPS = 2
+"""Warps of the row kernel (a row of every product is computed alone: warps change its speed only).
+H200 at aa47b16, decode of 256 lanes in graphs: 0.930 ms on 2 warps, 1.024 on 4, 1.325 on 8, each
+with the bits of the others and of the prefix decode."""
 
 
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
