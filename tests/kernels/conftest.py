@@ -223,6 +223,17 @@ def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
                                        ("" if rc_file.exists() else f"no result after {timeout} s"))
 
 
+def pytest_collection_modifyitems(config, items):
+    """The test files that read an interpreter run go last (in their collection order), so the runs,
+    started as collection ends, finish beside the other tests instead of holding a worker at the
+    first file that waits for them (the interpreter cases take about 4 minutes of one core; under
+    ``--dist loadfile`` each file is one unit of work)."""
+    names = set(INTERP_RUNS)
+    waiting = {it.path for it in items if names & set(getattr(it, "fixturenames", ()))}
+    if waiting and len(waiting) < len({it.path for it in items}):
+        items[:] = [it for it in items if it.path not in waiting] + [it for it in items if it.path in waiting]
+
+
 def pytest_collection_finish(session):
     if not _has_triton():
         return
