@@ -26,9 +26,8 @@ matrix product does not read. The operand tiles have ``ROW_TILE`` rows on a GPU 
 in a 16-row tile rounds as in the 64-row product on the H200, ``scripts/row_product_probe.py``, and
 gave the same outputs as C-row tiles in the probe) and C rows under the interpreter, the native
 kernels' own tiles, whose dots there are BLAS calls blocked by shape (a 16-row tile differs from the
-64-row product in the last bit on the CPU). The GPU
-probe (``scripts/cpr4_probe.py``) counts differing outputs against the trainer and against the
-prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16
+64-row product in the last bit on the CPU). The GPU probe (``scripts/cpr4_probe.py``) counts
+differing outputs against the trainer and against the prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16
 operands, fp32 accumulation, W and U rounded to bf16 before use, Vn rounded to bf16 as an operand
 of the output (and kept unrounded for the state), the state in fp32.
 
@@ -169,9 +168,9 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
                             row_tile: int | None = None, row_warps: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
-    ``ROW_TILE``, at most C); ``row_warps``: the row kernel's warps (default ``ROW_WARPS``). Appends the token to the slot's open chunk and returns o [B, H, Dv]
-    fp32. No host sync (a CUDA graph can capture it); padded lanes point at a scratch slot and
-    touch only that slot."""
+    ``ROW_TILE``, at most C); ``row_warps``: the row kernel's warps (default ``ROW_WARPS``).
+    Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
+    graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None:
         raise ValueError("CPR version 4 needs the open chunk's queries and Vn rows: "
                          "GDNState.allocate(..., with_q=True)")
