@@ -34,7 +34,7 @@ import torch
 
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
-from .cpr_row_decode import cpr4_decode_rows_triton
+from .cpr_row_decode import append_token, cpr4_decode_rows_triton
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -156,13 +156,7 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
     Dv = state.buf_v.shape[3]
     dev = v.device
-    sl = slots.to(device=dev, dtype=torch.long)
-    pos = state.fill[sl].long()
-    state.buf_q[sl, pos] = _expand(q, H).float()
-    state.buf_k[sl, pos] = _expand(k, H).float()
-    state.buf_v[sl, pos] = v.float()
-    state.buf_g[sl, pos] = g.float()
-    state.buf_beta[sl, pos] = beta.float()
+    sl, pos = append_token(state, q, k, v, g, beta, slots)
     n = pos + 1
     row0 = (sl * C).to(torch.int32)
     nrow = n.to(torch.int32)

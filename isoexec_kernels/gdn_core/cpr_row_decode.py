@@ -151,6 +151,21 @@ def _cpr4_complete_kernel(
     tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
 
 
+def append_token(state: GDNState, q, k, v, g, beta, slots) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per lane written into its slot's open chunk at the slot's fill (q and k repeated
+    to the value heads, every buffer fp32); returns (slots, positions) as int64 device tensors.
+    ``fill`` itself is left to the caller."""
+    H = state.buf_k.shape[2]
+    sl = slots.to(device=v.device, dtype=torch.long)
+    pos = state.fill[sl].long()
+    state.buf_q[sl, pos] = _expand_heads(q, H // q.shape[1]).float()
+    state.buf_k[sl, pos] = _expand_heads(k, H // k.shape[1]).float()
+    state.buf_v[sl, pos] = v.float()
+    state.buf_g[sl, pos] = g.float()
+    state.buf_beta[sl, pos] = beta.float()
+    return sl, pos
+
+
 ROW_TILE = 16
 """Rows of the row kernel's operand tiles on a GPU (row t alone in them, at t % 16). On the H200 at
 efdb0dd 16 gave the bits of C-row tiles (0 differing in the probe's three plans and against the
@@ -179,13 +194,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
     Dv = state.buf_v.shape[3]
     dev = v.device
-    sl = slots.to(device=dev, dtype=torch.long)
-    pos = state.fill[sl].long()
-    state.buf_q[sl, pos] = _expand_heads(q, H // q.shape[1]).float()
-    state.buf_k[sl, pos] = _expand_heads(k, H // k.shape[1]).float()
-    state.buf_v[sl, pos] = v.float()
-    state.buf_g[sl, pos] = g.float()
-    state.buf_beta[sl, pos] = beta.float()
+    sl, pos = append_token(state, q, k, v, g, beta, slots)
     OP_DT, DOT_DT, PREC, st_dt = _dtypes(choice.dot)
     num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
@@ -213,4 +222,4 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["ROW_TILE", "ROW_WARPS", "cpr4_decode_rows_triton"]
+__all__ = ["ROW_TILE", "ROW_WARPS", "append_token", "cpr4_decode_rows_triton"]
