@@ -43,6 +43,17 @@ def contract_gdn_chunk(contract) -> int:
     return CHUNK
 
 
+CHUNK_FORM_IMPLS = ("gdn_cpr_chunk",)
+"""``gdn_core`` impls whose engine state keeps the open chunk's queries and Vn rows (CPR version 4:
+``GDNState.allocate(..., with_q=True)``)."""
+
+
+def contract_gdn_chunk_form(contract) -> bool:
+    """Whether ``contract`` binds its ``gdn_core`` region to a chunk-form impl (``CHUNK_FORM_IMPLS``),
+    whose state slots need the open chunk's queries and Vn rows besides the version-3 buffers."""
+    return any("gdn_core" in e.region and e.impl.id in CHUNK_FORM_IMPLS for e in contract.composition)
+
+
 class GatedAttentionLayer(nn.Module):
     kind = "full_attention"
 
@@ -148,13 +159,14 @@ class HybridModel(DenseModel):
 
     def allocate_recurrent_state(self, num_slots: int, device=None) -> tuple[list, list[torch.Tensor]]:
         """(gdn_states, conv_states) for ``num_slots`` sequences: one GDNState ([S, Hv, Dk, Dv] fp32
-        plus its partial-chunk buffers) and one conv window [S, conv_dim, W-1] (model dtype) per GDN
-        layer, all zero."""
+        plus its partial-chunk buffers, with the queries and Vn rows for a chunk-form core) and one
+        conv window [S, conv_dim, W-1] (model dtype) per GDN layer, all zero."""
         cfg = self.cfg
         device = device or self.embed.device
         chunk = self._chunk()
+        with_q = contract_gdn_chunk_form(self.contract)
         gdn = [GDNState.allocate(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim, device, chunk=chunk) for _ in cfg.gdn_layers]
+                                 cfg.linear_value_head_dim, device, chunk=chunk, with_q=with_q) for _ in cfg.gdn_layers]
         conv = [torch.zeros((num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype=self.embed.dtype,
                             device=device) for _ in cfg.gdn_layers]
         return gdn, conv

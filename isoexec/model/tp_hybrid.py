@@ -81,7 +81,7 @@ from ..dist import replicated_input, vocab_shard_range
 from ..enforce import ExecutionPlan
 from ..model_config import HybridConfig
 from .batch import ForwardBatch
-from .hybrid import HybridModel, contract_gdn_chunk
+from .hybrid import HybridModel, contract_gdn_chunk, contract_gdn_chunk_form
 from .tp_dense import UNIT, TensorParallelDense, mlp_cut
 
 
@@ -185,8 +185,9 @@ class TensorParallelHybrid(TensorParallelDense):
         cfg = self.cfg
         device = device or self.embed.device
         chunk = contract_gdn_chunk(self.contract)
+        with_q = contract_gdn_chunk_form(self.contract)
         gdn = [GDNState.allocate(num_slots, self.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                 device, chunk=chunk) for _ in cfg.gdn_layers]
+                                 device, chunk=chunk, with_q=with_q) for _ in cfg.gdn_layers]
         conv = [torch.zeros((num_slots, self.gdn_conv_channels, cfg.linear_conv_kernel_dim - 1),
                             dtype=self.embed.dtype, device=device) for _ in cfg.gdn_layers]
         return gdn, conv

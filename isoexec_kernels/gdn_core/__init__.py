@@ -7,8 +7,9 @@ and the chunk size), ``plan.py`` (argument checks and host-side planning shared 
 backward of every trainer path), ``chunk_backward.py`` (that backward as fused Triton kernels, used
 on CUDA, and its torch reference twin), ``native.py`` (the stock twin) and ``native_wy.py`` (its
 chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin);
-``cpr_chunk.py`` is CPR version 4 in progress (every output from the chunk form on those kernels;
-not an impl yet, docs/cpr.md).
+``cpr_chunk.py`` (with ``cpr_row_decode.py`` and the twin ``cpr_chunk_reference.py``, behind
+``cpr4_api.py``) is CPR version 4 in development, impl ``gdn_cpr_chunk``: every output from the chunk
+form on those kernels (docs/cpr.md); the compositions still pin ``gdn_cpr`` version 3.
 """
 
 from ..impl import Constant, Impl, per_case
@@ -24,12 +25,18 @@ from .triton_kernels import BLOCK_DK, BLOCK_DV, gdn_cpr_decode_triton, gdn_cpr_e
 from .chunk_form import torch_chunk_form, torch_recurrence
 from .chunk_backward import chunk_backward_reference, chunk_backward_triton
 from .native import gdn_chunk_engine, gdn_chunk_varlen, gdn_recurrent_decode, gdn_recurrent_engine, gdn_recurrent_varlen
+from .cpr4_api import gdn_cpr4_decode, gdn_cpr4_engine, gdn_cpr4_varlen
 
 IMPLS = (
     Impl("gdn_cpr", "3", "gdn_core", per_case(gdn_cpr_varlen, gdn_cpr_engine, gdn_cpr_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")},
          doc="gated delta rule in chunks of CHUNK tokens at absolute positions; the engine keeps the "
              "partial chunk in its state slot so every split gives the trainer's bits"),
+    Impl("gdn_cpr_chunk", "1", "gdn_core", per_case(gdn_cpr4_varlen, gdn_cpr4_engine, gdn_cpr4_decode),
+         constants={"CHUNK": Constant(CHUNK, allowed=(16, 32, 64), arg="chunk")},
+         doc="CPR version 4, in development: every output from the chunk form of the native WY kernels "
+             "with bf16 operands (decode by rows); the engine keeps the open chunk's rows, queries and "
+             "Vn in its state slot, so every split gives the trainer's bits"),
     Impl("gdn_chunk_native", "2", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
          doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),

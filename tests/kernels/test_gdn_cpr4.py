@@ -44,6 +44,25 @@ def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C
         kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
 
 
+def test_the_trainer_backward_is_version_3s_and_the_forward_is_at_bf16_accuracy():
+    from isoexec_kernels.gdn_core import gdn_cpr4_varlen, gdn_cpr_varlen
+
+    inp = make_inputs([40, 70], Hk=1, H=2, Dk=16, Dv=16, seed=5)
+    grads = []
+    for fn in (gdn_cpr4_varlen, gdn_cpr_varlen):
+        xs = [x.clone().requires_grad_(True) for x in inp[:5]]
+        o = fn(*xs, inp[5], chunk=16)
+        o.backward(torch.ones_like(o))
+        grads.append([x.grad for x in xs])
+    for a, b in zip(*grads):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), "only forward bits differ between versions"
+    with torch.no_grad():
+        got = gdn_cpr4_varlen(*inp, chunk=16).double()
+        want = torch_recurrence(*(x.double() for x in inp[:5]), inp[5])
+    err = ((got - want).norm() / want.norm()).item()
+    assert 1e-5 < err < 1e-2, f"bf16 operands: {err}"
+
+
 def test_the_query_and_vn_buffers_are_allocated_counted_and_reset_only_when_asked_for():
     plain = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16)
     with_q = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16, with_q=True)

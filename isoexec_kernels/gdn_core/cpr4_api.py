@@ -1,0 +1,95 @@
+"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``, in development: the
+hybrid compositions still pin ``gdn_cpr`` version 3; docs/cpr.md says what is left before this
+replaces it).
+
+Public API (the signatures of ``api.py``'s version 3)
+  ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
+  ``gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state, *, chunk)`` engine prefill
+  ``gdn_cpr4_decode(q, k, v, g, beta, slots, state, *, chunk)``             engine decode
+CUDA tensors go to the Triton twin (``cpr_chunk.py``, decode by rows ``cpr_row_decode.py``), others
+to the reference twin (``cpr_chunk_reference.py``). The engine state needs the open chunk's queries
+and Vn rows: ``GDNState.allocate(..., with_q=True)``, which the hybrid model does when its contract
+binds this impl (``isoexec.model.hybrid.contract_gdn_chunk_form``).
+
+Rounding schedule: every output from the chunk form of the native WY kernels (``native_wy.py``)
+with the operands pinned to bf16 whatever the model's dtype (``cpr_chunk.CPR4_CHOICE``): q, k, v,
+T, W, U, the states and Vn rounded to bf16 as dot operands, fp32 accumulation, the state chain
+between chunks in fp32 (stored in fp32 at every chunk start, where the engine resumes). The engine
+prefill continues the open chunk as [its buffered rows + the new rows] from the slot's fp32 state
+entering it; decode computes row t of the chunk form alone from the same state. Row t of every
+matrix of the chunk form depends only on rows 0..t of its chunk, so every case gives every token
+the trainer's bits (0 differing on the H200 in random prefill/decode plans, CUDA graph == eager:
+``scripts/cpr4_probe.py``).
+
+Accuracy: bf16 operands (relative L2 about 4e-3 against the float64 recurrence at Qwen3.5 sizes),
+also for an fp32 model: this impl is for bf16 models.
+
+Backward (trainer): as version 3, the gradient of the chunk form recomputed by
+``chunk_form_backward`` (on CUDA the native WY backward kernels, deterministic run to run; elsewhere
+autograd through the torch chunk form); only forward bits must match between trainer and engine.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton_util import want_triton
+from .api import CPR_BWD_KIND
+from .chunk_form import chunk_form_backward
+from .cpr_chunk import cpr4_decode_triton, cpr4_engine_triton, cpr4_varlen_triton
+from .cpr_chunk_reference import cpr4_decode_reference, cpr4_engine_reference, cpr4_varlen_reference
+from .plan import _check
+from .state import CHUNK, GDNState
+
+
+def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
+    if want_triton(v):
+        return cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, chunk=chunk)
+    return cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, chunk=chunk)
+
+
+class _CPR4VarlenFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
+        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
+        ctx.chunk = chunk
+        ctx.req = [x.requires_grad for x in (q, k, v, g, beta)]
+        return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, g, beta, cu = ctx.saved_tensors
+        inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
+        grads = chunk_form_backward(inputs, cu, ctx.chunk, do, kernels=CPR_BWD_KIND)
+        return (*grads, None, None)
+
+
+def gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Trainer case: sequences ``cu_seqlens[b]:cu_seqlens[b+1]`` each from the zero state;
+    returns o [T, H, Dv] fp32. Differentiable w.r.t. q, k, v, g, beta."""
+    _check(q, k, v, g, beta, "gdn_cpr4_varlen")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        return _CPR4VarlenFn.apply(q, k, v, g, beta, cu_seqlens, chunk)
+    return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+
+
+def gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine prefill: any number of new tokens per sequence (``cu_seqlens_q``), sequence b
+    continuing from state slot ``slots[b]``; updates ``state`` in place, returns o [T, H, Dv] fp32,
+    bitwise equal to the trainer rows of the same positions."""
+    with torch.no_grad():
+        if want_triton(v):
+            return cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+        return cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+
+
+def gdn_cpr4_decode(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode: one token per lane from slot ``slots[b]``; updates ``state``, returns
+    o [B, H, Dv] fp32. CUDA-graph capturable on the GPU (no host sync)."""
+    with torch.no_grad():
+        if want_triton(v):
+            return cpr4_decode_triton(q, k, v, g, beta, slots, state, chunk=chunk)
+        return cpr4_decode_reference(q, k, v, g, beta, slots, state, chunk=chunk)
+
+
+__all__ = ["gdn_cpr4_varlen", "gdn_cpr4_engine", "gdn_cpr4_decode"]

@@ -1,0 +1,51 @@
+"""CPR version 4 (impl ``gdn_cpr_chunk``, isoexec_kernels/gdn_core/cpr4_api.py) bound through a
+contract, end to end on the CPU: the hybrid engine allocates the chunk-form state, and every sampled
+token's engine logprob equals the trainer's score bit for bit, with prefill split inside GDN chunks
+and decode across chunk boundaries (the kernels' own tests: tests/kernels/test_gdn_cpr4.py)."""
+
+from __future__ import annotations
+
+import sys
+
+sys.modules.setdefault("fla", None)
+
+import torch  # noqa: E402
+
+from isoexec.compose import build_contract, load_model_config  # noqa: E402
+from isoexec.engine import Engine, EngineConfig  # noqa: E402
+from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
+from isoexec.model import build_model  # noqa: E402
+from isoexec.model.hybrid import contract_gdn_chunk_form  # noqa: E402
+from isoexec.paths import configs_dir  # noqa: E402
+
+from engine_fixtures import sampled_params, seeded_prompts  # noqa: E402
+
+CFG = load_model_config("hybrid_tiny")["hf_config"]
+
+
+def _cpr4_contract(tmp_path):
+    """The IsoExec composition with the Gated DeltaNet core on ``gdn_cpr_chunk``."""
+    text = (configs_dir() / "compositions" / "isoexec.yaml").read_text()
+    assert text.count("impl: gdn_cpr,") == 1
+    path = tmp_path / "isoexec_cpr4.yaml"
+    path.write_text(text.replace("impl: gdn_cpr,", "impl: gdn_cpr_chunk,"))
+    return build_contract("hybrid", str(path), "cpu", "hybrid_tiny")
+
+
+def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_trainers_bits(tmp_path):
+    c = _cpr4_contract(tmp_path)
+    assert contract_gdn_chunk_form(c)
+    assert not contract_gdn_chunk_form(build_contract("hybrid", "isoexec", "cpu", "hybrid_tiny"))
+    m = build_model("hybrid", CFG, dtype=torch.float32).init_random(0)
+    m.install(c)
+    gdn, _ = m.allocate_recurrent_state(3)
+    assert all(st.buf_q is not None and st.buf_vn is not None for st in gdn)
+    ps = seeded_prompts(3, 6, 150, CFG["vocab_size"])
+    engine = Engine(m, c, EngineConfig(max_num_seqs=4, num_pages=256, max_num_batched_tokens=40, chunk_align=8))
+    results = engine.generate(ps, sampled_params(len(ps), 70, seed0=1000))
+    assert max(len(p) for p in ps) > 40, "prefill must be split"
+    assert max(len(r.ids) for r in results) > 64, "decode must cross a chunk boundary"
+    rep = verify_engine_logprobs(m, results)
+    assert rep.compared == sum(len(r.ids) for r in results) > 0
+    assert rep.differing == 0
+
