@@ -9,6 +9,7 @@ import sys
 
 sys.modules.setdefault("fla", None)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from isoexec.compose import build_contract, load_model_config  # noqa: E402
@@ -23,13 +24,13 @@ from engine_fixtures import sampled_params, seeded_prompts  # noqa: E402
 CFG = load_model_config("hybrid_tiny")["hf_config"]
 
 
-def _cpr4_contract(tmp_path):
+def _cpr4_contract(tmp_path, arch: str = "cpu"):
     """The IsoExec composition with the Gated DeltaNet core on ``gdn_cpr_chunk``."""
     text = (configs_dir() / "compositions" / "isoexec.yaml").read_text()
     assert text.count("impl: gdn_cpr,") == 1
     path = tmp_path / "isoexec_cpr4.yaml"
     path.write_text(text.replace("impl: gdn_cpr,", "impl: gdn_cpr_chunk,"))
-    return build_contract("hybrid", str(path), "cpu", "hybrid_tiny")
+    return build_contract("hybrid", str(path), arch, "hybrid_tiny")
 
 
 def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_trainers_bits(tmp_path):
@@ -49,3 +50,23 @@ def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_tr
     assert rep.compared == sum(len(r.ids) for r in results) > 0
     assert rep.differing == 0
 
+
+
+@pytest.mark.gpu
+def test_chunk_form_core_in_decode_graphs_with_padded_lanes_equals_eager_and_the_trainer_bitwise(tmp_path):
+    """On CUDA (bf16, the Triton twin, decode by rows): decode CUDA graphs whose padded lanes share
+    the scratch slot give the eager engine's tokens and logprobs, and those equal the trainer's."""
+    from engine_fixtures import same_results
+    from isoexec.envinfo import runtime_arch
+
+    c = _cpr4_contract(tmp_path, runtime_arch())
+    m = build_model("hybrid", CFG, dtype=torch.bfloat16, device="cuda").init_random(1)
+    m.install(c)
+    ps = seeded_prompts(5, 11, 90, CFG["vocab_size"])            # 11 lanes: a padded bucket (16)
+    cfg = dict(max_num_seqs=16, num_pages=256, max_num_batched_tokens=256, max_model_len=256)
+    eager = Engine(m, c, EngineConfig(cuda_graphs=False, **cfg)).generate(ps, sampled_params(len(ps), 80, seed0=1000))
+    graphed_engine = Engine(m, c, EngineConfig(cuda_graphs=True, **cfg))
+    graphed = graphed_engine.generate(ps, sampled_params(len(ps), 80, seed0=1000))
+    assert graphed_engine.runner.graph_replays > 0
+    same_results(eager, graphed)
+    assert verify_engine_logprobs(m, eager).differing == 0
