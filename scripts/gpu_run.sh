@@ -160,7 +160,7 @@ if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   SECONDS=0
   timeout ${GDN_TEST_TIMEOUT:-600} python3 -m pytest -q -m gpu ${GDN_TESTS:-tests/kernels/test_gdn_core.py \
     tests/kernels/test_gdn_native_wy.py tests/kernels/test_gdn_chunk_backward.py tests/kernels/test_gdn_conv.py tests/kernels/test_gdn_prep.py \
-    tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py} -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
+    tests/kernels/test_gated_rmsnorm.py tests/engine/test_hybrid_engine.py tests/engine/test_hybrid_engine_cpr4.py} -p no:cacheprovider > "$WORK/gdn_tests.log" 2>&1; echo "gdn tests rc=$? (${SECONDS}s)"; tail -15 "$WORK/gdn_tests.log"
   cp "$WORK/gdn_tests.log" "$OUT/"
   if [ "${NATIVE_SWEEP:-0}" = 1 ]; then
     SECONDS=0
