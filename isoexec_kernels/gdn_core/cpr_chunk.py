@@ -62,27 +62,29 @@ def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
 def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     """The chunk form over pieces (rows ``starts[b]..+lens[b]``, piece b from ``init[b]``): o [rows,
     H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk), each
-    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece) and Vn [P, H, C, Dv] in fp32,
-    unrounded (None without a chunk)."""
+    piece's final state [B, H, Dk, Dv] (unwritten for an empty piece), Vn [P, H, C, Dv] and T
+    [P, H, C, C] in fp32, unrounded (None without a chunk)."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
     fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
     f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, CPR4_CHOICE,
-                         states_dtype=torch.float32, vn_dtype=torch.float32)
+                         states_dtype=torch.float32, vn_dtype=torch.float32, t_dtype=torch.float32)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
-        return o, None, fin, None
+        return o, None, fin, None, None
     launch_wy_out(pq, f, o, C)
-    return o, f.states, fin, f.vn
+    return o, f.states, fin, f.vn, f.T
 
 
 def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward) -> torch.Tensor:
     """The engine prefill of version 4 on a chunk-form ``forward`` (``_forward_triton`` or the
     reference's): sequence b's new rows continue slot ``slots[b]`` (module docstring); updates
-    ``state`` (boundary, the open chunk's buffers and Vn rows, fill) and returns o [T, H, Dv] fp32
+    ``state`` (boundary, the open chunk's buffers and rows of Vn and T, fill) and returns o [T, H, Dv] fp32
     for the new rows. Host-side planning: the prefill path, not the captured decode."""
     if state.buf_q is None:
         raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
+    if state.buf_T is None or state.buf_vn is None:
+        raise ValueError("CPR version 4 needs the open chunk's rows of Vn and T: GDNState.allocate(..., with_q=True)")
     C = chunk
     H, Dv = v.shape[1], v.shape[2]
     dev = v.device
@@ -110,7 +112,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
         row += f + e - a
     pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
     init = state.boundary[torch.tensor(sl, dtype=torch.long, device=dev)]
-    o_all, states, fin, vn = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+    o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
     first = 0
     for b, s in enumerate(sl):
         L = lens[b]
@@ -126,8 +128,9 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             for buf, src in zip((state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
                                 (_expand(pq, H), _expand(pk, H), pv, pg, pb)):
                 buf[s, :r] = src[a0:a0 + r]
-            if state.buf_vn is not None:   # the open chunk's Vn rows, for the row decode
-                state.buf_vn[s, :r] = vn[first - 1, :, :r].transpose(0, 1)   # its last chunk
+            # the open chunk's (its last chunk's) rows of Vn and T, for the row decode
+            state.buf_vn[s, :r] = vn[first - 1, :, :r].transpose(0, 1)
+            state.buf_T[s, :r] = tm[first - 1, :, :r].transpose(0, 1)
         state.fill[s] = r
     return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
 
@@ -149,7 +152,8 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     form on the chunk's rows so far from ``boundary``; o [B, H, Dv] fp32 is their last row. No host
     sync: the plan (rows, counts, state indices) is computed on the device, so a CUDA graph can
     capture it. Padded lanes point at a scratch slot and touch only that slot. It leaves the
-    slot's ``buf_vn`` as it was: a lane must not switch between the two decodes inside a chunk."""
+    slot's ``buf_vn`` and ``buf_T`` as they were: a lane must not switch between the two decodes
+    inside a chunk."""
     C = chunk
     choice = CPR4_CHOICE
     B = q.shape[0]

@@ -42,7 +42,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     o = torch.zeros(pk.shape[0], H, Dv, dtype=torch.float32, device=dev)
     fin = torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev)
     if P == 0:
-        return o, None, fin, None
+        return o, None, fin, None, None
     r = native_wy.round_bf16   # looked up per call: the interpreter tests swap in truncation
     t = torch.arange(C, device=dev)
     src = torch.tensor(row0, device=dev)[:, None] + t[None, :]                  # [P, C]
@@ -60,7 +60,8 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     dG = G[:, :, None] - G[:, None, :]
     Kr = r(K)
     A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * _exp(torch.where(strict, dG, zero)), zero)
-    Tm = r(blocked_inverse_reference(A))
+    T_raw = blocked_inverse_reference(A)
+    Tm = r(T_raw)
     W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
     U = r(_mm(Tm, r(V * beta[:, :, None])))
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
@@ -84,7 +85,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
-    return o, states, fin, vn_raw.view(P, H, C, Dv)
+    return o, states, fin, vn_raw.view(P, H, C, Dv), T_raw.view(P, H, C, C)
 
 
 def cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:

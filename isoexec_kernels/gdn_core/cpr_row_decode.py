@@ -5,8 +5,12 @@ The prefix decode (``cpr_chunk.cpr4_decode_prefix_triton``) runs the four native
 open chunk's rows so far at every step and keeps the last row. Here a step at in-chunk position t
 runs three kernels:
 
-1. the inverse kernel on the rows so far (G and T = (I + A)^-1 for rows 0..t: small, 64 x 64 per
-   head, and it is prefill's own kernel, so row t of T has prefill's bits);
+1. ``_cpr4_row_inverse_kernel``, one program per (value head, lane) on the inverse kernel's warps:
+   G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
+   0..t (its block cumsums, the k k^T tiles of row t's 16-row block, one step of the diagonal
+   block's forward substitution, its nesting of 16 x 16 dots for the blocks left of the diagonal)
+   but from the earlier rows of T kept in the slot (``GDNState.buf_T``, fp32, filled by prefill too)
+   instead of the whole 15-step substitution of every block;
 2. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
    operations for row t only, each dot with row t alone in its operand tile (the other rows zero):
    W_t = r(T_t) r(k beta e^G) and U_t = r(T_t) r(v beta) as the W/U kernel (which stores them in
@@ -32,7 +36,9 @@ operands, fp32 accumulation, W and U rounded to bf16 before use, Vn rounded to b
 of the output (and kept unrounded for the state), the state in fp32.
 
 Cost per step: the boundary state read once per lane (as native decode reads its state, and written
-back where the chunk completes), the open chunk's buffered rows, and the inverse.
+back where the chunk completes), the open chunk's buffered rows, and row t of the inverse. (Until
+``c0e2f72`` step 1 was the inverse kernel itself on the rows so far: 0.27 ms of a 0.93 ms step at
+256 lanes on the H200; the row-inverse kernel has not run on a GPU yet.)
 """
 
 from __future__ import annotations
@@ -40,9 +46,139 @@ from __future__ import annotations
 import torch
 
 from .._triton_util import interpreting, jit, next_pow2, tl
-from .native_wy import _dtypes, launch_inverse, state_tile
+from .native_wy import _dtypes, state_tile
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
+
+
+@jit
+def _cpr4_row_inverse_kernel(
+    k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, slot_ptr, pos_ptr, H, DK,
+    C: tl.constexpr, NB: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+):
+    # One program per (value head h, lane b), on the inverse kernel's warps: G for the rows so far
+    # (stored [S * C, H]) and row t of T = (I + A)^-1 (stored in the slot's fp32 rows of T,
+    # [S * C, H, C]), made as ``native_wy._wy_inverse_kernel`` makes it on the rows 0..t, with the
+    # earlier rows of T read from the slot instead of recomputed: G by the kernel's block cumsums,
+    # the k k^T tiles of row block a = t // 16 over Dk in blocks of BK, one step (i = t % 16) of the
+    # diagonal block's forward substitution from its kept rows 0..i-1, then the blocks left of the
+    # diagonal by the kernel's nesting of 16 x 16 dots on the kept complete blocks. Every tile has the
+    # kernel's shape and masks (rows after t zero), so each operation rounds as in the kernel.
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.load(slot_ptr + b).to(tl.int64)
+    t = tl.load(pos_ptr + b)
+    n = t + 1
+    r0 = s * C
+    a = t // 16
+    i = t % 16
+    s_kt = H * DK
+    kb = k_ptr + (r0 * H + h) * DK
+    gb = g_ptr + r0 * H + h
+    bb = b_ptr + r0 * H + h
+    cb = gc_ptr + r0 * H + h
+    tb = tc_ptr + (r0 * H + h) * C                 # row r of T: tb + r * (H * C) + column
+    tt = tl.arange(0, 16)
+    i2 = tt[:, None]
+    j2 = tt[None, :]
+    eye = tl.where(i2 == j2, 1.0, 0.0)
+    strict = j2 < i2
+    # G as the inverse kernel computes it (a block's cumsum plus the sums of the blocks before it)
+    ok0 = tt < n
+    g0 = tl.load(gb + tt * H, mask=ok0, other=0.0).to(tl.float32)
+    G0 = tl.cumsum(g0, axis=0)
+    tl.store(cb + tt * H, G0, mask=ok0)
+    Ga = G0
+    Gp0 = G0
+    Gp1 = G0
+    Gp2 = G0
+    if NB >= 2:
+        ok1 = tt + 16 < n
+        g1 = tl.load(gb + (tt + 16) * H, mask=ok1, other=0.0).to(tl.float32)
+        G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+        tl.store(cb + (tt + 16) * H, G1, mask=ok1)
+        Ga = tl.where(a == 1, G1, Ga)
+        Gp1 = G1
+    if NB >= 4:
+        ok2 = tt + 32 < n
+        ok3 = tt + 48 < n
+        g2 = tl.load(gb + (tt + 32) * H, mask=ok2, other=0.0).to(tl.float32)
+        g3 = tl.load(gb + (tt + 48) * H, mask=ok3, other=0.0).to(tl.float32)
+        s01 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+        G2 = tl.cumsum(g2, axis=0) + s01
+        G3 = tl.cumsum(g3, axis=0) + (s01 + tl.sum(g2, axis=0))
+        tl.store(cb + (tt + 32) * H, G2, mask=ok2)
+        tl.store(cb + (tt + 48) * H, G3, mask=ok3)
+        Ga = tl.where(a == 2, G2, tl.where(a == 3, G3, Ga))
+        Gp2 = G2
+    # row block a of k k^T: kk_ac for c <= a (each c < a complete, row block a masked after t)
+    ra = a * 16 + tt
+    oka = ra < n
+    bea = tl.load(bb + ra * H, mask=oka, other=0.0).to(tl.float32)
+    kka0 = tl.zeros((16, 16), dtype=tl.float32)
+    kka1 = tl.zeros((16, 16), dtype=tl.float32)
+    kka2 = tl.zeros((16, 16), dtype=tl.float32)
+    kkaa = tl.zeros((16, 16), dtype=tl.float32)
+    for d0 in tl.static_range(0, DKP, BK):
+        dc = d0 + tl.arange(0, BK)
+        dm = dc[None, :] < DK
+        kp = kb + dc[None, :]
+        ka = tl.load(kp + ra[:, None] * s_kt, mask=oka[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
+        kkaa = tl.dot(ka, tl.trans(ka), kkaa, input_precision=PREC)
+        if NB >= 2:
+            k0 = tl.load(kp + i2 * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+            kka0 = tl.dot(ka, tl.trans(k0), kka0, input_precision=PREC)
+        if NB >= 4:
+            k1 = tl.load(kp + (i2 + 16) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+            k2 = tl.load(kp + (i2 + 32) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+            kka1 = tl.dot(ka, tl.trans(k1), kka1, input_precision=PREC)
+            kka2 = tl.dot(ka, tl.trans(k2), kka2, input_precision=PREC)
+    Aaa = tl.where(strict, bea[:, None] * kkaa * tl.exp(tl.where(strict, Ga[:, None] - Ga[None, :], 0.0)), 0.0)
+    # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's
+    rows_a = tb + (a * 16 + i2) * (H * C) + a * 16 + j2
+    Taa = tl.where(i2 < i, tl.load(rows_a, mask=i2 < i, other=0.0), eye)
+    sel = i2 == i
+    e_i = tl.where(tt == i, 1.0, 0.0)
+    a_i = tl.sum(tl.where(sel, Aaa, 0.0), axis=0)
+    Taa = tl.where(sel, (e_i - tl.sum(a_i[:, None] * Taa, axis=0))[None, :], Taa)
+    rt = tb + t * (H * C)                          # row t of T
+    tl.store(rt + i2 * 0 + a * 16 + tt[None, :], Taa, mask=sel)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    for cblk in tl.static_range(0, NB):            # zero right of the diagonal block
+        tl.store(rt + i2 * 0 + cblk * 16 + tt[None, :], zero, mask=sel & (cblk > a))
+    # the blocks left of the diagonal: T_ab = -T_aa (sum_c A_ac T_cb), the inverse kernel's nesting
+    if NB >= 2:
+        if a >= 1:
+            Aa0 = bea[:, None] * kka0 * tl.exp(Ga[:, None] - Gp0[None, :])
+            T00 = tl.load(tb + i2 * (H * C) + j2)
+            if a == 1:
+                T10 = -tl.dot(Taa, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
+                tl.store(rt + i2 * 0 + tt[None, :], T10, mask=sel)
+            if NB >= 4:
+                if a >= 2:
+                    Aa1 = bea[:, None] * kka1 * tl.exp(Ga[:, None] - Gp1[None, :])
+                    T10 = tl.load(tb + (i2 + 16) * (H * C) + j2)
+                    T11 = tl.load(tb + (i2 + 16) * (H * C) + 16 + j2)
+                    if a == 2:
+                        T21 = -tl.dot(Taa, tl.dot(Aa1, T11, input_precision=INV_PREC), input_precision=INV_PREC)
+                        T20 = -tl.dot(Taa, tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC),
+                                                  input_precision=INV_PREC), input_precision=INV_PREC)
+                        tl.store(rt + i2 * 0 + 16 + tt[None, :], T21, mask=sel)
+                        tl.store(rt + i2 * 0 + tt[None, :], T20, mask=sel)
+                    if a == 3:
+                        Aa2 = bea[:, None] * kka2 * tl.exp(Ga[:, None] - Gp2[None, :])
+                        T20 = tl.load(tb + (i2 + 32) * (H * C) + j2)
+                        T21 = tl.load(tb + (i2 + 32) * (H * C) + 16 + j2)
+                        T22 = tl.load(tb + (i2 + 32) * (H * C) + 32 + j2)
+                        T32 = -tl.dot(Taa, tl.dot(Aa2, T22, input_precision=INV_PREC), input_precision=INV_PREC)
+                        T31 = -tl.dot(Taa, tl.dot(Aa2, T21, tl.dot(Aa1, T11, input_precision=INV_PREC),
+                                                  input_precision=INV_PREC), input_precision=INV_PREC)
+                        X30 = tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
+                        T30 = -tl.dot(Taa, tl.dot(Aa2, T20, X30, input_precision=INV_PREC), input_precision=INV_PREC)
+                        tl.store(rt + i2 * 0 + 32 + tt[None, :], T32, mask=sel)
+                        tl.store(rt + i2 * 0 + 16 + tt[None, :], T31, mask=sel)
+                        tl.store(rt + i2 * 0 + tt[None, :], T30, mask=sel)
 
 
 @jit
@@ -53,9 +189,9 @@ def _cpr4_row_kernel(
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
-    # [S * C, H, D] (slot s's open chunk: rows s * C ..), T is the inverse kernel's [B, H, C, C] for
-    # lane b's rows so far, G its [S * C, H]; S [slots, H, Dk, Dv] fp32 (the slot's boundary); the
-    # slot's Vn rows [S * C, H, Dv] fp32. Row t sits at row t % ROWS of ROWS-row operand tiles, the
+    # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
+    # [S * C, H, Dv] fp32 likewise; G [S * C, H] from the row-inverse kernel; S [slots, H, Dk, Dv]
+    # fp32 (the slot's boundary). Row t sits at row t % ROWS of ROWS-row operand tiles, the
     # other rows zero (ROWS = C: the native kernels' own tiles).
     vt = tl.program_id(0)
     h = tl.program_id(1)
@@ -74,8 +210,8 @@ def _cpr4_row_kernel(
     G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
     Gt = tl.load(gc_ptr + (r0 + t) * H + h)
     beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
-    # T's row t (the W/U kernel reads T in its bf16 storage, then as the operand dtype)
-    Tt = tl.load(t_ptr + ((b.to(tl.int64) * H + h) * C + t) * C + rr[:, None] * 0 + rows[None, :],
+    # T's row t from the slot's fp32 rows (the W/U kernel rounds T to the operand dtype as it loads it)
+    Tt = tl.load(t_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
                  mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
     # W_t over all of Dk (the W/U kernel's column blocks of BK are independent dots over C)
     kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dk[None, :], mask=ok[:, None] & km[None, :],
@@ -186,8 +322,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     ``ROW_TILE``, at most C); ``row_warps``: the row kernel's warps (default ``ROW_WARPS``).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
-    if state.buf_vn is None:
-        raise ValueError("CPR version 4 needs the open chunk's queries and Vn rows: "
+    if state.buf_vn is None or state.buf_T is None:
+        raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
                          "GDNState.allocate(..., with_q=True)")
     C = chunk
     B = q.shape[0]
@@ -202,15 +338,17 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     BV = min(choice.out_bv, DVP)
     rows = C if interpreting() else min(row_tile or ROW_TILE, C)
     bk, bg, bb = state.buf_k.view(-1, H, Dk), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
-    # 1. G and T over each lane's rows so far
-    gc, Tm = launch_inverse(bk, bg, bb, (sl * C).to(torch.int32), (pos + 1).to(torch.int32), S_ * C, H, 1, C, BK,
-                            num, st_dt, choice.inv_dot, choice.prep_warps)
+    # 1. G over the rows so far and row t of T (the earlier rows kept in the slot)
+    pos32 = pos.to(torch.int32)
+    gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
+    _cpr4_row_inverse_kernel[(H, B)](
+        bk, bg, bb, gc, state.buf_T, sl, pos32, H, Dk,
+        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
     # 2. row t of W, U, Vn and o
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
-    pos32 = pos.to(torch.int32)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, Tm, state.boundary, state.buf_vn,
+        state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, state.buf_T, state.boundary, state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
         C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=row_warps or ROW_WARPS)
     # 3. the boundary where the chunk completes (the state kernel's Dv tile and warps)

@@ -535,15 +535,16 @@ class WYParts:
     st_dt: torch.dtype
 
 
-def launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps):
+def launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps, t_dtype=None):
     """The inverse kernel over the chunks of ``row0`` / ``nrow`` (int32 on device; a chunk of 0 rows
-    is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C] in ``st_dt``)."""
+    is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C] in ``t_dtype``, default
+    ``st_dt``; readers round T to the operand dtype as they load it, so fp32 storage changes no bit)."""
     Dk = k.shape[-1]
     P = row0.shape[0]
     dev = k.device
     DKP = max(16, next_pow2(Dk))
     gc = torch.empty(n_rows, H, dtype=torch.float32, device=dev)
-    Tm = torch.empty(P, H, C, C, dtype=st_dt, device=dev)
+    Tm = torch.empty(P, H, C, C, dtype=t_dtype or st_dt, device=dev)
     _wy_inverse_kernel[(H, P)](
         k, g, beta, row0, nrow, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
         C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=inv_dot, **num, num_warps=inv_warps)
@@ -551,14 +552,14 @@ def launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, in
 
 
 def launch_inverse_wu(k, v, g, beta, row0, nrow, kc, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps,
-                      wu_warps):
+                      wu_warps, t_dtype=None):
     """The inverse and W/U kernels over the chunks of ``row0`` / ``nrow`` (see ``launch_inverse``):
     returns (G [n_rows, H] fp32, T [P, H, C, C], W [P, H, C, Dk], U [P, H, C, Dv]) in ``st_dt``.
     ``kc``: where the W/U kernel writes k in the operand dtype (``k`` itself: nothing written)."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     dev = v.device
-    gc, Tm = launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps)
+    gc, Tm = launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps, t_dtype)
     W = torch.empty(P, H, C, Dk, dtype=st_dt, device=dev)
     U = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
     nkb = -(-Dk // BK)
@@ -584,13 +585,14 @@ def launch_wy_state(kc, gc, W, U, init, st, vn, fin, row0, nrow, chunk0, nchunk,
 
 def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
                      choice: NativeWYChoice | None = None, states_dtype: torch.dtype | None = None,
-                     vn_dtype: torch.dtype | None = None) -> WYParts | None:
+                     vn_dtype: torch.dtype | None = None, t_dtype: torch.dtype | None = None) -> WYParts | None:
     """The inverse, W/U and state kernels of the forward (arguments as ``wy_chunk_triton``); None
     when there is no chunk. The backward recomputes the forward with this. ``states_dtype``: the
     storage of the states entering each chunk (default: the choice's storage dtype); fp32 keeps
     them exact (CPR's chunk-form engine reads the open chunk's from there) and gives the output
     kernel the same operand bits, which it rounds to the operand dtype as it loads them. ``vn_dtype``:
-    likewise for Vn (fp32: CPR's engine keeps the open chunk's unrounded Vn for its decode)."""
+    likewise for Vn (fp32: CPR's engine keeps the open chunk's unrounded Vn for its decode), and
+    ``t_dtype`` for T (fp32: CPR's engine keeps the open chunk's rows of T for its decode)."""
     choice = choice or NATIVE_WY
     if chunk not in WY_CHUNKS:
         raise ValueError(f"the WY kernels take chunks of {WY_CHUNKS} tokens; got {chunk}")
@@ -622,7 +624,7 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
     # k in the operand dtype for the state and output kernels: a copy when that is not k's dtype
     kc = k if k.dtype == st_dt else torch.empty(T, Hk, Dk, dtype=st_dt, device=dev)
     gc, Tm, W, U = launch_inverse_wu(k, v, g, beta, row0_t, nrow_t, kc, T, H, rep, C, BK, num, st_dt,
-                                      choice.inv_dot, choice.prep_warps, choice.wu_warps)
+                                      choice.inv_dot, choice.prep_warps, choice.wu_warps, t_dtype)
     states = torch.empty(P, H, Dk, Dv, dtype=states_dtype or st_dt, device=dev)
     vn = torch.empty(P, H, C, Dv, dtype=vn_dtype or st_dt, device=dev)
     # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in

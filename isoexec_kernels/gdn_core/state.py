@@ -33,6 +33,9 @@ class GDNState:
     buf_vn   [S, C, H, Dv]    Vn = U - W S of the open chunk's rows, unrounded (version 4's row
                               decode reads the earlier rows' for its output and, when the chunk
                               completes, for the boundary; None unless allocated with ``with_q``)
+    buf_T    [S, C, H, C]     rows of T = (I + A)^-1 of the open chunk, fp32, zero right of the
+                              block diagonal (version 4's row decode makes row t from the earlier
+                              ones; None unless allocated with ``with_q``)
     """
 
     boundary: torch.Tensor
@@ -44,6 +47,7 @@ class GDNState:
     fill: torch.Tensor
     buf_q: torch.Tensor | None = None
     buf_vn: torch.Tensor | None = None
+    buf_T: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK,
@@ -59,6 +63,7 @@ class GDNState:
             fill=torch.zeros(num_slots, dtype=torch.int32, device=device),
             buf_q=torch.zeros(num_slots, chunk, H, Dk, **f32) if with_q else None,
             buf_vn=torch.zeros(num_slots, chunk, H, Dv, **f32) if with_q else None,
+            buf_T=torch.zeros(num_slots, chunk, H, chunk, **f32) if with_q else None,
         )
 
     @property
@@ -73,7 +78,8 @@ class GDNState:
                 self.buf_beta.view(-1, H))
 
     def tensors(self) -> list[torch.Tensor]:
-        """The allocated tensors (``buf_q`` and ``buf_vn`` only when they were asked for)."""
+        """The allocated tensors (the chunk form's ``buf_q``, ``buf_vn`` and ``buf_T`` only when they
+        were asked for)."""
         return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     @property

@@ -63,17 +63,18 @@ def test_the_trainer_backward_is_version_3s_and_the_forward_is_at_bf16_accuracy(
     assert 1e-5 < err < 1e-2, f"bf16 operands: {err}"
 
 
-def test_the_query_and_vn_buffers_are_allocated_counted_and_reset_only_when_asked_for():
+def test_the_chunk_form_buffers_are_allocated_counted_and_reset_only_when_asked_for():
     plain = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16)
     with_q = GDNState.allocate(3, 2, 16, 8, "cpu", chunk=16, with_q=True)
     assert plain.buf_q is None and plain.buf_vn is None
     assert with_q.buf_q.shape == (3, 16, 2, 16) and with_q.buf_vn.shape == (3, 16, 2, 8)
-    assert with_q.nbytes - plain.nbytes == 3 * 16 * 2 * 16 * 4 + 3 * 16 * 2 * 8 * 4
-    with_q.buf_q.fill_(1.0)
-    with_q.buf_vn.fill_(1.0)
+    assert with_q.buf_T.shape == (3, 16, 2, 16) and plain.buf_T is None
+    assert with_q.nbytes - plain.nbytes == 3 * 16 * 2 * 16 * 4 + 3 * 16 * 2 * 8 * 4 + 3 * 16 * 2 * 16 * 4
+    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T):
+        buf.fill_(1.0)
     plain.reset_(torch.tensor([1]))                  # no buffer, nothing to reset: no error
     with_q.reset_(torch.tensor([1]))
-    for buf in (with_q.buf_q, with_q.buf_vn):
+    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T):
         assert not buf[1].any() and buf[0].all() and buf[2].all()
 
 
@@ -88,7 +89,7 @@ def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
 def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
     C4 = _cpr4()
     # C = 16: decode across two chunk boundaries; C = 64: pieces off the grid, a few decode steps
-    # (the interpreter runs every decode step's four kernels over all lanes: minutes, not seconds)
+    # (a whole C = 64 chunk by decode: the next case)
     for C, lens, seed, max_decode in ((16, [40, 5, 33], 30, 24), (64, [70, 3, 66], 31, 4)):
         inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=seed, v_dtype=torch.bfloat16)
         trainer = C4.cpr4_varlen_triton(*inp, chunk=C)
@@ -106,6 +107,22 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
             kb.assert_bitwise(o, trainer, "engine split + decode by prefix == trainer, C=16")
 
 
+def interp_case_cpr4_row_decode_makes_every_row_block_of_t_from_the_kept_rows(kb):
+    # C = 64: prefill 30 rows (row block 1 open), then decode rows 30..69: the row-inverse kernel's
+    # branches for row blocks 1, 2 and 3 (each from the kept rows of T), the chunk's completion at
+    # row 63 and row block 0 of the next chunk
+    C4 = _cpr4()
+    C, lens = 64, [70]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=34, v_dtype=torch.bfloat16)
+    trainer = C4.cpr4_varlen_triton(*inp, chunk=C)
+    st = GDNState.allocate(2, 2, 16, 16, "cpu", chunk=C, with_q=True)
+    o = run_engine(inp, lens, [("prefill", {0: 30})] + [("decode", [0])] * 40, [1], st, C4.cpr4_engine_triton,
+                   C4.cpr4_decode_triton, C)
+    kb.assert_bitwise(o, trainer, "prefill 30 + 40 decode steps by rows == trainer, C=64")
+    assert int(st.fill[1]) == 70 - 64 and st.buf_T[1, :6].any() and not st.buf_T[1, :6, :, 16:].any(), \
+        "the new chunk's rows of T: zero right of the first diagonal block"
+
+
 def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):
     C4 = _cpr4()
     C = 16
@@ -115,7 +132,8 @@ def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):
     plan = [("prefill", {0: 3})] + [("decode", [0])] * 34
     first = run_engine(inp, lens, plan, [1], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
     st.reset_(torch.tensor([1]))
-    assert int(st.fill[1]) == 0 and not st.boundary[1].any() and not st.buf_q[1].any() and not st.buf_vn[1].any()
+    assert int(st.fill[1]) == 0 and not st.boundary[1].any()
+    assert not any(b[1].any() for b in (st.buf_q, st.buf_vn, st.buf_T))
     again = run_engine(inp, lens, plan, [1], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
     kb.assert_bitwise(again, first, "the same sequence again after a slot reset")
 
