@@ -120,30 +120,40 @@ def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
     return gdn_cpr_varlen_reference(q, k, v, g, beta, cu_seqlens, chunk=chunk)
 
 
-class _CPRVarlenFn(torch.autograd.Function):
+class _ChunkFormVarlenFn(torch.autograd.Function):
+    """A CPR trainer forward ``fwd`` (a version's twins behind one function) with the gradient of
+    the chunk form (``chunk_form_backward``): every CPR version trains with the same backward."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
+    def forward(ctx, fwd, q, k, v, g, beta, cu_seqlens, chunk):
         ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
         ctx.chunk = chunk
         ctx.req = [x.requires_grad for x in (q, k, v, g, beta)]
-        return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+        return fwd(q, k, v, g, beta, cu_seqlens, chunk)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, beta, cu = ctx.saved_tensors
         inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
         grads = chunk_form_backward(inputs, cu, ctx.chunk, do, kernels=CPR_BWD_KIND)
-        return (*grads, None, None)
+        return (None, *grads, None, None)
+
+
+def chunk_form_varlen(fwd, q, k, v, g, beta, cu_seqlens, chunk: int, name: str) -> torch.Tensor:
+    """The trainer case of a CPR version whose forward is ``fwd(q, k, v, g, beta, cu_seqlens,
+    chunk)``: arguments checked (``name`` in the messages), differentiable when an input asks for
+    a gradient."""
+    _check(q, k, v, g, beta, name)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
+        return _ChunkFormVarlenFn.apply(fwd, q, k, v, g, beta, cu_seqlens, chunk)
+    return fwd(q, k, v, g, beta, cu_seqlens, chunk)
 
 
 def gdn_cpr_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
     """Trainer case: sequences ``cu_seqlens[b]:cu_seqlens[b+1]`` each from the zero state;
     returns o [T, H, Dv] fp32. Differentiable w.r.t. q, k, v, g, beta. Schedule: module
     docstring (Triton on CUDA, reference elsewhere)."""
-    _check(q, k, v, g, beta, "gdn_cpr_varlen")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
-        return _CPRVarlenFn.apply(q, k, v, g, beta, cu_seqlens, chunk)
-    return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+    return chunk_form_varlen(_varlen_forward, q, k, v, g, beta, cu_seqlens, chunk, "gdn_cpr_varlen")
 
 
 def gdn_cpr_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:

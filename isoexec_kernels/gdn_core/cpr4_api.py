@@ -34,11 +34,9 @@ from __future__ import annotations
 import torch
 
 from .._triton_util import want_triton
-from .api import CPR_BWD_KIND
-from .chunk_form import chunk_form_backward
+from .api import chunk_form_varlen
 from .cpr_chunk import cpr4_decode_triton, cpr4_engine_triton, cpr4_varlen_triton
 from .cpr_chunk_reference import cpr4_decode_reference, cpr4_engine_reference, cpr4_varlen_reference
-from .plan import _check
 from .state import CHUNK, GDNState
 
 
@@ -48,29 +46,10 @@ def _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk):
     return cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, chunk=chunk)
 
 
-class _CPR4VarlenFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, cu_seqlens, chunk):
-        ctx.save_for_backward(q, k, v, g, beta, cu_seqlens)
-        ctx.chunk = chunk
-        ctx.req = [x.requires_grad for x in (q, k, v, g, beta)]
-        return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, g, beta, cu = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(r) for x, r in zip((q, k, v, g, beta), ctx.req)]
-        grads = chunk_form_backward(inputs, cu, ctx.chunk, do, kernels=CPR_BWD_KIND)
-        return (*grads, None, None)
-
-
 def gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
     """Trainer case: sequences ``cu_seqlens[b]:cu_seqlens[b+1]`` each from the zero state;
-    returns o [T, H, Dv] fp32. Differentiable w.r.t. q, k, v, g, beta."""
-    _check(q, k, v, g, beta, "gdn_cpr4_varlen")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
-        return _CPR4VarlenFn.apply(q, k, v, g, beta, cu_seqlens, chunk)
-    return _varlen_forward(q, k, v, g, beta, cu_seqlens, chunk)
+    returns o [T, H, Dv] fp32. Differentiable w.r.t. q, k, v, g, beta (version 3's backward)."""
+    return chunk_form_varlen(_varlen_forward, q, k, v, g, beta, cu_seqlens, chunk, "gdn_cpr4_varlen")
 
 
 def gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
