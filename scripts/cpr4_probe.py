@@ -5,8 +5,9 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-with the prefix decode and with the row decode on C-row tiles; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
-the same steps run eagerly (outputs and states). Last, the row decode's kernels under torch.profiler.
+(as pinned, on C-row tiles, on 2 and 8 warps) and with the prefix decode; then 40 row-decode steps
+of 256 lanes replayed from a CUDA graph against the same steps run eagerly (outputs and states).
+Last, the row decode's kernels under torch.profiler.
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
 5 x 2048, prefill 5 x 2048 from fresh slots, decode 256 lanes with random fills under a CUDA graph.
 

@@ -44,13 +44,13 @@ def contract_gdn_chunk(contract) -> int:
 
 
 CHUNK_FORM_IMPLS = ("gdn_cpr_chunk",)
-"""``gdn_core`` impls whose engine state keeps the open chunk's queries and Vn rows (CPR version 4:
-``GDNState.allocate(..., with_q=True)``)."""
+"""``gdn_core`` impls whose engine state keeps the open chunk's queries and rows of Vn and T (CPR
+version 4: ``GDNState.allocate(..., with_q=True)``)."""
 
 
 def contract_gdn_chunk_form(contract) -> bool:
     """Whether ``contract`` binds its ``gdn_core`` region to a chunk-form impl (``CHUNK_FORM_IMPLS``),
-    whose state slots need the open chunk's queries and Vn rows besides the version-3 buffers."""
+    whose state slots need the open chunk's queries and rows of Vn and T besides the version-3 buffers."""
     return any("gdn_core" in e.region and e.impl.id in CHUNK_FORM_IMPLS for e in contract.composition)
 
 
@@ -159,7 +159,7 @@ class HybridModel(DenseModel):
 
     def allocate_recurrent_state(self, num_slots: int, device=None) -> tuple[list, list[torch.Tensor]]:
         """(gdn_states, conv_states) for ``num_slots`` sequences: one GDNState ([S, Hv, Dk, Dv] fp32
-        plus its partial-chunk buffers, with the queries and Vn rows for a chunk-form core) and one
+        plus its partial-chunk buffers, with the queries and rows of Vn and T for a chunk-form core) and one
         conv window [S, conv_dim, W-1] (model dtype) per GDN layer, all zero."""
         cfg = self.cfg
         device = device or self.embed.device

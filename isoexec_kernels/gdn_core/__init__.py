@@ -35,8 +35,8 @@ IMPLS = (
     Impl("gdn_cpr_chunk", "1", "gdn_core", per_case(gdn_cpr4_varlen, gdn_cpr4_engine, gdn_cpr4_decode),
          constants={"CHUNK": Constant(CHUNK, allowed=(16, 32, 64), arg="chunk")},
          doc="CPR version 4, in development: every output from the chunk form of the native WY kernels "
-             "with bf16 operands (decode by rows); the engine keeps the open chunk's rows, queries and "
-             "Vn in its state slot, so every split gives the trainer's bits"),
+             "with bf16 operands (decode by rows); the engine keeps the open chunk's rows (and their "
+             "rows of Vn and T) in its state slot, so every split gives the trainer's bits"),
     Impl("gdn_chunk_native", "2", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
          doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),

@@ -8,7 +8,7 @@ Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_decode(q, k, v, g, beta, slots, state, *, chunk)``             engine decode
 CUDA tensors go to the Triton twin (``cpr_chunk.py``, decode by rows ``cpr_row_decode.py``), others
 to the reference twin (``cpr_chunk_reference.py``). The engine state needs the open chunk's queries
-and Vn rows: ``GDNState.allocate(..., with_q=True)``, which the hybrid model does when its contract
+and rows of Vn and T: ``GDNState.allocate(..., with_q=True)``, which the hybrid model does when its contract
 binds this impl (``isoexec.model.hybrid.contract_gdn_chunk_form``).
 
 Rounding schedule: every output from the chunk form of the native WY kernels (``native_wy.py``)

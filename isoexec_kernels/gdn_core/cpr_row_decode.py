@@ -31,9 +31,10 @@ in a 16-row tile rounds as in the 64-row product on the H200, ``scripts/row_prod
 gave the same outputs as C-row tiles in the probe) and C rows under the interpreter, the native
 kernels' own tiles, whose dots there are BLAS calls blocked by shape (a 16-row tile differs from the
 64-row product in the last bit on the CPU). The GPU probe (``scripts/cpr4_probe.py``) counts
-differing outputs against the trainer and against the prefix decode. Rounding schedule: the native kernels' "bf16" mode (``native_wy.py``): bf16
-operands, fp32 accumulation, W and U rounded to bf16 before use, Vn rounded to bf16 as an operand
-of the output (and kept unrounded for the state), the state in fp32.
+differing outputs against the trainer and against the prefix decode. Rounding schedule: the native
+kernels' "bf16" mode (``native_wy.py``): bf16 operands, fp32 accumulation, W and U rounded to bf16
+before use, Vn rounded to bf16 as an operand of the output (and kept unrounded for the state), T
+and the state in fp32.
 
 Cost per step: the boundary state read once per lane (as native decode reads its state, and written
 back where the chunk completes), the open chunk's buffered rows, and row t of the inverse. (Until
