@@ -35,14 +35,17 @@ def engine_weight_elements(family: str, cfg, engine_tp: int) -> int:
     return max(rank_parameter_count(model, engine_tp, r) for r in range(engine_tp))
 
 
-def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str, engine_tp: int = 1) -> int:
+def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str, engine_tp: int = 1,
+                          chunk_form: bool = False) -> int:
     """Bytes of the hybrid families' state slots (0 for families without GDN layers); a
-    tensor-parallel engine's rank holds ``1 / engine_tp`` of the value heads and conv channels."""
+    tensor-parallel engine's rank holds ``1 / engine_tp`` of the value heads and conv channels.
+    ``chunk_form``: the GDN core keeps the open chunk's queries and rows of Vn and T too (CPR
+    version 4, ``isoexec.model.hybrid.contract_gdn_chunk_form``)."""
     if not isinstance(cfg, HybridConfig) or not cfg.gdn_layers:
         return 0
     slots = num_state_slots + 1                 # + the scratch slot of padded graph lanes
     st = GDNState.allocate(slots, cfg.linear_num_value_heads // engine_tp, cfg.linear_key_head_dim,
-                           cfg.linear_value_head_dim, "meta", chunk=chunk)
+                           cfg.linear_value_head_dim, "meta", chunk=chunk, with_q=chunk_form)
     per_layer = st.nbytes
     conv = torch.empty((slots, cfg.conv_dim // engine_tp, cfg.linear_conv_kernel_dim - 1),
                        dtype=TORCH_DTYPES[dtype], device="meta")

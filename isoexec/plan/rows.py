@@ -114,7 +114,7 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
         shape=shape, params=params, per_param=pp, states=states,
         kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype, shape.engine_tp),
         recurrent_state=recurrent_state_bytes(cfg, shape.num_state_slots, shape.gdn_chunk, shape.dtype,
-                                              shape.engine_tp),
+                                              shape.engine_tp, chunk_form=shape.gdn_chunk_form),
         trainer_activations=trainer_activation_bytes(
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b,
             checkpointing=shape.activation_checkpointing),

@@ -38,7 +38,7 @@ from ..engine.engine import contract_page_size
 from ..errors import ConfigError, IsoExecError
 from ..model import FAMILY_MODELS
 from ..model.ep_moe import check_ep
-from ..model.hybrid import contract_gdn_chunk
+from ..model.hybrid import contract_gdn_chunk, contract_gdn_chunk_form
 from ..model.tensor_parallel import tp_serving_problems
 from ..model_config import FAMILY_CONFIGS, HybridConfig
 from ..paths import configs_dir
@@ -75,6 +75,7 @@ class RunShape:
     longest_sequence: int           # max_prompt_tokens + max_response_tokens
     activation_checkpointing: bool = False   # TrainConfig.activation_checkpointing
     trainer_ep: int = 1             # the trainer's expert-parallel size (1: the experts sharded by FSDP2)
+    gdn_chunk_form: bool = False    # the GDN core is a chunk-form impl (CPR version 4: larger state slots)
 
     def plan_key(self) -> tuple:
         """Arms with equal keys get one row (their numbers are the same)."""
@@ -199,7 +200,8 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 micro_batch_budget=train.micro_batch_tokens,
                 longest_sequence=run.max_prompt_tokens + run.max_response_tokens,
-                activation_checkpointing=train.activation_checkpointing, trainer_ep=run.trainer_ep)
+                activation_checkpointing=train.activation_checkpointing, trainer_ep=run.trainer_ep,
+                gdn_chunk_form=recurrent and contract_gdn_chunk_form(contract))
             key = shape.plan_key()
             rows[key] = replace(rows[key], arms=rows[key].arms + (arm,)) if key in rows else shape
     plan.shapes = list(rows.values())

@@ -60,6 +60,18 @@ def test_a_hybrid_row_holds_its_state_slots():
     assert plan_row(replace(shape, num_state_slots=16), 80 * GIB).recurrent_state > row.recurrent_state
 
 
+def test_a_chunk_form_core_s_state_slots_count_their_larger_buffers():
+    from isoexec_kernels.gdn_core import GDNState
+
+    cfg = HybridConfig.from_hf(load_model_config("hybrid_tiny")["hf_config"])
+    shape = _shape(cfg, family="hybrid", model="hybrid_tiny", num_state_slots=8, gdn_chunk=64)
+    plain, chunk_form = plan_row(shape, 80 * GIB), plan_row(replace(shape, gdn_chunk_form=True), 80 * GIB)
+    one = GDNState.allocate(1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                            "meta", chunk=64, with_q=True)
+    extra = sum(t.nbytes for t in (one.buf_q, one.buf_vn, one.buf_T))
+    assert chunk_form.recurrent_state - plain.recurrent_state == (8 + 1) * len(cfg.gdn_layers) * extra
+
+
 def test_more_gpus_shrink_only_the_sharded_states(dense):
     one, eight = plan_row(_shape(dense, dp=2), 80 * GIB), plan_row(_shape(dense, dp=8), 80 * GIB)
     for state in ("master", "adam"):
