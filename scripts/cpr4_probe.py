@@ -41,17 +41,16 @@ def _state(n, dims, dev, q=True):
     return GDNState.allocate(n, dims["H"], dims["Dk"], dims["Dv"], dev, chunk=dims["chunk"], with_q=q)
 
 
-def _rows_c(q, k, v, g, beta, slots, state, *, chunk):
-    """The row decode with C-row operand tiles (the native kernels' own) instead of the pinned ROW_TILE."""
-    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_tile=chunk)
+def _row_decode(**kw):
+    """The row decode with ``kw`` (``row_tile``, ``row_warps``) instead of the pinned ones."""
+    def run(q, k, v, g, beta, slots, state, *, chunk):
+        return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, **kw)
+    return run
 
 
-def _rows_w2(q, k, v, g, beta, slots, state, *, chunk):
-    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_warps=2)
-
-
-def _rows_w8(q, k, v, g, beta, slots, state, *, chunk):
-    return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE, chunk=chunk, row_warps=8)
+_rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
+_rows_w2 = _row_decode(row_warps=2)
+_rows_w8 = _row_decode(row_warps=8)
 
 
 def bits(dims, dev) -> dict:

@@ -95,14 +95,14 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     # read them so, as the trainer's do); the buffered rows go back to it exactly (the buffers hold
     # the fp32 values of those dtypes, the key heads repeated to the value heads)
     rep = H // k.shape[1]
+    dtypes = (q.dtype, k.dtype, v.dtype, torch.float32, torch.float32)
     pieces = ([], [], [], [], [])
     starts, lens, new_rows = [], [], []
     row = 0
     for b, s in enumerate(sl):
         a, e, f = cu[b], cu[b + 1], fills[b]
-        for dst, buf, new in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
-                                          state.buf_g, state.buf_beta), (q, k, v, g, beta)):
-            dt = new.dtype if new is not g and new is not beta else torch.float32
+        for dst, buf, new, dt in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
+                                              state.buf_g, state.buf_beta), (q, k, v, g, beta), dtypes):
             if f:
                 dst.append(buf[s, :f].to(dt))
             dst.append(new[a:e].to(dt))

@@ -535,33 +535,24 @@ class WYParts:
     st_dt: torch.dtype
 
 
-def launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps, t_dtype=None):
-    """The inverse kernel over the chunks of ``row0`` / ``nrow`` (int32 on device; a chunk of 0 rows
-    is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C] in ``t_dtype``, default
-    ``st_dt``; readers round T to the operand dtype as they load it, so fp32 storage changes no bit)."""
-    Dk = k.shape[-1]
-    P = row0.shape[0]
-    dev = k.device
-    DKP = max(16, next_pow2(Dk))
-    gc = torch.empty(n_rows, H, dtype=torch.float32, device=dev)
-    Tm = torch.empty(P, H, C, C, dtype=t_dtype or st_dt, device=dev)
-    _wy_inverse_kernel[(H, P)](
-        k, g, beta, row0, nrow, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=inv_dot, **num, num_warps=inv_warps)
-    return gc, Tm
-
-
 def launch_inverse_wu(k, v, g, beta, row0, nrow, kc, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps,
                       wu_warps, t_dtype=None):
-    """The inverse and W/U kernels over the chunks of ``row0`` / ``nrow`` (see ``launch_inverse``):
-    returns (G [n_rows, H] fp32, T [P, H, C, C], W [P, H, C, Dk], U [P, H, C, Dv]) in ``st_dt``.
-    ``kc``: where the W/U kernel writes k in the operand dtype (``k`` itself: nothing written)."""
+    """The inverse and W/U kernels over the chunks of ``row0`` / ``nrow`` (int32 on device; a chunk
+    of 0 rows is skipped by its programs): returns (G [n_rows, H] fp32, T [P, H, C, C], W [P, H, C,
+    Dk], U [P, H, C, Dv]) in ``st_dt`` (T in ``t_dtype`` if given: its readers round it to the
+    operand dtype as they load it, so fp32 storage changes no bit). ``kc``: where the W/U kernel
+    writes k in the operand dtype (``k`` itself: nothing written)."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     P = row0.shape[0]
     dev = v.device
-    gc, Tm = launch_inverse(k, g, beta, row0, nrow, n_rows, H, rep, C, BK, num, st_dt, inv_dot, inv_warps, t_dtype)
+    DKP = max(16, next_pow2(Dk))
+    gc = torch.empty(n_rows, H, dtype=torch.float32, device=dev)
+    Tm = torch.empty(P, H, C, C, dtype=t_dtype or st_dt, device=dev)
     W = torch.empty(P, H, C, Dk, dtype=st_dt, device=dev)
     U = torch.empty(P, H, C, Dv, dtype=st_dt, device=dev)
+    _wy_inverse_kernel[(H, P)](
+        k, g, beta, row0, nrow, gc, Tm, H, rep, Dk, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=inv_dot, **num, num_warps=inv_warps)
     nkb = -(-Dk // BK)
     _wy_wu_kernel[(nkb + -(-Dv // BK), H, P)](
         k, v, beta, row0, nrow, gc, Tm, W, U, kc, H, rep, Dk, Dv,
