@@ -18,8 +18,13 @@ try:  # pragma: no cover - depends on the machine
     import triton.language as tl
 
     HAS_TRITON = True
+    try:  # host-side TMA descriptors (kernel parameters), Triton >= 3.3
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        TensorDescriptor = None
 except ImportError:  # pragma: no cover - depends on the machine
     triton = None
+    TensorDescriptor = None
     HAS_TRITON = False
 
     class _MissingTritonLanguage:
@@ -39,6 +44,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 __all__ = [
     "HAS_TRITON",
+    "TensorDescriptor",
     "triton",
     "tl",
     "jit",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_util import (HAS_TRITON, ensure_allocator, interpreting, jit, num_sms, tl,
-                            tma_supported, triton)
+from .._triton_util import (HAS_TRITON, TensorDescriptor, ensure_allocator, interpreting, jit,
+                            num_sms, tl, tma_supported, triton)
 from .reference import BLOCK_K, _check, block_k_for, k_leaves_for, leaf_bounds
 
 
@@ -138,7 +138,7 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee",
+    PRECISION: tl.constexpr = "ieee", HOST_DESC: tl.constexpr = False,
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
@@ -149,12 +149,19 @@ def _gemm_tma_persistent_kernel(
     tiles_n = tl.cdiv(N, BLOCK_N)
     n_tiles = tiles_m * tiles_n
     k_steps = tl.cdiv(K, BLOCK_K_)
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K_])
-    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
-                                       block_shape=[BLOCK_N, BLOCK_K_])
-    o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
-                                       block_shape=[BLOCK_M, BLOCK_N])
+    if HOST_DESC:
+        # descriptors made on the host (kernel parameters): no per-program tensormap write and
+        # fence at the start of the kernel
+        x_desc = x_ptr
+        w_desc = w_ptr
+        o_desc = out_ptr
+    else:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[K, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K_])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K_])
+        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
     group_span = GROUP_M_ * tiles_n
     for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
@@ -182,7 +189,7 @@ def _gemm_tma_persistent_kernel(
             offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
             acc = acc + bias[None, :]
-        y = acc.to(out_ptr.dtype.element_ty)
+        y = acc.to(o_desc.dtype)
         if HAS_RES:
             # the residual stream's ``r + y`` in the epilogue: y rounded to the output dtype
             # first, the two added in fp32 and rounded once more, as torch's elementwise add of
@@ -191,7 +198,7 @@ def _gemm_tma_persistent_kernel(
             rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
             r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :],
                         mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            y = (y.to(tl.float32) + r.to(tl.float32)).to(o_desc.dtype)
         o_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
 
 
@@ -385,12 +392,21 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
     ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
     flatten = cfg.get("flatten", not ws)
     res_arg, res_stride = _residual_args(res, out)
+    bm, bn, kt = cfg["BLOCK_M"], cfg["BLOCK_N"], k_tile_for(cfg, bk, K, leaves, x2.dtype)
+    host_desc = bool(cfg.get("host_desc", False)) and TensorDescriptor is not None and x2.is_cuda \
+        and not interpreting()
+    if host_desc:
+        x_arg = TensorDescriptor(x2, [M, K], [K, 1], [bm, kt])
+        w_arg = TensorDescriptor(w, [N, K], [K, 1], [bn, kt])
+        o_arg = TensorDescriptor(out, [M, N], [N, 1], [bm, bn])
+    else:
+        x_arg, w_arg, o_arg = x2, w, out
     _gemm_tma_persistent_kernel[(programs,)](
-        x2, w, out, bias_arg, res_arg, M, N, K, res_stride,
-        HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K_=k_tile_for(cfg, bk, K, leaves, x2.dtype), GROUP_M_=GROUP_M,
+        x_arg, w_arg, o_arg, bias_arg, res_arg, M, N, K, res_stride,
+        HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K_=kt, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HOST_DESC=host_desc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
