@@ -5,7 +5,7 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-(as pinned, on C-row tiles, on 2 and 8 warps) and with the prefix decode; then 40 row-decode steps
+(as pinned, on C-row tiles, its W/M kernel on one warp, its row kernel on four) and with the prefix decode; then 40 row-decode steps
 of 256 lanes replayed from a CUDA graph against the same steps run eagerly (outputs and states).
 Last, the row decode's kernels under torch.profiler.
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
@@ -49,8 +49,8 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
-_rows_w2 = _row_decode(row_warps=2)
-_rows_w8 = _row_decode(row_warps=8)
+_rows_wm1 = _row_decode(wm_warps=1)          # the W/M kernel on one warp (pinned: WM_WARPS)
+_rows_w4 = _row_decode(row_warps=4)           # the row kernel on four (pinned: ROW_WARPS)
 
 
 def bits(dims, dev) -> dict:
@@ -66,12 +66,12 @@ def bits(dims, dev) -> dict:
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
         for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows_c", _rows_c), ("rows_w2", _rows_w2), ("rows_w8", _rows_w8)):
+                          ("rows_c", _rows_c), ("rows_wm1", _rows_wm1), ("rows_w4", _rows_w4)):
             st = _state(len(lens) + 2, dims, dev)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        for v in ("rows_c", "rows_w2", "rows_w8"):
+        for v in ("rows_c", "rows_wm1", "rows_w4"):
             row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
@@ -90,7 +90,7 @@ def bits(dims, dev) -> dict:
         fn = lambda: C4.cpr4_decode_triton(*inp, slots, st, chunk=C)  # noqa: E731
         if mode == "graph":
             keep = {f: getattr(st, f).clone() for f in ("boundary", "fill", "buf_q", "buf_k", "buf_v", "buf_g", "buf_beta",
-                                                          "buf_vn")}
+                                                          "buf_vn", "buf_T")}
             for x, y in zip(inp, steps[0]):
                 x.copy_(y)
             graph = torch.cuda.CUDAGraph()
@@ -138,8 +138,8 @@ def timings(dims, dev) -> list[dict]:
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
                             ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_w2", _rows_w2, True),
-                            ("cpr_v4_rows_w8", _rows_w8, True)):
+                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_wm1", _rows_wm1, True),
+                            ("cpr_v4_rows_w4", _rows_w4, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")

@@ -3,7 +3,7 @@ chunk form alone instead of the whole open chunk (docs/cpr.md, "The row-only dec
 
 The prefix decode (``cpr_chunk.cpr4_decode_prefix_triton``) runs the four native WY kernels on the
 open chunk's rows so far at every step and keeps the last row. Here a step at in-chunk position t
-runs three kernels:
+runs four kernels:
 
 1. ``_cpr4_row_inverse_kernel``, one program per (value head, lane) on the inverse kernel's warps:
    G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
@@ -11,15 +11,18 @@ runs three kernels:
    block's forward substitution, its nesting of 16 x 16 dots for the blocks left of the diagonal)
    but from the earlier rows of T kept in the slot (``GDNState.buf_T``, fp32, filled by prefill too)
    instead of the whole 15-step substitution of every block;
-2. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
+2. ``_cpr4_row_wm_kernel``, one program per (value head, lane): the parts of row t that do not
+   depend on the Dv tile, from the open chunk's k rows read once: W_t = r(T_t) r(k beta e^G) as the
+   W/U kernel (which stores it in bf16), in its Dk column blocks, and the output kernel's row
+   M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t), its q dots over Dk in the same BK blocks;
+3. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
    operations for row t only, each dot with row t alone in its operand tile (the other rows zero):
-   W_t = r(T_t) r(k beta e^G) and U_t = r(T_t) r(v beta) as the W/U kernel (which stores them in
-   bf16), Vn_t = U_t - r(W_t) r(S) as the state kernel (S the slot's fp32 ``boundary``, the state
-   entering the open chunk), kept unrounded in the slot's ``buf_vn``, then
-   o_t = e^{G_t} (r(q_t) r(S)) + r(M_t) r(Vn) with M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t) as the
-   output kernel, its q dots over Dk in the same BK blocks, Vn's rows j < t read from ``buf_vn``,
-   where earlier steps (or the prefill that opened the chunk) left them;
-3. ``_cpr4_complete_kernel``: where the step completes the chunk (t = C - 1), ``boundary`` carried
+   U_t = r(T_t) r(v beta) as the W/U kernel, Vn_t = U_t - r(W_t) r(S) as the state kernel (S the
+   slot's fp32 ``boundary``, the state entering the open chunk), kept unrounded in the slot's
+   ``buf_vn``, then o_t = e^{G_t} (r(q_t) r(S)) + r(M_t) r(Vn) as the output kernel, its q dots
+   over Dk in the same BK blocks, Vn's rows j < t read from ``buf_vn``, where earlier steps (or the
+   prefill that opened the chunk) left them;
+4. ``_cpr4_complete_kernel``: where the step completes the chunk (t = C - 1), ``boundary`` carried
    across it as the state kernel does, S' = r(k)^T r(Vn e^(G_t - G)) + e^{G_t} S from the
    unrounded Vn rows (the other lanes' programs return at once).
 
@@ -37,9 +40,11 @@ before use, Vn rounded to bf16 as an operand of the output (and kept unrounded f
 and the state in fp32.
 
 Cost per step: the boundary state read once per lane (as native decode reads its state, and written
-back where the chunk completes), the open chunk's buffered rows, and row t of the inverse. (Until
-``c0e2f72`` step 1 was the inverse kernel itself on the rows so far: 0.27 ms of a 0.93 ms step at
-256 lanes on the H200; the row-inverse kernel has not run on a GPU yet.)
+back where the chunk completes), the open chunk's buffered rows, and row t of the inverse. History
+at 256 lanes on the H200 (``scripts/cpr4_probe.py``): until ``c0e2f72`` step 1 was the inverse kernel
+itself on the rows so far (0.27 ms of a 0.93 ms step); the row-inverse kernel took 0.11 ms at
+``ddfa0d3`` (step 0.78 ms, 0.57 of it the row kernel, which then also made W_t and M_t from the k rows
+in each of its Dv tiles' programs).
 """
 
 from __future__ import annotations
@@ -183,17 +188,64 @@ def _cpr4_row_inverse_kernel(
 
 
 @jit
+def _cpr4_row_wm_kernel(
+    q_ptr, k_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, slot_ptr, pos_ptr, H, DK,
+    C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+):
+    # One program per (value head h, lane b), after the row-inverse kernel: the parts of row t that
+    # do not depend on the Dv tile, made once instead of once per Dv tile (they read the open
+    # chunk's k rows, most of a row program's bytes): W_t = r(T_t) r(k beta e^G) as the W/U kernel,
+    # in Dk column blocks of BK (each block an independent dot over the C rows, as in that kernel),
+    # stored rounded to the operand dtype (in fp32: exact), and the output kernel's masked, decayed
+    # row M_t of q k^T, its q dots over Dk accumulated in the same BK blocks, stored unrounded.
+    # Row t sits at row t % ROWS of ROWS-row operand tiles, the other rows zero.
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.load(slot_ptr + b).to(tl.int64)
+    t = tl.load(pos_ptr + b)
+    r0 = s * C
+    rows = tl.arange(0, C)
+    ok = rows <= t
+    rr = tl.arange(0, ROWS)
+    sel = rr[:, None] == t % ROWS
+    G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
+    Gt = tl.load(gc_ptr + (r0 + t) * H + h)
+    beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
+    Tt = tl.load(t_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
+                 mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
+    coef = beta * tl.exp(G)
+    wb = w_ptr + (b.to(tl.int64) * H + h) * DKP
+    qk = tl.zeros((ROWS, C), dtype=tl.float32)
+    for d0 in range(0, DKP, BK):
+        dc = d0 + tl.arange(0, BK)
+        dm = dc[None, :] < DK
+        kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
+                       other=0.0).to(tl.float32)
+        x = kraw * coef[:, None]
+        Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
+        tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=sel & dm)
+        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
+                    other=0.0).to(OP_DT).to(DOT_DT)
+        qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
+    incl = sel & ok[None, :]
+    M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
+    tl.store(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], M, mask=sel)
+
+
+@jit
 def _cpr4_row_kernel(
-    q_ptr, k_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, s_ptr, vn_ptr, o_ptr, slot_ptr, pos_ptr,
+    q_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, s_ptr, vn_ptr, o_ptr, slot_ptr, pos_ptr,
     H, DK, DV,
     C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
-    # [S * C, H, Dv] fp32 likewise; G [S * C, H] from the row-inverse kernel; S [slots, H, Dk, Dv]
-    # fp32 (the slot's boundary). Row t sits at row t % ROWS of ROWS-row operand tiles, the
-    # other rows zero (ROWS = C: the native kernels' own tiles).
+    # [S * C, H, Dv] fp32 likewise; G [S * C, H] from the row-inverse kernel, W_t [B, H, DKP] and
+    # M_t [B, H, C] from the W/M kernel; S [slots, H, Dk, Dv] fp32 (the slot's boundary). Row t sits
+    # at row t % ROWS of ROWS-row operand tiles, the other rows zero (ROWS = C: the native kernels'
+    # own tiles).
     vt = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -208,45 +260,36 @@ def _cpr4_row_kernel(
     dv = vt * BV + tl.arange(0, BV)
     km = dk < DK
     vm = dv < DV
-    G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
     Gt = tl.load(gc_ptr + (r0 + t) * H + h)
     beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
     # T's row t from the slot's fp32 rows (the W/U kernel rounds T to the operand dtype as it loads it)
     Tt = tl.load(t_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
                  mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
-    # W_t over all of Dk (the W/U kernel's column blocks of BK are independent dots over C)
-    kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dk[None, :], mask=ok[:, None] & km[None, :],
-                   other=0.0)
-    x = kraw.to(tl.float32) * (beta * tl.exp(G))[:, None]
-    Wt = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [ROWS, DKP]
     y = tl.load(v_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=ok[:, None] & vm[None, :],
                 other=0.0).to(tl.float32) * beta[:, None]
     Ut = tl.dot(Tt, y.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [ROWS, BV]
     # Vn_t = U_t - W_t S (the state kernel: one dot over all of Dk), kept unrounded in the slot
+    Wt = tl.load(w_ptr + (b.to(tl.int64) * H + h) * DKP + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
+                 other=0.0).to(OP_DT).to(DOT_DT)
     sb = s_ptr + (s * H + h) * (DK * DV)
     S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0)
-    Vt = Ut.to(tl.float32) - tl.dot(Wt.to(DOT_DT), S.to(OP_DT).to(DOT_DT), input_precision=PREC)
+    Vt = Ut.to(tl.float32) - tl.dot(Wt, S.to(OP_DT).to(DOT_DT), input_precision=PREC)
     vnb = vn_ptr + (r0 * H + h) * DV
     tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=sel & vm[None, :])
     tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
     Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
-    # o_t as the output kernel: q S and q k^T over Dk in blocks of BK, accumulated in order, then
-    # the masked, decayed q k^T row against Vn in the operand dtype (what the output kernel reads)
-    qk = tl.zeros((ROWS, C), dtype=tl.float32)
+    # o_t as the output kernel: q S over Dk in blocks of BK, accumulated in order, then the masked,
+    # decayed q k^T row (M_t) against Vn in the operand dtype (what the output kernel reads)
     o = tl.zeros((ROWS, BV), dtype=tl.float32)
     for d0 in range(0, DKP, BK):
         dc = d0 + tl.arange(0, BK)
         dm = dc[None, :] < DK
         Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
                     other=0.0).to(OP_DT).to(DOT_DT)
-        K = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
-                    other=0.0).to(OP_DT).to(DOT_DT)
         Sb = tl.load(sb + dc[:, None] * DV + dv[None, :], mask=(dc[:, None] < DK) & vm[None, :],
                      other=0.0).to(OP_DT).to(DOT_DT)
-        qk = tl.dot(Q, tl.trans(K), qk, input_precision=PREC)
         o = tl.dot(Q, Sb, o, input_precision=PREC)
-    incl = sel & ok[None, :]
-    M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
+    M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
     o = o * tl.exp(Gt)
     o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
     tl.store(o_ptr + (b.to(tl.int64) * H + h) * DV + rr[:, None] * 0 + dv[None, :], o, mask=sel & vm[None, :])
@@ -316,11 +359,18 @@ H200 at aa47b16, decode of 256 lanes in graphs: 0.930 ms on 2 warps, 1.024 on 4,
 with the bits of the others and of the prefix decode."""
 
 
+WM_WARPS = 4
+"""Warps of the W/M kernel (row t of W and of the masked q k^T, once per head and lane). Not yet
+measured on a GPU."""
+
+
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
-                            row_tile: int | None = None, row_warps: int | None = None) -> torch.Tensor:
+                            row_tile: int | None = None, row_warps: int | None = None,
+                            wm_warps: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
-    ``ROW_TILE``, at most C); ``row_warps``: the row kernel's warps (default ``ROW_WARPS``).
+    ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
+    ``ROW_WARPS`` / ``WM_WARPS``).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
@@ -345,14 +395,21 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     _cpr4_row_inverse_kernel[(H, B)](
         bk, bg, bb, gc, state.buf_T, sl, pos32, H, Dk,
         C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
-    # 2. row t of W, U, Vn and o
+    # 2. row t of W and of the masked q k^T (once per head, not per Dv tile)
+    bq = state.buf_q.view(-1, H, Dk)
+    w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
+    m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
+    _cpr4_row_wm_kernel[(H, B)](
+        bq, bk, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk,
+        C=C, ROWS=rows, DKP=DKP, BK=BK, **num, num_warps=wm_warps or WM_WARPS)
+    # 3. row t of U, Vn and o
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        state.buf_q.view(-1, H, Dk), bk, state.buf_v.view(-1, H, Dv), bb, gc, state.buf_T, state.boundary, state.buf_vn,
+        bq, state.buf_v.view(-1, H, Dv), bb, gc, state.buf_T, w_t, m_t, state.boundary, state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
         C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=row_warps or ROW_WARPS)
-    # 3. the boundary where the chunk completes (the state kernel's Dv tile and warps)
+    # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
         bk, gc, state.boundary, state.buf_vn, sl, pos32, H, Dk, Dv,
@@ -361,4 +418,4 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["ROW_TILE", "ROW_WARPS", "append_token", "cpr4_decode_rows_triton"]
+__all__ = ["ROW_TILE", "ROW_WARPS", "WM_WARPS", "append_token", "cpr4_decode_rows_triton"]

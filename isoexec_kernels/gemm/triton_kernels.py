@@ -106,10 +106,9 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         return cfg("tma", 128, 128, 8, 4, ws=True)
     if N <= 2048:
         if M <= 2048:
-            # 0.6B o 0.87-0.91x, down 0.90-0.93x: a tie with the former 128 x 128 / 4-warp entry
-            # (0.908 vs 0.890x at fc3181a, 0.879 vs 0.893x at 91cc296, same-run sweeps). One wave
-            # (128 tiles, 132 SMs) at ~8 TB/s of L2 reads: what cuBLAS has over it is likely
-            # cluster multicast, which Triton 3.6 does not offer on Hopper
+            # 0.6B o 1.04x, down 1.02x with host-side descriptors (0.90x / 0.93x with device-side
+            # ones, scripts/gemm_host_desc_probe.py at ddfa0d3); a tie with the 128 x 128 / 4-warp
+            # tile (1.05x there; 0.908 vs 0.890x at fc3181a, 0.879 vs 0.893x at 91cc296)
             return cfg("tma", 128, 128, 8, 4, ws=True)
         return cfg("tma", 128, 256, 8, 3, ws=True)       # 0.94-0.98x
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
@@ -393,7 +392,11 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
     flatten = cfg.get("flatten", not ws)
     res_arg, res_stride = _residual_args(res, out)
     bm, bn, kt = cfg["BLOCK_M"], cfg["BLOCK_N"], k_tile_for(cfg, bk, K, leaves, x2.dtype)
-    host_desc = bool(cfg.get("host_desc", False)) and TensorDescriptor is not None and x2.is_cuda \
+    # descriptors made on the host by default: on the H200 the device-side ones cost 3-35% at the
+    # 8-45 us kernels (0.6B o_proj at M = 2048: 0.90x cuBLAS with them, 1.04x without; every row
+    # gave the same bits either way, scripts/gemm_host_desc_probe.py at ddfa0d3). The tile key
+    # ``host_desc`` forces either (the probe); the interpreter always builds them in the kernel
+    host_desc = bool(cfg.get("host_desc", True)) and TensorDescriptor is not None and x2.is_cuda \
         and not interpreting()
     if host_desc:
         x_arg = TensorDescriptor(x2, [M, K], [K, 1], [bm, kt])

@@ -616,6 +616,24 @@ def test_linear_cuda_k_tile_never_changes_bits(kb, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(1024, 2048), (6144, 1024), (151936, 1024)])
+def test_linear_cuda_host_descriptors_give_the_device_descriptors_bits(kb, N, K):
+    # where the TMA descriptors are made (host: kernel parameters, the default; device: written by
+    # each program) changes when the loads start, never what they load
+    g = torch.Generator().manual_seed(67)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda()
+    for m in (256, 1000, 2048, 4096):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        r = torch.randn(m, N, generator=g).bfloat16().cuda()
+        for res in (None, r):
+            dev = gemm.linear_triton(x, w, b, impl="tma", tile={"host_desc": False}, residual=res)
+            host = gemm.linear_triton(x, w, b, impl="tma", tile={"host_desc": True}, residual=res)
+            kb.assert_bitwise(host, dev, f"N={N} K={K} M={m} residual={res is not None}: host vs device descriptors")
+            kb.assert_bitwise(gemm.linear(x, w, b, residual=res), host, f"N={N} K={K} M={m}: the default")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(1024, 2048), (6144, 1024)])
 def test_linear_cuda_programs_per_sm_never_changes_bits(kb, N, K):
     # 2 or 3 persistent programs per SM only change which program runs a tile, never its K loop
