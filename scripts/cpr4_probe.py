@@ -5,9 +5,11 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-(as pinned, on C-row tiles, its W/M kernel on one warp, its row kernel on four) and with the prefix decode; then 40 row-decode steps
-of 256 lanes replayed from a CUDA graph against the same steps run eagerly (outputs and states).
-Last, the row decode's kernels under torch.profiler.
+(as pinned, on C-row tiles, with q S in BK blocks, with one row program per head and lane) and
+with the prefix decode; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
+the same steps run eagerly (outputs and states).
+Last, the row decode's kernels under torch.profiler, and the prefill's against the trainer forward's
+(kernels and host time).
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
 5 x 2048, prefill 5 x 2048 from fresh slots, decode 256 lanes with random fills under a CUDA graph.
 
@@ -49,8 +51,8 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
-_rows_wm1 = _row_decode(wm_warps=1)          # the W/M kernel on one warp (pinned: WM_WARPS)
-_rows_w4 = _row_decode(row_warps=4)           # the row kernel on four (pinned: ROW_WARPS)
+_rows_s2 = _row_decode(s_once=False)         # q S in BK blocks read again (pinned: one dot from the tile)
+_rows_bv128 = _row_decode(row_bv=128, row_warps=4)   # one row program per (head, lane), four warps
 
 
 def bits(dims, dev) -> dict:
@@ -66,12 +68,12 @@ def bits(dims, dev) -> dict:
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
         for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows_c", _rows_c), ("rows_wm1", _rows_wm1), ("rows_w4", _rows_w4)):
+                          ("rows_c", _rows_c), ("rows_s2", _rows_s2), ("rows_bv128", _rows_bv128)):
             st = _state(len(lens) + 2, dims, dev)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        for v in ("rows_c", "rows_wm1", "rows_w4"):
+        for v in ("rows_c", "rows_s2", "rows_bv128"):
             row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
@@ -138,8 +140,8 @@ def timings(dims, dev) -> list[dict]:
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
                             ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_wm1", _rows_wm1, True),
-                            ("cpr_v4_rows_w4", _rows_w4, True)):
+                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_s2", _rows_s2, True),
+                            ("cpr_v4_rows_bv128", _rows_bv128, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")
@@ -171,6 +173,44 @@ def decode_profile(dims, dev) -> list[dict]:
         rows.append({"kernel": e.key[:90], "calls": e.count, "us_per_step": round(e.device_time_total / 20, 1)})
         print(f"  {rows[-1]['us_per_step']:9.1f} us/step  {e.count:4d}x  {rows[-1]['kernel']}", flush=True)
     return rows
+
+
+def prefill_profile(dims, dev) -> dict:
+    """Where the prefill's time goes beyond the trainer forward's (5 x 2048 from fresh slots, eager,
+    10 calls each): device time per kernel, and the host time of one call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    C = dims["chunk"]
+    b, L = FULL["train"]
+    xs, cu = _inputs([L] * b, dims, dev, torch.bfloat16, seed=1)
+    slots = torch.arange(b, device=dev)
+    st = _state(b, dims, dev)
+    runs = {"trainer_fwd": lambda: C4.cpr4_varlen_triton(*xs, cu, chunk=C),
+            "prefill": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C)}
+    out = {}
+    for name, fn in runs.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        host = (time.perf_counter() - t0) / 10
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 10
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+        evs = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+        out[name] = {"host_ms_per_call": round(host * 1e3, 3), "wall_ms_per_call": round(wall * 1e3, 3),
+                     "device_ms_per_call": round(sum(e.device_time_total for e in evs) / 10 / 1e3, 3),
+                     "kernels": [{"kernel": e.key[:90], "calls": e.count,
+                                  "us_per_call": round(e.device_time_total / 10, 1)} for e in evs[:12]]}
+        print(f"{name}: host {out[name]['host_ms_per_call']} ms, wall {out[name]['wall_ms_per_call']} ms, "
+              f"device {out[name]['device_ms_per_call']} ms per call", flush=True)
+        for k in out[name]["kernels"]:
+            print(f"  {k['us_per_call']:9.1f} us/call  {k['calls']:4d}x  {k['kernel']}", flush=True)
+    return out
 
 
 SWEEP = [dict(), dict(prep_warps=1), dict(prep_warps=2), dict(prep_warps=1, out_warps=8),
@@ -245,6 +285,8 @@ def main():
     print("bits:", json.dumps(res["bits"]), flush=True)
     res["timings"] = timings(GDN_DIMS, dev)
     res["decode_profile"] = decode_profile(GDN_DIMS, dev)
+    with torch.no_grad():
+        res["prefill_profile"] = prefill_profile(GDN_DIMS, dev)
     res["seconds"] = round(time.time() - t0, 1)
     if args.out:
         with open(args.out, "w") as f:

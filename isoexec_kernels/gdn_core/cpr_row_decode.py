@@ -58,6 +58,38 @@ from .state import CHUNK, GDNState
 
 
 @jit
+def _cpr4_append_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, bq_ptr, bk_ptr, bv_ptr, bg_ptr, bb_ptr, fill_ptr, slot_ptr, pos_ptr,
+    H, REP_Q, REP_K, DK, DV,
+    C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
+):
+    # One program per (value head h, lane b): the lane's token into its slot's open chunk at the
+    # slot's fill, in fp32, q and k from the head h // rep that value head h reads (what
+    # ``append_token`` writes, in one launch instead of six indexing kernels); the head-0 program
+    # records the position for the step's other kernels (``fill`` moves in the completion kernel).
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    s = tl.load(slot_ptr + b).to(tl.int64)
+    t = tl.load(fill_ptr + s)
+    tl.store(pos_ptr + b, t, mask=h == 0)
+    row = (s * C + t) * H + h
+    dk = tl.arange(0, DKP)
+    km = dk < DK
+    dv = tl.arange(0, DVP)
+    vm = dv < DV
+    hq = H // REP_Q
+    hk = H // REP_K
+    q = tl.load(q_ptr + (b.to(tl.int64) * hq + h // REP_Q) * DK + dk, mask=km, other=0.0)
+    k = tl.load(k_ptr + (b.to(tl.int64) * hk + h // REP_K) * DK + dk, mask=km, other=0.0)
+    v = tl.load(v_ptr + (b.to(tl.int64) * H + h) * DV + dv, mask=vm, other=0.0)
+    tl.store(bq_ptr + row * DK + dk, q.to(tl.float32), mask=km)
+    tl.store(bk_ptr + row * DK + dk, k.to(tl.float32), mask=km)
+    tl.store(bv_ptr + row * DV + dv, v.to(tl.float32), mask=vm)
+    tl.store(bg_ptr + row, tl.load(g_ptr + b.to(tl.int64) * H + h).to(tl.float32))
+    tl.store(bb_ptr + row, tl.load(b_ptr + b.to(tl.int64) * H + h).to(tl.float32))
+
+
+@jit
 def _cpr4_row_inverse_kernel(
     k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, slot_ptr, pos_ptr, H, DK,
     C: tl.constexpr, NB: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
@@ -238,7 +270,7 @@ def _cpr4_row_kernel(
     q_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, s_ptr, vn_ptr, o_ptr, slot_ptr, pos_ptr,
     H, DK, DV,
     C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, S_ONCE: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
@@ -272,23 +304,32 @@ def _cpr4_row_kernel(
     Wt = tl.load(w_ptr + (b.to(tl.int64) * H + h) * DKP + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
                  other=0.0).to(OP_DT).to(DOT_DT)
     sb = s_ptr + (s * H + h) * (DK * DV)
-    S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0)
-    Vt = Ut.to(tl.float32) - tl.dot(Wt, S.to(OP_DT).to(DOT_DT), input_precision=PREC)
+    S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0).to(OP_DT).to(DOT_DT)
+    Vt = Ut.to(tl.float32) - tl.dot(Wt, S, input_precision=PREC)
+    # o_t as the output kernel: q S over Dk (accumulated in BK blocks there), then the masked,
+    # decayed q k^T row (M_t) against Vn in the operand dtype (what the output kernel reads)
+    if S_ONCE:
+        # one dot over all of Dk from the tile just loaded: the tensor cores chain its k16 steps
+        # into the accumulator in Dk order, the accumulations of the BK-block dots in turn (the
+        # GEMM's K tiles rest on the same fact); not under the interpreter, whose dots are BLAS
+        # calls blocked by shape
+        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
+                    other=0.0).to(OP_DT).to(DOT_DT)
+        o = tl.dot(Q, S, input_precision=PREC)
+    else:
+        o = tl.zeros((ROWS, BV), dtype=tl.float32)
+        for d0 in range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
+                        other=0.0).to(OP_DT).to(DOT_DT)
+            Sb = tl.load(sb + dc[:, None] * DV + dv[None, :], mask=(dc[:, None] < DK) & vm[None, :],
+                         other=0.0).to(OP_DT).to(DOT_DT)
+            o = tl.dot(Q, Sb, o, input_precision=PREC)
     vnb = vn_ptr + (r0 * H + h) * DV
     tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=sel & vm[None, :])
     tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
     Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
-    # o_t as the output kernel: q S over Dk in blocks of BK, accumulated in order, then the masked,
-    # decayed q k^T row (M_t) against Vn in the operand dtype (what the output kernel reads)
-    o = tl.zeros((ROWS, BV), dtype=tl.float32)
-    for d0 in range(0, DKP, BK):
-        dc = d0 + tl.arange(0, BK)
-        dm = dc[None, :] < DK
-        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
-                    other=0.0).to(OP_DT).to(DOT_DT)
-        Sb = tl.load(sb + dc[:, None] * DV + dv[None, :], mask=(dc[:, None] < DK) & vm[None, :],
-                     other=0.0).to(OP_DT).to(DOT_DT)
-        o = tl.dot(Q, Sb, o, input_precision=PREC)
     M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
     o = o * tl.exp(Gt)
     o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
@@ -297,7 +338,7 @@ def _cpr4_row_kernel(
 
 @jit
 def _cpr4_complete_kernel(
-    k_ptr, gc_ptr, s_ptr, vn_ptr, slot_ptr, pos_ptr, H, DK, DV,
+    k_ptr, gc_ptr, s_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, H, DK, DV,
     C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
 ):
@@ -306,14 +347,16 @@ def _cpr4_complete_kernel(
     # (the decay on the Vn side from the unrounded Vn rows, k read as it is, the old state as the
     # dot's accumulator); every other program returns at once. A kernel of its own, not a branch of
     # the row kernel: there its tiles raised the registers of every step (H200, efdb0dd: the row
-    # kernel 0.92 ms per step instead of 0.73).
+    # kernel 0.92 ms per step instead of 0.73). The step's last kernel, its first program per lane
+    # moves the slot's fill on.
     vt = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     t = tl.load(pos_ptr + b)
+    s = tl.load(slot_ptr + b).to(tl.int64)
+    tl.store(fill_ptr + s, (t + 1) % C, mask=(vt == 0) & (h == 0))
     if t != C - 1:
         return
-    s = tl.load(slot_ptr + b).to(tl.int64)
     r0 = s * C
     rows = tl.arange(0, C)
     dk = tl.arange(0, DKP)
@@ -366,11 +409,14 @@ measured on a GPU."""
 
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
                             row_tile: int | None = None, row_warps: int | None = None,
-                            wm_warps: int | None = None) -> torch.Tensor:
+                            wm_warps: int | None = None, row_bv: int | None = None,
+                            s_once: bool | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
-    ``ROW_WARPS`` / ``WM_WARPS``).
+    ``ROW_WARPS`` / ``WM_WARPS``); ``row_bv``: the row kernel's Dv tile (default the output kernel's,
+    ``choice.out_bv``); ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
+    already holds (default: on a GPU) instead of BK blocks read again.
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
@@ -381,22 +427,27 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
     Dv = state.buf_v.shape[3]
     dev = v.device
-    sl, pos = append_token(state, q, k, v, g, beta, slots)
     OP_DT, DOT_DT, PREC, st_dt = _dtypes(choice.dot)
     num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     BK = min(choice.bk, DKP, DVP)
-    BV = min(choice.out_bv, DVP)
+    BV = min(row_bv or choice.out_bv, DVP)
     rows = C if interpreting() else min(row_tile or ROW_TILE, C)
-    bk, bg, bb = state.buf_k.view(-1, H, Dk), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
+    s_once = (not interpreting()) if s_once is None else bool(s_once)
+    bq, bk = state.buf_q.view(-1, H, Dk), state.buf_k.view(-1, H, Dk)
+    bv, bg, bb = state.buf_v.view(-1, H, Dv), state.buf_g.view(-1, H), state.buf_beta.view(-1, H)
+    # 0. the token into its slot's open chunk; its position in pos32
+    sl = slots.to(device=dev, dtype=torch.int32)
+    pos32 = torch.empty(B, dtype=torch.int32, device=dev)
+    _cpr4_append_kernel[(H, B)](
+        q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), bq, bk, bv, bg, bb,
+        state.fill, sl, pos32, H, H // q.shape[1], H // k.shape[1], Dk, Dv, C=C, DKP=DKP, DVP=DVP, num_warps=1)
     # 1. G over the rows so far and row t of T (the earlier rows kept in the slot)
-    pos32 = pos.to(torch.int32)
     gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
     _cpr4_row_inverse_kernel[(H, B)](
         bk, bg, bb, gc, state.buf_T, sl, pos32, H, Dk,
         C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
     # 2. row t of W and of the masked q k^T (once per head, not per Dv tile)
-    bq = state.buf_q.view(-1, H, Dk)
     w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
     m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
     _cpr4_row_wm_kernel[(H, B)](
@@ -406,15 +457,14 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        bq, state.buf_v.view(-1, H, Dv), bb, gc, state.buf_T, w_t, m_t, state.boundary, state.buf_vn,
+        bq, bv, bb, gc, state.buf_T, w_t, m_t, state.boundary, state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
-        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, num_warps=row_warps or ROW_WARPS)
+        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
-        bk, gc, state.boundary, state.buf_vn, sl, pos32, H, Dk, Dv,
+        bk, gc, state.boundary, state.buf_vn, state.fill, sl, pos32, H, Dk, Dv,
         C=C, DKP=DKP, BV=sbv, **num, num_warps=choice.state_warps)
-    state.fill[sl] = ((pos + 1) % C).to(state.fill.dtype)
     return o
 
 
