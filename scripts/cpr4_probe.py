@@ -5,8 +5,8 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-(as pinned, on C-row tiles, with q S in BK blocks, with one row program per head and lane) and
-with the prefix decode; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
+(as pinned, on C-row tiles, on Dv tiles of 32 with two warps and with one) and with the prefix
+decode; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
 the same steps run eagerly (outputs and states).
 Last, the row decode's kernels under torch.profiler, and the prefill's against the trainer forward's
 (kernels and host time).
@@ -51,8 +51,8 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
-_rows_s2 = _row_decode(s_once=False)         # q S in BK blocks read again (pinned: one dot from the tile)
-_rows_bv128 = _row_decode(row_bv=128, row_warps=4)   # one row program per (head, lane), four warps
+_rows_bv32 = _row_decode(row_bv=32)          # Dv tiles of 32 (pinned: the output kernel's 64)
+_rows_bv32_w1 = _row_decode(row_bv=32, row_warps=1)   # and one warp
 
 
 def bits(dims, dev) -> dict:
@@ -68,12 +68,12 @@ def bits(dims, dev) -> dict:
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
         for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows_c", _rows_c), ("rows_s2", _rows_s2), ("rows_bv128", _rows_bv128)):
+                          ("rows_c", _rows_c), ("rows_bv32", _rows_bv32), ("rows_bv32_w1", _rows_bv32_w1)):
             st = _state(len(lens) + 2, dims, dev)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        for v in ("rows_c", "rows_s2", "rows_bv128"):
+        for v in ("rows_c", "rows_bv32", "rows_bv32_w1"):
             row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
@@ -140,8 +140,8 @@ def timings(dims, dev) -> list[dict]:
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
         for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
                             ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_s2", _rows_s2, True),
-                            ("cpr_v4_rows_bv128", _rows_bv128, True)):
+                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_bv32", _rows_bv32, True),
+                            ("cpr_v4_rows_bv32_w1", _rows_bv32_w1, True)):
             st = _state(B + 1, dims, dev, q)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")

@@ -35,6 +35,7 @@ import torch
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
 from .cpr_row_decode import append_token, cpr4_decode_rows_triton
+from .._triton_util import int32_segments
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -96,42 +97,70 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     # the fp32 values of those dtypes, the key heads repeated to the value heads)
     rep = H // k.shape[1]
     dtypes = (q.dtype, k.dtype, v.dtype, torch.float32, torch.float32)
-    pieces = ([], [], [], [], [])
-    starts, lens, new_rows = [], [], []
-    row = 0
-    for b, s in enumerate(sl):
-        a, e, f = cu[b], cu[b + 1], fills[b]
-        for dst, buf, new, dt in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
-                                              state.buf_g, state.buf_beta), (q, k, v, g, beta), dtypes):
-            if f:
-                dst.append(buf[s, :f].to(dt))
-            dst.append(new[a:e].to(dt))
-        starts.append(row)
-        lens.append(f + e - a)
-        new_rows.append((row + f, e - a))
-        row += f + e - a
-    pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
-    init = state.boundary[torch.tensor(sl, dtype=torch.long, device=dev)]
-    o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+    if not any(fills):
+        # every slot fresh (a new prompt's prefill): the pieces are the new rows as they are, and so
+        # is the output (no copies)
+        pq, pk, pv, pg, pb = (x.to(dt) for x, dt in zip((q, k, v, g, beta), dtypes))
+        starts = cu[:-1]
+        lens = [e - a for a, e in zip(cu[:-1], cu[1:])]
+        new_rows = None
+    else:
+        pieces = ([], [], [], [], [])
+        starts, lens, new_rows = [], [], []
+        row = 0
+        for b, s in enumerate(sl):
+            a, e, f = cu[b], cu[b + 1], fills[b]
+            for dst, buf, new, dt in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
+                                                  state.buf_g, state.buf_beta), (q, k, v, g, beta), dtypes):
+                if f:
+                    dst.append(buf[s, :f].to(dt))
+                dst.append(new[a:e].to(dt))
+            starts.append(row)
+            lens.append(f + e - a)
+            new_rows.append((row + f, e - a))
+            row += f + e - a
+        pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
+    # what each slot keeps, planned on the host and written by one indexing operation per buffer:
+    # the boundary (the final state where the piece ends on a chunk boundary, else the state entering
+    # its last, open chunk), the open chunk's last L % C rows and their rows of Vn and T, the fill
+    fin_b, fin_s, st_i, st_s, src, dst_s, dst_p, ch = [], [], [], [], [], [], [], []
     first = 0
     for b, s in enumerate(sl):
         L = lens[b]
         nch = -(-L // C)
-        if L and L % C == 0:     # ends on a chunk boundary: the final state is the new boundary
-            state.boundary[s].copy_(fin[b])
-        elif L:                  # else the state entering its last (open) chunk
-            state.boundary[s].copy_(states[first + nch - 1])
+        if L and L % C == 0:
+            fin_b.append(b)
+            fin_s.append(s)
+        elif L:
+            st_i.append(first + nch - 1)
+            st_s.append(s)
         first += nch
-        r = L % C                # the open chunk after the piece: its last L % C rows
+        r = L % C
         if r:
             a0 = starts[b] + L - r
-            for buf, src in zip((state.buf_q, state.buf_k, state.buf_v, state.buf_g, state.buf_beta),
-                                (_expand(pq, H), _expand(pk, H), pv, pg, pb)):
-                buf[s, :r] = src[a0:a0 + r]
-            # the open chunk's (its last chunk's) rows of Vn and T, for the row decode
-            state.buf_vn[s, :r] = vn[first - 1, :, :r].transpose(0, 1)
-            state.buf_T[s, :r] = tm[first - 1, :, :r].transpose(0, 1)
-        state.fill[s] = r
+            src += range(a0, a0 + r)
+            dst_s += [s] * r
+            dst_p += range(r)
+            ch += [first - 1] * r
+    (sl_t, fill_t, fin_b_t, fin_s_t, st_i_t, st_s_t, src_t, dst_s_t, dst_p_t, ch_t) = int32_segments(
+        [sl, [L % C for L in lens], fin_b, fin_s, st_i, st_s, src, dst_s, dst_p, ch], dev)
+    init = state.boundary[sl_t]
+    o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+    if fin_b:
+        state.boundary[fin_s_t] = fin[fin_b_t]
+    if st_i:
+        state.boundary[st_s_t] = states[st_i_t]
+    if src:
+        for buf, piece, heads in ((state.buf_q, pq, True), (state.buf_k, pk, True), (state.buf_v, pv, False),
+                                  (state.buf_g, pg, False), (state.buf_beta, pb, False)):
+            rows = piece[src_t]
+            buf[dst_s_t, dst_p_t] = (_expand(rows, H) if heads else rows).to(buf.dtype)
+        # the open chunk's (its piece's last chunk's) rows of Vn and T, for the row decode
+        state.buf_vn[dst_s_t, dst_p_t] = vn[ch_t, :, dst_p_t]
+        state.buf_T[dst_s_t, dst_p_t] = tm[ch_t, :, dst_p_t]
+    state.fill[sl_t] = fill_t.to(state.fill.dtype)
+    if new_rows is None:
+        return o_all
     return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
 
 
