@@ -55,6 +55,13 @@ def cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> t
                            states_dtype=torch.float32)
 
 
+def refresh_boundary_op(state: GDNState, slots: torch.Tensor) -> None:
+    """``boundary_op`` of ``slots`` from their fp32 ``boundary`` (torch's round to nearest even, the
+    kernels' conversion too), where the state keeps one."""
+    if state.boundary_op is not None:
+        state.boundary_op[slots] = state.boundary[slots].to(state.boundary_op.dtype)
+
+
 def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
     """[N, Hk, D] keys or queries repeated to the H value heads ([N, H, D])."""
     return _expand_heads(x, H // x.shape[1])
@@ -150,6 +157,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
         state.boundary[fin_s_t] = fin[fin_b_t]
     if st_i:
         state.boundary[st_s_t] = states[st_i_t]
+    refresh_boundary_op(state, sl_t)
     if src:
         for buf, piece, heads in ((state.buf_q, pq, True), (state.buf_k, pk, True), (state.buf_v, pv, False),
                                   (state.buf_g, pg, False), (state.buf_beta, pb, False)):
@@ -216,6 +224,7 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     dims = dict(T=S_ * C, Hk=H, H=H, Dk=Dk, Dv=Dv, rep=1, DKP=DKP, DVP=DVP, BK=BK)
     launch_wy_out(bq, WYParts(choice, B, B, row0, nrow, chunk0, nchunk, gc, Tm, W, kc, states, vn, num, dims,
                               st_dt), o_rows, C)
+    refresh_boundary_op(state, sl)
     state.fill[sl] = (n % C).to(state.fill.dtype)
     return o_rows[sl * C + pos]
 

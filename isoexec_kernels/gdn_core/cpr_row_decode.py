@@ -44,7 +44,10 @@ back where the chunk completes), the open chunk's buffered rows, and row t of th
 at 256 lanes on the H200 (``scripts/cpr4_probe.py``): until ``c0e2f72`` step 1 was the inverse kernel
 itself on the rows so far (0.27 ms of a 0.93 ms step); the row-inverse kernel took 0.11 ms at
 ``ddfa0d3`` (step 0.78 ms, 0.57 of it the row kernel, which then also made W_t and M_t from the k rows
-in each of its Dv tiles' programs).
+in each of its Dv tiles' programs); at ``a2721da`` the step took 0.60 ms (row kernel 0.35, row-inverse
+0.11, W/M 0.09, completion 0.03, append 0.008). The row kernel reads the state only as a bf16
+operand, so it reads the slot's bf16 copy (``GDNState.boundary_op``, kept by prefill and the
+completion kernel): half the bytes of the fp32 boundary, most of what it reads.
 """
 
 from __future__ import annotations
@@ -338,9 +341,9 @@ def _cpr4_row_kernel(
 
 @jit
 def _cpr4_complete_kernel(
-    k_ptr, gc_ptr, s_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, H, DK, DV,
+    k_ptr, gc_ptr, s_ptr, sop_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, H, DK, DV,
     C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
-    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
+    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, HAS_OP: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b), after the row kernel: where this step
     # completed the chunk (t = C - 1), the boundary carried across it as the state kernel carries it
@@ -372,6 +375,9 @@ def _cpr4_complete_kernel(
     S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
     Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
     tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
+    if HAS_OP:   # the operand copy the row kernel reads (round to nearest even, as torch's)
+        sq = sop_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+        tl.store(sq, Sn.to(sop_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
 
 
 def append_token(state: GDNState, q, k, v, g, beta, slots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,18 +459,23 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     _cpr4_row_wm_kernel[(H, B)](
         bq, bk, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk,
         C=C, ROWS=rows, DKP=DKP, BK=BK, **num, num_warps=wm_warps or WM_WARPS)
-    # 3. row t of U, Vn and o
+    # 3. row t of U, Vn and o, the state read as the operand copy where the state keeps one (the
+    # same values: the kernel rounds the fp32 one to the operand dtype as it loads it). Not under the
+    # interpreter, whose conversion truncates where torch's (the copy's, made by prefill) and a GPU's
+    # round to nearest even; the completion kernel keeps the copy up to date either way
+    has_op = state.boundary_op is not None and state.boundary_op.dtype == st_dt
+    s_op = state.boundary_op if has_op and not interpreting() else state.boundary
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        bq, bv, bb, gc, state.buf_T, w_t, m_t, state.boundary, state.buf_vn,
+        bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op, state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
         C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
-        bk, gc, state.boundary, state.buf_vn, state.fill, sl, pos32, H, Dk, Dv,
-        C=C, DKP=DKP, BV=sbv, **num, num_warps=choice.state_warps)
+        bk, gc, state.boundary, state.boundary_op if has_op else state.boundary, state.buf_vn, state.fill, sl, pos32,
+        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, **num, HAS_OP=has_op, num_warps=choice.state_warps)
     return o
 
 

@@ -36,6 +36,10 @@ class GDNState:
     buf_T    [S, C, H, C]     rows of T = (I + A)^-1 of the open chunk, fp32, zero right of the
                               block diagonal (version 4's row decode makes row t from the earlier
                               ones; None unless allocated with ``with_q``)
+    boundary_op [S, H, Dk, Dv] ``boundary`` rounded to bf16, the operand dtype of version 4's dots
+                              (its row decode reads the state only as an operand: half the bytes
+                              of the fp32 one; kept equal to it by prefill and the decode's
+                              completion kernel; None unless allocated with ``with_q``)
     """
 
     boundary: torch.Tensor
@@ -48,6 +52,7 @@ class GDNState:
     buf_q: torch.Tensor | None = None
     buf_vn: torch.Tensor | None = None
     buf_T: torch.Tensor | None = None
+    boundary_op: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK,
@@ -64,6 +69,7 @@ class GDNState:
             buf_q=torch.zeros(num_slots, chunk, H, Dk, **f32) if with_q else None,
             buf_vn=torch.zeros(num_slots, chunk, H, Dv, **f32) if with_q else None,
             buf_T=torch.zeros(num_slots, chunk, H, chunk, **f32) if with_q else None,
+            boundary_op=torch.zeros(num_slots, H, Dk, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
         )
 
     @property
@@ -78,8 +84,8 @@ class GDNState:
                 self.buf_beta.view(-1, H))
 
     def tensors(self) -> list[torch.Tensor]:
-        """The allocated tensors (the chunk form's ``buf_q``, ``buf_vn`` and ``buf_T`` only when they
-        were asked for)."""
+        """The allocated tensors (the chunk form's ``buf_q``, ``buf_vn``, ``buf_T`` and ``boundary_op``
+        only when they were asked for)."""
         return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     @property
