@@ -74,6 +74,7 @@ def bits(dims, dev) -> dict:
             row[f"differing_{name}"] = count_differing(got[name], trainer)
             if name == "rows":   # the state's operand copy kept equal to its fp32 boundary, rounded
                 row["boundary_op_vs_boundary"] = count_differing(st.boundary_op, st.boundary.to(torch.bfloat16))
+                row["vn_op_vs_vn"] = count_differing(st.buf_vn_op, st.buf_vn.to(torch.bfloat16))
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
         for v in ("rows_c", "rows_bv32", "rows_bv32_w1"):
             row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
@@ -94,7 +95,7 @@ def bits(dims, dev) -> dict:
         fn = lambda: C4.cpr4_decode_triton(*inp, slots, st, chunk=C)  # noqa: E731
         if mode == "graph":
             keep = {f: getattr(st, f).clone() for f in ("boundary", "fill", "buf_q", "buf_k", "buf_v", "buf_g", "buf_beta",
-                                                          "buf_vn", "buf_T", "boundary_op")}
+                                                          "buf_vn", "buf_T", "boundary_op", "buf_vn_op")}
             for x, y in zip(inp, steps[0]):
                 x.copy_(y)
             graph = torch.cuda.CUDAGraph()

@@ -164,7 +164,10 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             rows = piece[src_t]
             buf[dst_s_t, dst_p_t] = (_expand(rows, H) if heads else rows).to(buf.dtype)
         # the open chunk's (its piece's last chunk's) rows of Vn and T, for the row decode
-        state.buf_vn[dst_s_t, dst_p_t] = vn[ch_t, :, dst_p_t]
+        vn_rows = vn[ch_t, :, dst_p_t]
+        state.buf_vn[dst_s_t, dst_p_t] = vn_rows
+        if state.buf_vn_op is not None:   # rounded as the kernels round (to nearest even)
+            state.buf_vn_op[dst_s_t, dst_p_t] = vn_rows.to(state.buf_vn_op.dtype)
         state.buf_T[dst_s_t, dst_p_t] = tm[ch_t, :, dst_p_t]
     state.fill[sl_t] = fill_t.to(state.fill.dtype)
     if new_rows is None:

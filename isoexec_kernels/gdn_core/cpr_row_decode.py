@@ -270,10 +270,11 @@ def _cpr4_row_wm_kernel(
 
 @jit
 def _cpr4_row_kernel(
-    q_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, s_ptr, vn_ptr, o_ptr, slot_ptr, pos_ptr,
+    q_ptr, v_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, s_ptr, vn_ptr, vnop_ptr, o_ptr, slot_ptr, pos_ptr,
     H, DK, DV,
     C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, S_ONCE: tl.constexpr,
+    VN_OP_WRITE: tl.constexpr, VN_OP_READ: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
@@ -331,8 +332,15 @@ def _cpr4_row_kernel(
             o = tl.dot(Q, Sb, o, input_precision=PREC)
     vnb = vn_ptr + (r0 * H + h) * DV
     tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=sel & vm[None, :])
+    vqb = vnop_ptr + (r0 * H + h) * DV
+    if VN_OP_WRITE:   # Vn_t rounded to the operand dtype too, for later steps' outputs
+        tl.store(vqb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt.to(vnop_ptr.dtype.element_ty),
+                 mask=sel & vm[None, :])
     tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
-    Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
+    if VN_OP_READ:    # the rows as the output's operand: half the bytes of the unrounded ones
+        Vn = tl.load(vqb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
+    else:
+        Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
     M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
     o = o * tl.exp(Gt)
     o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
@@ -467,12 +475,15 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     # round to nearest even; the completion kernel keeps the copy up to date either way
     has_op = state.boundary_op is not None and state.boundary_op.dtype == st_dt
     s_op = state.boundary_op if has_op and not interpreting() else state.boundary
+    # the open chunk's rows of Vn likewise (the completion reads the unrounded ones)
+    has_vn_op = state.buf_vn_op is not None and state.buf_vn_op.dtype == st_dt
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op, state.buf_vn,
+        bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op, state.buf_vn, state.buf_vn_op if has_vn_op else state.buf_vn,
         o, sl, pos32, H, Dk, Dv,
-        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, num_warps=row_warps or ROW_WARPS)
+        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, VN_OP_WRITE=has_vn_op,
+        VN_OP_READ=has_vn_op and not interpreting(), num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](

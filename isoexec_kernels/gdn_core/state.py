@@ -40,6 +40,8 @@ class GDNState:
                               (its row decode reads the state only as an operand: half the bytes
                               of the fp32 one; kept equal to it by prefill and the decode's
                               completion kernel; None unless allocated with ``with_q``)
+    buf_vn_op [S, C, H, Dv]   ``buf_vn`` rounded to bf16 (the row decode's output reads the rows
+                              only as a bf16 operand; None unless allocated with ``with_q``)
     """
 
     boundary: torch.Tensor
@@ -53,6 +55,7 @@ class GDNState:
     buf_vn: torch.Tensor | None = None
     buf_T: torch.Tensor | None = None
     boundary_op: torch.Tensor | None = None
+    buf_vn_op: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK,
@@ -70,6 +73,7 @@ class GDNState:
             buf_vn=torch.zeros(num_slots, chunk, H, Dv, **f32) if with_q else None,
             buf_T=torch.zeros(num_slots, chunk, H, chunk, **f32) if with_q else None,
             boundary_op=torch.zeros(num_slots, H, Dk, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
+            buf_vn_op=torch.zeros(num_slots, chunk, H, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
         )
 
     @property
@@ -84,8 +88,8 @@ class GDNState:
                 self.buf_beta.view(-1, H))
 
     def tensors(self) -> list[torch.Tensor]:
-        """The allocated tensors (the chunk form's ``buf_q``, ``buf_vn``, ``buf_T`` and ``boundary_op``
-        only when they were asked for)."""
+        """The allocated tensors (the chunk form's ``buf_q``, ``buf_vn``, ``buf_T``, ``boundary_op`` and
+        ``buf_vn_op`` only when they were asked for)."""
         return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     @property

@@ -70,14 +70,15 @@ def test_the_chunk_form_buffers_are_allocated_counted_and_reset_only_when_asked_
     assert with_q.buf_q.shape == (3, 16, 2, 16) and with_q.buf_vn.shape == (3, 16, 2, 8)
     assert with_q.buf_T.shape == (3, 16, 2, 16) and plain.buf_T is None
     assert with_q.boundary_op.shape == (3, 2, 16, 8) and with_q.boundary_op.dtype == torch.bfloat16
-    assert plain.boundary_op is None
+    assert with_q.buf_vn_op.shape == (3, 16, 2, 8) and with_q.buf_vn_op.dtype == torch.bfloat16
+    assert plain.boundary_op is None and plain.buf_vn_op is None
     assert with_q.nbytes - plain.nbytes == (3 * 16 * 2 * 16 * 4 + 3 * 16 * 2 * 8 * 4 + 3 * 16 * 2 * 16 * 4
-                                            + 3 * 2 * 16 * 8 * 2)
-    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T, with_q.boundary_op):
+                                            + 3 * 2 * 16 * 8 * 2 + 3 * 16 * 2 * 8 * 2)
+    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T, with_q.boundary_op, with_q.buf_vn_op):
         buf.fill_(1.0)
     plain.reset_(torch.tensor([1]))                  # no buffer, nothing to reset: no error
     with_q.reset_(torch.tensor([1]))
-    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T, with_q.boundary_op):
+    for buf in (with_q.buf_q, with_q.buf_vn, with_q.buf_T, with_q.boundary_op, with_q.buf_vn_op):
         assert not buf[1].any() and buf[0].all() and buf[2].all()
 
 

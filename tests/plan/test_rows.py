@@ -68,7 +68,7 @@ def test_a_chunk_form_core_s_state_slots_count_their_larger_buffers():
     plain, chunk_form = plan_row(shape, 80 * GIB), plan_row(replace(shape, gdn_chunk_form=True), 80 * GIB)
     one = GDNState.allocate(1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                             "meta", chunk=64, with_q=True)
-    extra = sum(t.nbytes for t in (one.buf_q, one.buf_vn, one.buf_T, one.boundary_op))
+    extra = sum(t.nbytes for t in (one.buf_q, one.buf_vn, one.buf_T, one.boundary_op, one.buf_vn_op))
     assert chunk_form.recurrent_state - plain.recurrent_state == (8 + 1) * len(cfg.gdn_layers) * extra
 
 
