@@ -47,7 +47,11 @@ itself on the rows so far (0.27 ms of a 0.93 ms step); the row-inverse kernel to
 in each of its Dv tiles' programs); at ``a2721da`` the step took 0.60 ms (row kernel 0.35, row-inverse
 0.11, W/M 0.09, completion 0.03, append 0.008). The row kernel reads the state only as a bf16
 operand, so it reads the slot's bf16 copy (``GDNState.boundary_op``, kept by prefill and the
-completion kernel): half the bytes of the fp32 boundary, most of what it reads.
+completion kernel): half the bytes of the fp32 boundary, most of what it reads (0.228 ms at
+``eb18911``); the open chunk's Vn rows likewise (``GDNState.buf_vn_op``, written beside the unrounded
+rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``. Under the interpreter both
+copies are written but the fp32 originals read (its conversion truncates where torch's, which makes
+prefill's copies, rounds to nearest even).
 """
 
 from __future__ import annotations
