@@ -282,8 +282,9 @@ def _cpr4_row_kernel(
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
-    # [S * C, H, Dv] fp32 likewise; G [S * C, H] from the row-inverse kernel, W_t [B, H, DKP] and
-    # M_t [B, H, C] from the W/M kernel; S [slots, H, Dk, Dv] fp32 (the slot's boundary). Row t sits
+    # [S * C, H, Dv] fp32 likewise (and in bf16 where the state keeps the copy); G [S * C, H] from the
+    # row-inverse kernel, W_t [B, H, DKP] and M_t [B, H, C] from the W/M kernel; S [slots, H, Dk, Dv]
+    # (the slot's boundary, fp32 or its bf16 operand copy). Row t sits
     # at row t % ROWS of ROWS-row operand tiles, the other rows zero (ROWS = C: the native kernels'
     # own tiles).
     vt = tl.program_id(0)
