@@ -31,8 +31,8 @@ Rounding schedule (every output element, whatever M, the row's position or its n
     inputs, ``input_precision="ieee"`` FMA for fp32) accumulating into the fp32 tile
     accumulator. Two kernels run this same loop: a persistent one with tensor descriptors
     (TMA, descriptors made on the host on a GPU, optional warp specialisation, GROUP_M raster)
-    and a plain pointer one (fallback, interpreter, small M). Kernel and tile (BLOCK_M x BLOCK_N) are picked by an M bucket
-    (:func:`tile_for_m`); BLOCK_K and the sequential K order never change, and on the H200
+    and a plain pointer one (fallback, interpreter, small M). Kernel and tile (BLOCK_M x
+    BLOCK_N) are picked by an M bucket (:func:`tile_for_m`); BLOCK_K and the sequential K order never change, and on the H200
     all tiles and both kernels gave identical bits (gated per bucket on each GPU). At M <= 256 a
     launch may take 2 or 4 blocks per ``tl.dot`` (the tile's ``K_TILE``, 16-bit inputs only):
     the tensor cores chain the dot's k16 steps into the accumulator in K order, so it is the
