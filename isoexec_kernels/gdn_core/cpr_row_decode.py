@@ -474,26 +474,27 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     _cpr4_row_wm_kernel[(H, B)](
         bq, bk, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk,
         C=C, ROWS=rows, DKP=DKP, BK=BK, **num, num_warps=wm_warps or WM_WARPS)
-    # 3. row t of U, Vn and o, the state read as the operand copy where the state keeps one (the
-    # same values: the kernel rounds the fp32 one to the operand dtype as it loads it). Not under the
-    # interpreter, whose conversion truncates where torch's (the copy's, made by prefill) and a GPU's
-    # round to nearest even; the completion kernel keeps the copy up to date either way
-    has_op = state.boundary_op is not None and state.boundary_op.dtype == st_dt
-    s_op = state.boundary_op if has_op and not interpreting() else state.boundary
-    # the open chunk's rows of Vn likewise (the completion reads the unrounded ones)
-    has_vn_op = state.buf_vn_op is not None and state.buf_vn_op.dtype == st_dt
+    # 3. row t of U, Vn and o. The state and the open chunk's Vn rows are read as their operand
+    # copies where the state keeps them (allocated together, ``with_q``; the same values: the kernel
+    # rounds the fp32 ones to the operand dtype as it loads them). Not under the interpreter, whose
+    # conversion truncates where torch's (the copies made by prefill) and a GPU's round to nearest
+    # even; the kernels keep the copies up to date either way
+    copies = state.boundary_op is not None and state.boundary_op.dtype == st_dt
+    read_copies = copies and not interpreting()
+    s_op = state.boundary_op if copies else state.boundary
+    vn_op = state.buf_vn_op if copies else state.buf_vn
     o = torch.empty(B, H, Dv, dtype=torch.float32, device=dev)
     grid = (-(-Dv // BV), H, B)
     _cpr4_row_kernel[grid](
-        bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op, state.buf_vn, state.buf_vn_op if has_vn_op else state.buf_vn,
+        bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op if read_copies else state.boundary, state.buf_vn, vn_op,
         o, sl, pos32, H, Dk, Dv,
-        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, VN_OP_WRITE=has_vn_op,
-        VN_OP_READ=has_vn_op and not interpreting(), num_warps=row_warps or ROW_WARPS)
+        C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, VN_OP_WRITE=copies,
+        VN_OP_READ=read_copies, num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
-        bk, gc, state.boundary, state.boundary_op if has_op else state.boundary, state.buf_vn, state.fill, sl, pos32,
-        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, **num, HAS_OP=has_op, num_warps=choice.state_warps)
+        bk, gc, state.boundary, s_op, state.buf_vn, state.fill, sl, pos32,
+        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, **num, HAS_OP=copies, num_warps=choice.state_warps)
     return o
 
 

@@ -403,6 +403,7 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
         w_arg = TensorDescriptor(w, [N, K], [K, 1], [bn, kt])
         o_arg = TensorDescriptor(out, [M, N], [N, 1], [bm, bn])
     else:
+        ensure_allocator(x2.device)   # device-side descriptors need Triton's workspace
         x_arg, w_arg, o_arg = x2, w, out
     _gemm_tma_persistent_kernel[(programs,)](
         x_arg, w_arg, o_arg, bias_arg, res_arg, M, N, K, res_stride,
@@ -463,7 +464,6 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
-        ensure_allocator(x2.device)
         # always one program per SM (those past the last tile find no work): the grid size is a
         # compile-time constant, and min(SMs, tiles) would compile a new kernel for every tile
         # count below the SM count, i.e. for almost every small M
