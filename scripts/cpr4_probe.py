@@ -5,8 +5,8 @@ the native composition and CPR version 3, stage by stage (the shapes of ``isoexe
 
 Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pieces and decode
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
-(as pinned, on C-row tiles, on Dv tiles of 32 with two warps and with one) and with the prefix
-decode; then 40 row-decode steps of 256 lanes replayed from a CUDA graph against
+(as pinned, on C-row tiles, and each of ``VARIANTS``) and with the prefix decode; then 40 row-decode
+steps of 256 lanes replayed from a CUDA graph against
 the same steps run eagerly (outputs and states).
 Last, the row decode's kernels under torch.profiler, and the prefill's against the trainer forward's
 (kernels and host time).
@@ -39,8 +39,12 @@ from isoexec_kernels.gdn_core import cpr_row_decode as RD  # noqa: E402
 from isoexec_kernels.gdn_core import native as nat  # noqa: E402
 
 
-def _state(n, dims, dev, q=True):
-    return GDNState.allocate(n, dims["H"], dims["Dk"], dims["Dv"], dev, chunk=dims["chunk"], with_q=q)
+def _state(n, dims, dev, q=True, value_dtype=torch.bfloat16):
+    """A state of ``n`` slots; version 4's (``q``) keeps the open chunk's values in bf16, the values'
+    dtype here, as the hybrid model allocates it (``value_dtype=torch.float32``: the fp32 buffer that
+    was the only one before)."""
+    return GDNState.allocate(n, dims["H"], dims["Dk"], dims["Dv"], dev, chunk=dims["chunk"], with_q=q,
+                             value_dtype=value_dtype)
 
 
 def _row_decode(**kw):
@@ -51,8 +55,15 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
-_rows_bv32 = _row_decode(row_bv=32)          # Dv tiles of 32 (pinned: the output kernel's 64)
-_rows_bv32_w1 = _row_decode(row_bv=32, row_warps=1)   # and one warp
+VARIANTS = {   # name: (decode, the state's value dtype)
+    "rows_v32": (C4.cpr4_decode_triton, torch.float32),          # values kept in fp32 (as until this commit)
+    "rows_fused": (_row_decode(fused_prep=True), torch.bfloat16),    # row-inverse + W/M as one launch
+    "rows_ct2": (_row_decode(complete_tiles=2), torch.bfloat16),     # completion: 2 Dv tiles per program
+    "rows_ct4": (_row_decode(complete_tiles=4), torch.bfloat16),     # 4 (all of Dv = 128)
+    "rows_fused_ct4": (_row_decode(fused_prep=True, complete_tiles=4), torch.bfloat16),
+}
+"""Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
+decode and timed in the same run."""
 
 
 def bits(dims, dev) -> dict:
@@ -67,16 +78,17 @@ def bits(dims, dev) -> dict:
         plan = random_plan(lens, seed, max_decode=80)
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
         got = {}
-        for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton),
-                          ("rows_c", _rows_c), ("rows_bv32", _rows_bv32), ("rows_bv32_w1", _rows_bv32_w1)):
-            st = _state(len(lens) + 2, dims, dev)
+        decs = {"rows": (C4.cpr4_decode_triton, torch.bfloat16), "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16),
+                "rows_c": (_rows_c, torch.bfloat16), **VARIANTS}
+        for name, (dec, vdt) in decs.items():
+            st = _state(len(lens) + 2, dims, dev, value_dtype=vdt)
             got[name] = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got[name], trainer)
             if name == "rows":   # the state's operand copy kept equal to its fp32 boundary, rounded
                 row["boundary_op_vs_boundary"] = count_differing(st.boundary_op, st.boundary.to(torch.bfloat16))
                 row["vn_op_vs_vn"] = count_differing(st.buf_vn_op, st.buf_vn.to(torch.bfloat16))
         row["rows_vs_prefix"] = count_differing(got["rows"], got["prefix"])
-        for v in ("rows_c", "rows_bv32", "rows_bv32_w1"):
+        for v in ("rows_c", *VARIANTS):
             row[f"{v}_vs_rows"] = count_differing(got[v], got["rows"])
         out["plans"].append(row)
     # decode in a CUDA graph == eager (outputs of every step and the final state)
@@ -141,11 +153,12 @@ def timings(dims, dev) -> list[dict]:
         slots = torch.arange(B, device=dev)
         gen = torch.Generator().manual_seed(4)
         fills = torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(dev)
-        for name, fn, q in (("native", nat.gdn_recurrent_decode, False), ("cpr_v3", cpr.gdn_cpr_decode, False),
-                            ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True), ("cpr_v4", C4.cpr4_decode_triton, True),
-                            ("cpr_v4_rows_c", _rows_c, True), ("cpr_v4_rows_bv32", _rows_bv32, True),
-                            ("cpr_v4_rows_bv32_w1", _rows_bv32_w1, True)):
-            st = _state(B + 1, dims, dev, q)
+        for name, fn, q, vdt in (("native", nat.gdn_recurrent_decode, False, torch.float32),
+                                 ("cpr_v3", cpr.gdn_cpr_decode, False, torch.float32),
+                                 ("cpr_v4_prefix", C4.cpr4_decode_prefix_triton, True, torch.bfloat16),
+                                 ("cpr_v4", C4.cpr4_decode_triton, True, torch.bfloat16),
+                                 *((f"cpr_v4_{n}", d, True, t) for n, (d, t) in VARIANTS.items())):
+            st = _state(B + 1, dims, dev, q, value_dtype=vdt)
             st.fill.copy_(fills)
             run = _graphed(lambda: fn(*xs, slots, st, chunk=C), "cuda")
             rows.append({"stage": "decode", "impl": name, "graphs": True, "ms": round(time_ms(run, "cuda"), 4)})

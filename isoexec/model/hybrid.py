@@ -165,8 +165,10 @@ class HybridModel(DenseModel):
         device = device or self.embed.device
         chunk = self._chunk()
         with_q = contract_gdn_chunk_form(self.contract)
+        # v arrives in the model dtype (the conv's output); a chunk-form state keeps it so
         gdn = [GDNState.allocate(num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                                 cfg.linear_value_head_dim, device, chunk=chunk, with_q=with_q) for _ in cfg.gdn_layers]
+                                 cfg.linear_value_head_dim, device, chunk=chunk, with_q=with_q,
+                                 value_dtype=self.embed.dtype) for _ in cfg.gdn_layers]
         conv = [torch.zeros((num_slots, cfg.conv_dim, cfg.linear_conv_kernel_dim - 1), dtype=self.embed.dtype,
                             device=device) for _ in cfg.gdn_layers]
         return gdn, conv

@@ -187,7 +187,8 @@ class TensorParallelHybrid(TensorParallelDense):
         chunk = contract_gdn_chunk(self.contract)
         with_q = contract_gdn_chunk_form(self.contract)
         gdn = [GDNState.allocate(num_slots, self.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                 device, chunk=chunk, with_q=with_q) for _ in cfg.gdn_layers]
+                                 device, chunk=chunk, with_q=with_q, value_dtype=self.embed.dtype)
+               for _ in cfg.gdn_layers]
         conv = [torch.zeros((num_slots, self.gdn_conv_channels, cfg.linear_conv_kernel_dim - 1),
                             dtype=self.embed.dtype, device=device) for _ in cfg.gdn_layers]
         return gdn, conv

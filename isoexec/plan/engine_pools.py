@@ -45,7 +45,8 @@ def recurrent_state_bytes(cfg, num_state_slots: int, chunk: int, dtype: str, eng
         return 0
     slots = num_state_slots + 1                 # + the scratch slot of padded graph lanes
     st = GDNState.allocate(slots, cfg.linear_num_value_heads // engine_tp, cfg.linear_key_head_dim,
-                           cfg.linear_value_head_dim, "meta", chunk=chunk, with_q=chunk_form)
+                           cfg.linear_value_head_dim, "meta", chunk=chunk, with_q=chunk_form,
+                           value_dtype=TORCH_DTYPES[dtype])
     per_layer = st.nbytes
     conv = torch.empty((slots, cfg.conv_dim // engine_tp, cfg.linear_conv_kernel_dim - 1),
                        dtype=TORCH_DTYPES[dtype], device="meta")

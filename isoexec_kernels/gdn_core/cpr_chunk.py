@@ -34,7 +34,7 @@ import torch
 
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
-from .cpr_row_decode import append_token, cpr4_decode_rows_triton
+from .cpr_row_decode import append_token, check_value_dtype, cpr4_decode_rows_triton
 from .._triton_util import int32_segments
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
@@ -93,6 +93,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
         raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
     if state.buf_T is None or state.buf_vn is None:
         raise ValueError("CPR version 4 needs the open chunk's rows of Vn and T: GDNState.allocate(..., with_q=True)")
+    check_value_dtype(state, v)
     C = chunk
     H, Dv = v.shape[1], v.shape[2]
     dev = v.device
@@ -101,7 +102,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     fills = [int(f) for f in state.fill[slots.long()].tolist()]
     # pieces in the inputs' layout (q and k on their Hk heads, q, k and v in their dtypes: the kernels
     # read them so, as the trainer's do); the buffered rows go back to it exactly (the buffers hold
-    # the fp32 values of those dtypes, the key heads repeated to the value heads)
+    # the values of those dtypes in fp32, or v's in its own, the key heads repeated to the value heads)
     rep = H // k.shape[1]
     dtypes = (q.dtype, k.dtype, v.dtype, torch.float32, torch.float32)
     if not any(fills):

@@ -71,7 +71,7 @@ def _cpr4_append_kernel(
     C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
 ):
     # One program per (value head h, lane b): the lane's token into its slot's open chunk at the
-    # slot's fill, in fp32, q and k from the head h // rep that value head h reads (what
+    # slot's fill, in fp32 (v in the buffer's dtype: fp32, or v's own where the state keeps that), q and k from the head h // rep that value head h reads (what
     # ``append_token`` writes, in one launch instead of six indexing kernels); the head-0 program
     # records the position for the step's other kernels (``fill`` moves in the completion kernel).
     h = tl.program_id(0)
@@ -91,185 +91,181 @@ def _cpr4_append_kernel(
     v = tl.load(v_ptr + (b.to(tl.int64) * H + h) * DV + dv, mask=vm, other=0.0)
     tl.store(bq_ptr + row * DK + dk, q.to(tl.float32), mask=km)
     tl.store(bk_ptr + row * DK + dk, k.to(tl.float32), mask=km)
-    tl.store(bv_ptr + row * DV + dv, v.to(tl.float32), mask=vm)
+    tl.store(bv_ptr + row * DV + dv, v.to(bv_ptr.dtype.element_ty), mask=vm)   # fp32, or v's own dtype
     tl.store(bg_ptr + row, tl.load(g_ptr + b.to(tl.int64) * H + h).to(tl.float32))
     tl.store(bb_ptr + row, tl.load(b_ptr + b.to(tl.int64) * H + h).to(tl.float32))
 
 
 @jit
-def _cpr4_row_inverse_kernel(
-    k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, slot_ptr, pos_ptr, H, DK,
-    C: tl.constexpr, NB: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
+def _cpr4_row_prep_kernel(
+    q_ptr, k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, w_ptr, m_ptr, slot_ptr, pos_ptr, H, DK,
+    C: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
+    DO_T: tl.constexpr, DO_WM: tl.constexpr,
 ):
-    # One program per (value head h, lane b), on the inverse kernel's warps: G for the rows so far
-    # (stored [S * C, H]) and row t of T = (I + A)^-1 (stored in the slot's fp32 rows of T,
-    # [S * C, H, C]), made as ``native_wy._wy_inverse_kernel`` makes it on the rows 0..t, with the
-    # earlier rows of T read from the slot instead of recomputed: G by the kernel's block cumsums,
-    # the k k^T tiles of row block a = t // 16 over Dk in blocks of BK, one step (i = t % 16) of the
-    # diagonal block's forward substitution from its kept rows 0..i-1, then the blocks left of the
-    # diagonal by the kernel's nesting of 16 x 16 dots on the kept complete blocks. Every tile has the
-    # kernel's shape and masks (rows after t zero), so each operation rounds as in the kernel.
+    # One program per (value head h, lane b): the parts of row t that do not depend on the Dv tile,
+    # in two parts that run as two launches (DO_T, then DO_WM; each on its own warps) or as one
+    # (both: the open chunk's k rows, read by each part, then come from the cache the first read
+    # filled, and a launch less).
+    #
+    # DO_T (the row-inverse; on the inverse kernel's warps): G for the rows so far (stored
+    # [S * C, H]) and row t of T = (I + A)^-1 (stored in the slot's fp32 rows of T, [S * C, H, C]),
+    # made as ``native_wy._wy_inverse_kernel`` makes it on the rows 0..t, with the earlier rows of T
+    # read from the slot instead of recomputed: G by the kernel's block cumsums, the k k^T tiles of
+    # row block a = t // 16 over Dk in blocks of BK, one step (i = t % 16) of the diagonal block's
+    # forward substitution from its kept rows 0..i-1, then the blocks left of the diagonal by the
+    # kernel's nesting of 16 x 16 dots on the kept complete blocks. Every tile has the kernel's shape
+    # and masks (rows after t zero), so each operation rounds as in the kernel.
+    #
+    # DO_WM (after DO_T): W_t = r(T_t) r(k beta e^G) as the W/U kernel, in Dk column blocks of BK
+    # (each block an independent dot over the C rows, as in that kernel), stored rounded to the
+    # operand dtype (in fp32: exact), and the output kernel's masked, decayed row M_t of q k^T, its q
+    # dots over Dk accumulated in the same BK blocks, stored unrounded. Row t sits at row t % ROWS of
+    # ROWS-row operand tiles, the other rows zero.
     h = tl.program_id(0)
     b = tl.program_id(1)
     s = tl.load(slot_ptr + b).to(tl.int64)
     t = tl.load(pos_ptr + b)
-    n = t + 1
     r0 = s * C
-    a = t // 16
-    i = t % 16
-    s_kt = H * DK
-    kb = k_ptr + (r0 * H + h) * DK
-    gb = g_ptr + r0 * H + h
-    bb = b_ptr + r0 * H + h
-    cb = gc_ptr + r0 * H + h
-    tb = tc_ptr + (r0 * H + h) * C                 # row r of T: tb + r * (H * C) + column
-    tt = tl.arange(0, 16)
-    i2 = tt[:, None]
-    j2 = tt[None, :]
-    eye = tl.where(i2 == j2, 1.0, 0.0)
-    strict = j2 < i2
-    # G as the inverse kernel computes it (a block's cumsum plus the sums of the blocks before it)
-    ok0 = tt < n
-    g0 = tl.load(gb + tt * H, mask=ok0, other=0.0).to(tl.float32)
-    G0 = tl.cumsum(g0, axis=0)
-    tl.store(cb + tt * H, G0, mask=ok0)
-    Ga = G0
-    Gp0 = G0
-    Gp1 = G0
-    Gp2 = G0
-    if NB >= 2:
-        ok1 = tt + 16 < n
-        g1 = tl.load(gb + (tt + 16) * H, mask=ok1, other=0.0).to(tl.float32)
-        G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
-        tl.store(cb + (tt + 16) * H, G1, mask=ok1)
-        Ga = tl.where(a == 1, G1, Ga)
-        Gp1 = G1
-    if NB >= 4:
-        ok2 = tt + 32 < n
-        ok3 = tt + 48 < n
-        g2 = tl.load(gb + (tt + 32) * H, mask=ok2, other=0.0).to(tl.float32)
-        g3 = tl.load(gb + (tt + 48) * H, mask=ok3, other=0.0).to(tl.float32)
-        s01 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
-        G2 = tl.cumsum(g2, axis=0) + s01
-        G3 = tl.cumsum(g3, axis=0) + (s01 + tl.sum(g2, axis=0))
-        tl.store(cb + (tt + 32) * H, G2, mask=ok2)
-        tl.store(cb + (tt + 48) * H, G3, mask=ok3)
-        Ga = tl.where(a == 2, G2, tl.where(a == 3, G3, Ga))
-        Gp2 = G2
-    # row block a of k k^T: kk_ac for c <= a (each c < a complete, row block a masked after t)
-    ra = a * 16 + tt
-    oka = ra < n
-    bea = tl.load(bb + ra * H, mask=oka, other=0.0).to(tl.float32)
-    kka0 = tl.zeros((16, 16), dtype=tl.float32)
-    kka1 = tl.zeros((16, 16), dtype=tl.float32)
-    kka2 = tl.zeros((16, 16), dtype=tl.float32)
-    kkaa = tl.zeros((16, 16), dtype=tl.float32)
-    for d0 in tl.static_range(0, DKP, BK):
-        dc = d0 + tl.arange(0, BK)
-        dm = dc[None, :] < DK
-        kp = kb + dc[None, :]
-        ka = tl.load(kp + ra[:, None] * s_kt, mask=oka[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
-        kkaa = tl.dot(ka, tl.trans(ka), kkaa, input_precision=PREC)
+    if DO_T:
+        n = t + 1
+        a = t // 16
+        i = t % 16
+        s_kt = H * DK
+        kb = k_ptr + (r0 * H + h) * DK
+        gb = g_ptr + r0 * H + h
+        bb = b_ptr + r0 * H + h
+        cb = gc_ptr + r0 * H + h
+        tb = tc_ptr + (r0 * H + h) * C                 # row r of T: tb + r * (H * C) + column
+        tt = tl.arange(0, 16)
+        i2 = tt[:, None]
+        j2 = tt[None, :]
+        eye = tl.where(i2 == j2, 1.0, 0.0)
+        strict = j2 < i2
+        # G as the inverse kernel computes it (a block's cumsum plus the sums of the blocks before it)
+        ok0 = tt < n
+        g0 = tl.load(gb + tt * H, mask=ok0, other=0.0).to(tl.float32)
+        G0 = tl.cumsum(g0, axis=0)
+        tl.store(cb + tt * H, G0, mask=ok0)
+        Ga = G0
+        Gp0 = G0
+        Gp1 = G0
+        Gp2 = G0
         if NB >= 2:
-            k0 = tl.load(kp + i2 * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
-            kka0 = tl.dot(ka, tl.trans(k0), kka0, input_precision=PREC)
+            ok1 = tt + 16 < n
+            g1 = tl.load(gb + (tt + 16) * H, mask=ok1, other=0.0).to(tl.float32)
+            G1 = tl.cumsum(g1, axis=0) + tl.sum(g0, axis=0)
+            tl.store(cb + (tt + 16) * H, G1, mask=ok1)
+            Ga = tl.where(a == 1, G1, Ga)
+            Gp1 = G1
         if NB >= 4:
-            k1 = tl.load(kp + (i2 + 16) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
-            k2 = tl.load(kp + (i2 + 32) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
-            kka1 = tl.dot(ka, tl.trans(k1), kka1, input_precision=PREC)
-            kka2 = tl.dot(ka, tl.trans(k2), kka2, input_precision=PREC)
-    Aaa = tl.where(strict, bea[:, None] * kkaa * tl.exp(tl.where(strict, Ga[:, None] - Ga[None, :], 0.0)), 0.0)
-    # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's
-    rows_a = tb + (a * 16 + i2) * (H * C) + a * 16 + j2
-    Taa = tl.where(i2 < i, tl.load(rows_a, mask=i2 < i, other=0.0), eye)
-    sel = i2 == i
-    e_i = tl.where(tt == i, 1.0, 0.0)
-    a_i = tl.sum(tl.where(sel, Aaa, 0.0), axis=0)
-    Taa = tl.where(sel, (e_i - tl.sum(a_i[:, None] * Taa, axis=0))[None, :], Taa)
-    rt = tb + t * (H * C)                          # row t of T
-    tl.store(rt + i2 * 0 + a * 16 + tt[None, :], Taa, mask=sel)
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    for cblk in tl.static_range(0, NB):            # zero right of the diagonal block
-        tl.store(rt + i2 * 0 + cblk * 16 + tt[None, :], zero, mask=sel & (cblk > a))
-    # the blocks left of the diagonal: T_ab = -T_aa (sum_c A_ac T_cb), the inverse kernel's nesting
-    if NB >= 2:
-        if a >= 1:
-            Aa0 = bea[:, None] * kka0 * tl.exp(Ga[:, None] - Gp0[None, :])
-            T00 = tl.load(tb + i2 * (H * C) + j2)
-            if a == 1:
-                T10 = -tl.dot(Taa, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
-                tl.store(rt + i2 * 0 + tt[None, :], T10, mask=sel)
+            ok2 = tt + 32 < n
+            ok3 = tt + 48 < n
+            g2 = tl.load(gb + (tt + 32) * H, mask=ok2, other=0.0).to(tl.float32)
+            g3 = tl.load(gb + (tt + 48) * H, mask=ok3, other=0.0).to(tl.float32)
+            s01 = tl.sum(g0, axis=0) + tl.sum(g1, axis=0)
+            G2 = tl.cumsum(g2, axis=0) + s01
+            G3 = tl.cumsum(g3, axis=0) + (s01 + tl.sum(g2, axis=0))
+            tl.store(cb + (tt + 32) * H, G2, mask=ok2)
+            tl.store(cb + (tt + 48) * H, G3, mask=ok3)
+            Ga = tl.where(a == 2, G2, tl.where(a == 3, G3, Ga))
+            Gp2 = G2
+        # row block a of k k^T: kk_ac for c <= a (each c < a complete, row block a masked after t)
+        ra = a * 16 + tt
+        oka = ra < n
+        bea = tl.load(bb + ra * H, mask=oka, other=0.0).to(tl.float32)
+        kka0 = tl.zeros((16, 16), dtype=tl.float32)
+        kka1 = tl.zeros((16, 16), dtype=tl.float32)
+        kka2 = tl.zeros((16, 16), dtype=tl.float32)
+        kkaa = tl.zeros((16, 16), dtype=tl.float32)
+        for d0 in tl.static_range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            kp = kb + dc[None, :]
+            ka = tl.load(kp + ra[:, None] * s_kt, mask=oka[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
+            kkaa = tl.dot(ka, tl.trans(ka), kkaa, input_precision=PREC)
+            if NB >= 2:
+                k0 = tl.load(kp + i2 * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+                kka0 = tl.dot(ka, tl.trans(k0), kka0, input_precision=PREC)
             if NB >= 4:
-                if a >= 2:
-                    Aa1 = bea[:, None] * kka1 * tl.exp(Ga[:, None] - Gp1[None, :])
-                    T10 = tl.load(tb + (i2 + 16) * (H * C) + j2)
-                    T11 = tl.load(tb + (i2 + 16) * (H * C) + 16 + j2)
-                    if a == 2:
-                        T21 = -tl.dot(Taa, tl.dot(Aa1, T11, input_precision=INV_PREC), input_precision=INV_PREC)
-                        T20 = -tl.dot(Taa, tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC),
-                                                  input_precision=INV_PREC), input_precision=INV_PREC)
-                        tl.store(rt + i2 * 0 + 16 + tt[None, :], T21, mask=sel)
-                        tl.store(rt + i2 * 0 + tt[None, :], T20, mask=sel)
-                    if a == 3:
-                        Aa2 = bea[:, None] * kka2 * tl.exp(Ga[:, None] - Gp2[None, :])
-                        T20 = tl.load(tb + (i2 + 32) * (H * C) + j2)
-                        T21 = tl.load(tb + (i2 + 32) * (H * C) + 16 + j2)
-                        T22 = tl.load(tb + (i2 + 32) * (H * C) + 32 + j2)
-                        T32 = -tl.dot(Taa, tl.dot(Aa2, T22, input_precision=INV_PREC), input_precision=INV_PREC)
-                        T31 = -tl.dot(Taa, tl.dot(Aa2, T21, tl.dot(Aa1, T11, input_precision=INV_PREC),
-                                                  input_precision=INV_PREC), input_precision=INV_PREC)
-                        X30 = tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
-                        T30 = -tl.dot(Taa, tl.dot(Aa2, T20, X30, input_precision=INV_PREC), input_precision=INV_PREC)
-                        tl.store(rt + i2 * 0 + 32 + tt[None, :], T32, mask=sel)
-                        tl.store(rt + i2 * 0 + 16 + tt[None, :], T31, mask=sel)
-                        tl.store(rt + i2 * 0 + tt[None, :], T30, mask=sel)
-
-
-@jit
-def _cpr4_row_wm_kernel(
-    q_ptr, k_ptr, b_ptr, gc_ptr, t_ptr, w_ptr, m_ptr, slot_ptr, pos_ptr, H, DK,
-    C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
-    OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr,
-):
-    # One program per (value head h, lane b), after the row-inverse kernel: the parts of row t that
-    # do not depend on the Dv tile, made once instead of once per Dv tile (they read the open
-    # chunk's k rows, most of a row program's bytes): W_t = r(T_t) r(k beta e^G) as the W/U kernel,
-    # in Dk column blocks of BK (each block an independent dot over the C rows, as in that kernel),
-    # stored rounded to the operand dtype (in fp32: exact), and the output kernel's masked, decayed
-    # row M_t of q k^T, its q dots over Dk accumulated in the same BK blocks, stored unrounded.
-    # Row t sits at row t % ROWS of ROWS-row operand tiles, the other rows zero.
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    s = tl.load(slot_ptr + b).to(tl.int64)
-    t = tl.load(pos_ptr + b)
-    r0 = s * C
-    rows = tl.arange(0, C)
-    ok = rows <= t
-    rr = tl.arange(0, ROWS)
-    sel = rr[:, None] == t % ROWS
-    G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
-    Gt = tl.load(gc_ptr + (r0 + t) * H + h)
-    beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
-    Tt = tl.load(t_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
-                 mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
-    coef = beta * tl.exp(G)
-    wb = w_ptr + (b.to(tl.int64) * H + h) * DKP
-    qk = tl.zeros((ROWS, C), dtype=tl.float32)
-    for d0 in range(0, DKP, BK):
-        dc = d0 + tl.arange(0, BK)
-        dm = dc[None, :] < DK
-        kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
-                       other=0.0).to(tl.float32)
-        x = kraw * coef[:, None]
-        Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
-        tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=sel & dm)
-        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
-                    other=0.0).to(OP_DT).to(DOT_DT)
-        qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
-    incl = sel & ok[None, :]
-    M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
-    tl.store(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], M, mask=sel)
+                k1 = tl.load(kp + (i2 + 16) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+                k2 = tl.load(kp + (i2 + 32) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+                kka1 = tl.dot(ka, tl.trans(k1), kka1, input_precision=PREC)
+                kka2 = tl.dot(ka, tl.trans(k2), kka2, input_precision=PREC)
+        Aaa = tl.where(strict, bea[:, None] * kkaa * tl.exp(tl.where(strict, Ga[:, None] - Ga[None, :], 0.0)), 0.0)
+        # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's
+        rows_a = tb + (a * 16 + i2) * (H * C) + a * 16 + j2
+        Taa = tl.where(i2 < i, tl.load(rows_a, mask=i2 < i, other=0.0), eye)
+        sel = i2 == i
+        e_i = tl.where(tt == i, 1.0, 0.0)
+        a_i = tl.sum(tl.where(sel, Aaa, 0.0), axis=0)
+        Taa = tl.where(sel, (e_i - tl.sum(a_i[:, None] * Taa, axis=0))[None, :], Taa)
+        rt = tb + t * (H * C)                          # row t of T
+        tl.store(rt + i2 * 0 + a * 16 + tt[None, :], Taa, mask=sel)
+        zero = tl.zeros((16, 16), dtype=tl.float32)
+        for cblk in tl.static_range(0, NB):            # zero right of the diagonal block
+            tl.store(rt + i2 * 0 + cblk * 16 + tt[None, :], zero, mask=sel & (cblk > a))
+        # the blocks left of the diagonal: T_ab = -T_aa (sum_c A_ac T_cb), the inverse kernel's nesting
+        if NB >= 2:
+            if a >= 1:
+                Aa0 = bea[:, None] * kka0 * tl.exp(Ga[:, None] - Gp0[None, :])
+                T00 = tl.load(tb + i2 * (H * C) + j2)
+                if a == 1:
+                    T10 = -tl.dot(Taa, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
+                    tl.store(rt + i2 * 0 + tt[None, :], T10, mask=sel)
+                if NB >= 4:
+                    if a >= 2:
+                        Aa1 = bea[:, None] * kka1 * tl.exp(Ga[:, None] - Gp1[None, :])
+                        T10 = tl.load(tb + (i2 + 16) * (H * C) + j2)
+                        T11 = tl.load(tb + (i2 + 16) * (H * C) + 16 + j2)
+                        if a == 2:
+                            T21 = -tl.dot(Taa, tl.dot(Aa1, T11, input_precision=INV_PREC), input_precision=INV_PREC)
+                            T20 = -tl.dot(Taa, tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC),
+                                                      input_precision=INV_PREC), input_precision=INV_PREC)
+                            tl.store(rt + i2 * 0 + 16 + tt[None, :], T21, mask=sel)
+                            tl.store(rt + i2 * 0 + tt[None, :], T20, mask=sel)
+                        if a == 3:
+                            Aa2 = bea[:, None] * kka2 * tl.exp(Ga[:, None] - Gp2[None, :])
+                            T20 = tl.load(tb + (i2 + 32) * (H * C) + j2)
+                            T21 = tl.load(tb + (i2 + 32) * (H * C) + 16 + j2)
+                            T22 = tl.load(tb + (i2 + 32) * (H * C) + 32 + j2)
+                            T32 = -tl.dot(Taa, tl.dot(Aa2, T22, input_precision=INV_PREC), input_precision=INV_PREC)
+                            T31 = -tl.dot(Taa, tl.dot(Aa2, T21, tl.dot(Aa1, T11, input_precision=INV_PREC),
+                                                      input_precision=INV_PREC), input_precision=INV_PREC)
+                            X30 = tl.dot(Aa1, T10, tl.dot(Aa0, T00, input_precision=INV_PREC), input_precision=INV_PREC)
+                            T30 = -tl.dot(Taa, tl.dot(Aa2, T20, X30, input_precision=INV_PREC), input_precision=INV_PREC)
+                            tl.store(rt + i2 * 0 + 32 + tt[None, :], T32, mask=sel)
+                            tl.store(rt + i2 * 0 + 16 + tt[None, :], T31, mask=sel)
+                            tl.store(rt + i2 * 0 + tt[None, :], T30, mask=sel)
+    if DO_T and DO_WM:
+        tl.debug_barrier()   # G and row t of T, just stored, are read back below by the other threads
+    if DO_WM:
+        rows = tl.arange(0, C)
+        ok = rows <= t
+        rr = tl.arange(0, ROWS)
+        wsel = rr[:, None] == t % ROWS
+        G = tl.load(gc_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
+        Gt = tl.load(gc_ptr + (r0 + t) * H + h)
+        beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
+        Tt = tl.load(tc_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
+                     mask=wsel, other=0.0).to(OP_DT).to(DOT_DT)
+        coef = beta * tl.exp(G)
+        wb = w_ptr + (b.to(tl.int64) * H + h) * DKP
+        qk = tl.zeros((ROWS, C), dtype=tl.float32)
+        for d0 in range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
+                           other=0.0).to(tl.float32)
+            x = kraw * coef[:, None]
+            Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
+            tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=wsel & dm)
+            Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=wsel & dm,
+                        other=0.0).to(OP_DT).to(DOT_DT)
+            qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
+        incl = wsel & ok[None, :]
+        M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
+        tl.store(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], M, mask=wsel)
 
 
 @jit
@@ -355,42 +351,44 @@ def _cpr4_row_kernel(
 @jit
 def _cpr4_complete_kernel(
     k_ptr, gc_ptr, s_ptr, sop_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, H, DK, DV,
-    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
+    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, VT_PER: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, HAS_OP: tl.constexpr,
 ):
-    # One program per (Dv tile, value head h, lane b), after the row kernel: where this step
+    # One program per (VT_PER Dv tiles, value head h, lane b), after the row kernel: where this step
     # completed the chunk (t = C - 1), the boundary carried across it as the state kernel carries it
     # (the decay on the Vn side from the unrounded Vn rows, k read as it is, the old state as the
-    # dot's accumulator); every other program returns at once. A kernel of its own, not a branch of
-    # the row kernel: there its tiles raised the registers of every step (H200, efdb0dd: the row
-    # kernel 0.92 ms per step instead of 0.73). The step's last kernel, its first program per lane
-    # moves the slot's fill on.
-    vt = tl.program_id(0)
+    # dot's accumulator), tile by tile; every other program returns at once (most of them: one lane
+    # in C completes a chunk per step, so VT_PER > 1 launches fewer programs that do nothing). A
+    # kernel of its own, not a branch of the row kernel: there its tiles raised the registers of every
+    # step (H200, efdb0dd: the row kernel 0.92 ms per step instead of 0.73). The step's last kernel,
+    # its first program per lane moves the slot's fill on.
+    vp = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     t = tl.load(pos_ptr + b)
     s = tl.load(slot_ptr + b).to(tl.int64)
-    tl.store(fill_ptr + s, (t + 1) % C, mask=(vt == 0) & (h == 0))
+    tl.store(fill_ptr + s, (t + 1) % C, mask=(vp == 0) & (h == 0))
     if t != C - 1:
         return
     r0 = s * C
     rows = tl.arange(0, C)
     dk = tl.arange(0, DKP)
-    dv = vt * BV + tl.arange(0, BV)
     km = dk < DK
-    vm = dv < DV
     G = tl.load(gc_ptr + (r0 + rows) * H + h)
     gl = tl.load(gc_ptr + (r0 + C - 1) * H + h)
-    Vn = tl.load(vn_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=vm[None, :], other=0.0)
-    Vd = Vn * tl.exp(gl - G)[:, None]
     Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None], other=0.0)
-    sp = s_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
-    S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
-    Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
-    tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
-    if HAS_OP:   # the operand copy the row kernel reads (round to nearest even, as torch's)
-        sq = sop_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
-        tl.store(sq, Sn.to(sop_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
+    for j in tl.static_range(VT_PER):
+        dv = (vp * VT_PER + j) * BV + tl.arange(0, BV)
+        vm = dv < DV
+        Vn = tl.load(vn_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=vm[None, :], other=0.0)
+        Vd = Vn * tl.exp(gl - G)[:, None]
+        sp = s_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+        S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
+        Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
+        tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
+        if HAS_OP:   # the operand copy the row kernel reads (round to nearest even, as torch's)
+            sq = sop_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+            tl.store(sq, Sn.to(sop_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
 
 
 def append_token(state: GDNState, q, k, v, g, beta, slots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,21 +426,42 @@ WM_WARPS = 4
 77442e3, decode of 256 lanes in graphs: 0.666 ms on 4 warps, 0.673 on 1, the same bits."""
 
 
+FUSED_PREP = False
+"""Whether the row-inverse and W/M parts of ``_cpr4_row_prep_kernel`` run as one launch (on the
+inverse kernel's warps) rather than two."""
+
+
+COMPLETE_TILES = 1
+"""Dv tiles per program of the completion kernel (its grid covers every lane; one in C completes)."""
+
+
+def check_value_dtype(state: GDNState, v: torch.Tensor) -> None:
+    """The open chunk's value rows hold v exactly: in fp32, or in v's own dtype where the state keeps
+    that (``GDNState.allocate(..., value_dtype=)``); anything else would round v on the way in."""
+    if state.buf_v.dtype != torch.float32 and v.dtype != state.buf_v.dtype:
+        raise ValueError(f"GDN state keeps the open chunk's values in {state.buf_v.dtype} but v is {v.dtype}: "
+                         f"allocate the state with value_dtype={v.dtype} (or float32)")
+
+
 def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *, chunk: int = CHUNK,
                             row_tile: int | None = None, row_warps: int | None = None,
                             wm_warps: int | None = None, row_bv: int | None = None,
-                            s_once: bool | None = None) -> torch.Tensor:
+                            s_once: bool | None = None, fused_prep: bool | None = None,
+                            complete_tiles: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
     ``ROW_WARPS`` / ``WM_WARPS``); ``row_bv``: the row kernel's Dv tile (default the output kernel's,
     ``choice.out_bv``); ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
-    already holds (default: on a GPU) instead of BK blocks read again.
+    already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
+    and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
+    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
         raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
                          "GDNState.allocate(..., with_q=True)")
+    check_value_dtype(state, v)
     C = chunk
     B = q.shape[0]
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
@@ -463,17 +482,19 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     _cpr4_append_kernel[(H, B)](
         q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), bq, bk, bv, bg, bb,
         state.fill, sl, pos32, H, H // q.shape[1], H // k.shape[1], Dk, Dv, C=C, DKP=DKP, DVP=DVP, num_warps=1)
-    # 1. G over the rows so far and row t of T (the earlier rows kept in the slot)
+    # 1. G over the rows so far and row t of T (the earlier rows kept in the slot); 2. row t of W and
+    # of the masked q k^T (once per head, not per Dv tile): one kernel, two launches or one
     gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
-    _cpr4_row_inverse_kernel[(H, B)](
-        bk, bg, bb, gc, state.buf_T, sl, pos32, H, Dk,
-        C=C, NB=C // 16, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num, num_warps=choice.prep_warps)
-    # 2. row t of W and of the masked q k^T (once per head, not per Dv tile)
     w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
     m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
-    _cpr4_row_wm_kernel[(H, B)](
-        bq, bk, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk,
-        C=C, ROWS=rows, DKP=DKP, BK=BK, **num, num_warps=wm_warps or WM_WARPS)
+    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num)
+    args = (bq, bk, bg, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk)
+    fused = FUSED_PREP if fused_prep is None else bool(fused_prep)
+    if fused:
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=True, DO_WM=True, num_warps=choice.prep_warps)
+    else:
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=True, DO_WM=False, num_warps=choice.prep_warps)
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=False, DO_WM=True, num_warps=wm_warps or WM_WARPS)
     # 3. row t of U, Vn and o. The state and the open chunk's Vn rows are read as their operand
     # copies where the state keeps them (allocated together, ``with_q``; the same values: the kernel
     # rounds the fp32 ones to the operand dtype as it loads them). Not under the interpreter, whose
@@ -492,10 +513,13 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
         VN_OP_READ=read_copies, num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
-    _cpr4_complete_kernel[(-(-Dv // sbv), H, B)](
+    n_vt = -(-Dv // sbv)
+    per = min(complete_tiles or COMPLETE_TILES, n_vt)
+    _cpr4_complete_kernel[(-(-n_vt // per), H, B)](
         bk, gc, state.boundary, s_op, state.buf_vn, state.fill, sl, pos32,
-        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, **num, HAS_OP=copies, num_warps=choice.state_warps)
+        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, VT_PER=per, **num, HAS_OP=copies, num_warps=choice.state_warps)
     return o
 
 
-__all__ = ["ROW_TILE", "ROW_WARPS", "WM_WARPS", "append_token", "cpr4_decode_rows_triton"]
+__all__ = ["COMPLETE_TILES", "FUSED_PREP", "ROW_TILE", "ROW_WARPS", "WM_WARPS", "append_token", "check_value_dtype",
+           "cpr4_decode_rows_triton"]

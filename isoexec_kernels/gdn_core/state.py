@@ -24,7 +24,8 @@ class GDNState:
     boundary [S, H, Dk, Dv]   state at the last chunk boundary
     running  [S, H, Dk, Dv]   state after the last token (== boundary when fill == 0)
     buf_k    [S, C, H, Dk]    keys of the open chunk, per value head (GQA-expanded)
-    buf_v    [S, C, H, Dv]    values of the open chunk
+    buf_v    [S, C, H, Dv]    values of the open chunk (fp32; a chunk-form state may keep them in the
+                              values' own dtype, ``value_dtype``: the same values, fewer bytes)
     buf_g    [S, C, H]        log decays of the open chunk
     buf_beta [S, C, H]        betas of the open chunk
     fill     [S] int32        tokens since the last boundary (0 <= fill < C)
@@ -59,13 +60,17 @@ class GDNState:
 
     @classmethod
     def allocate(cls, num_slots: int, H: int, Dk: int, Dv: int, device, chunk: int = CHUNK,
-                 with_q: bool = False) -> "GDNState":
+                 with_q: bool = False, value_dtype: torch.dtype = torch.float32) -> "GDNState":
+        """Zero state for ``num_slots`` slots; ``with_q``: the chunk form's buffers too (CPR version 4);
+        ``value_dtype``: the dtype the values arrive in (the model's). The chunk form keeps the open
+        chunk's values in it (bf16 values kept in bf16 are the values kept in fp32, and version 4's
+        decode reads half the bytes); the other forms' kernels read fp32 value buffers."""
         f32 = dict(dtype=torch.float32, device=device)
         return cls(
             boundary=torch.zeros(num_slots, H, Dk, Dv, **f32),
             running=torch.zeros(num_slots, H, Dk, Dv, **f32),
             buf_k=torch.zeros(num_slots, chunk, H, Dk, **f32),
-            buf_v=torch.zeros(num_slots, chunk, H, Dv, **f32),
+            buf_v=torch.zeros(num_slots, chunk, H, Dv, dtype=value_dtype if with_q else torch.float32, device=device),
             buf_g=torch.zeros(num_slots, chunk, H, **f32),
             buf_beta=torch.zeros(num_slots, chunk, H, **f32),
             fill=torch.zeros(num_slots, dtype=torch.int32, device=device),

@@ -82,6 +82,33 @@ def test_the_chunk_form_buffers_are_allocated_counted_and_reset_only_when_asked_
         assert not buf[1].any() and buf[0].all() and buf[2].all()
 
 
+def test_a_chunk_form_state_keeps_values_in_their_dtype_and_refuses_others():
+    C4, R = _cpr4(), _ref4()
+    kept = GDNState.allocate(2, 2, 16, 8, "cpu", chunk=16, with_q=True, value_dtype=torch.bfloat16)
+    plain = GDNState.allocate(2, 2, 16, 8, "cpu", chunk=16, value_dtype=torch.bfloat16)
+    assert kept.buf_v.dtype == torch.bfloat16 and plain.buf_v.dtype == torch.float32, \
+        "only the chunk form keeps v in its dtype (the other cores' kernels read fp32 buffers)"
+    inp = make_inputs([5], Hk=1, H=2, Dk=16, Dv=8, seed=3, v_dtype=torch.float32)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="value_dtype=torch.float32"):
+        R.cpr4_engine_reference(*inp[:5], cu, torch.tensor([1]), kept, chunk=16)
+    assert not kept.fill.any() and not kept.buf_v.any(), "refused before any write"
+    with pytest.raises(ValueError, match="value_dtype"):
+        C4.cpr4_decode_rows_triton(*(x[:1] for x in inp[:5]), torch.tensor([1]), kept, C4.CPR4_CHOICE, chunk=16)
+
+
+def test_cpr4_reference_with_a_bf16_value_buffer_gives_the_fp32_buffer_s_bits():
+    R = _ref4()
+    C, lens = 16, [40, 5, 33]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=36, v_dtype=torch.bfloat16)
+    plan = random_plan(lens, 36, max_decode=20)
+    outs = []
+    for vdt in (torch.float32, torch.bfloat16):
+        st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True, value_dtype=vdt)
+        outs.append(run_engine(inp, lens, plan, [3, 1, 2], st, R.cpr4_engine_reference, R.cpr4_decode_reference, C))
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+
+
 def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
     R = _ref4()
     inp = make_inputs([5], Hk=1, H=2, Dk=16, Dv=16, seed=42)
@@ -125,6 +152,31 @@ def interp_case_cpr4_row_decode_makes_every_row_block_of_t_from_the_kept_rows(kb
     kb.assert_bitwise(o, trainer, "prefill 30 + 40 decode steps by rows == trainer, C=64")
     assert int(st.fill[1]) == 70 - 64 and st.buf_T[1, :6].any() and not st.buf_T[1, :6, :, 16:].any(), \
         "the new chunk's rows of T: zero right of the first diagonal block"
+
+
+def interp_case_cpr4_decode_choices_and_a_bf16_value_buffer_keep_the_trainer_bits(kb):
+    # the choices of the row decode that are not the default (the row-inverse and W/M parts as one
+    # launch; two Dv tiles per completion program: Dv = 64 is two of the fp32 state kernel's tiles)
+    # and the open chunk's values kept in their bf16: the trainer's bits with each, across chunk
+    # boundaries (C = 16)
+    from isoexec_kernels.gdn_core import cpr_row_decode as RD
+
+    C4 = _cpr4()
+    C, lens = 16, [36, 5]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=64, seed=35, v_dtype=torch.bfloat16)
+    trainer = C4.cpr4_varlen_triton(*inp, chunk=C)
+    plan = random_plan(lens, 35, max_decode=24)
+    assert sum(kind == "decode" for kind, _ in plan) >= 3, "the plan must decode"
+    slots = [2, 1]
+    for label, kw, vdt in (("fused prep", dict(fused_prep=True), torch.float32),
+                           ("two Dv tiles per completion program", dict(complete_tiles=2), torch.float32),
+                           ("bf16 value buffer", {}, torch.bfloat16)):
+        def dec(q, k, v, g, beta, sl, state, *, chunk):
+            return RD.cpr4_decode_rows_triton(q, k, v, g, beta, sl, state, C4.CPR4_CHOICE, chunk=chunk, **kw)
+        st = GDNState.allocate(len(lens) + 2, 2, 16, 64, "cpu", chunk=C, with_q=True, value_dtype=vdt)
+        assert st.buf_v.dtype == vdt
+        o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, dec, C)
+        kb.assert_bitwise(o, trainer, f"engine split + decode by rows ({label}) == trainer")
 
 
 def interp_case_cpr4_decode_from_scratch_after_a_reset_repeats_its_bits(kb):

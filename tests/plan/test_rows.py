@@ -8,7 +8,7 @@ import pytest
 
 from isoexec.compose import load_model_config
 from isoexec.model_config import DenseConfig, HybridConfig
-from isoexec.plan.engine_pools import kv_bytes_per_page
+from isoexec.plan.engine_pools import TORCH_DTYPES, kv_bytes_per_page
 from isoexec.plan.rows import GIB, plan_row
 from isoexec.plan.workflow_config import RunShape
 
@@ -66,9 +66,12 @@ def test_a_chunk_form_core_s_state_slots_count_their_larger_buffers():
     cfg = HybridConfig.from_hf(load_model_config("hybrid_tiny")["hf_config"])
     shape = _shape(cfg, family="hybrid", model="hybrid_tiny", num_state_slots=8, gdn_chunk=64)
     plain, chunk_form = plan_row(shape, 80 * GIB), plan_row(replace(shape, gdn_chunk_form=True), 80 * GIB)
-    one = GDNState.allocate(1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                            "meta", chunk=64, with_q=True)
+    dims = (1, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, "meta")
+    one = GDNState.allocate(*dims, chunk=64, with_q=True, value_dtype=TORCH_DTYPES[shape.dtype])
+    base = GDNState.allocate(*dims, chunk=64)
+    # the chunk form's own buffers, and its values in the model dtype instead of fp32
     extra = sum(t.nbytes for t in (one.buf_q, one.buf_vn, one.buf_T, one.boundary_op, one.buf_vn_op))
+    extra += one.buf_v.nbytes - base.buf_v.nbytes
     assert chunk_form.recurrent_state - plain.recurrent_state == (8 + 1) * len(cfg.gdn_layers) * extra
 
 
