@@ -393,14 +393,15 @@ def _cpr4_complete_kernel(
 
 def append_token(state: GDNState, q, k, v, g, beta, slots) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per lane written into its slot's open chunk at the slot's fill (q and k repeated
-    to the value heads, every buffer fp32); returns (slots, positions) as int64 device tensors.
+    to the value heads, in fp32; v in the value buffer's dtype); returns (slots, positions) as int64 device tensors.
     ``fill`` itself is left to the caller."""
+    check_value_dtype(state, v)
     H = state.buf_k.shape[2]
     sl = slots.to(device=v.device, dtype=torch.long)
     pos = state.fill[sl].long()
     state.buf_q[sl, pos] = _expand_heads(q, H // q.shape[1]).float()
     state.buf_k[sl, pos] = _expand_heads(k, H // k.shape[1]).float()
-    state.buf_v[sl, pos] = v.float()
+    state.buf_v[sl, pos] = v.to(state.buf_v.dtype)
     state.buf_g[sl, pos] = g.float()
     state.buf_beta[sl, pos] = beta.float()
     return sl, pos

@@ -170,8 +170,11 @@ def interp_case_cpr4_decode_choices_and_a_bf16_value_buffer_keep_the_trainer_bit
     slots = [2, 1]
     for label, kw, vdt in (("fused prep", dict(fused_prep=True), torch.float32),
                            ("two Dv tiles per completion program", dict(complete_tiles=2), torch.float32),
-                           ("bf16 value buffer", {}, torch.bfloat16)):
+                           ("bf16 value buffer", {}, torch.bfloat16),
+                           ("by prefix, bf16 value buffer", None, torch.bfloat16)):
         def dec(q, k, v, g, beta, sl, state, *, chunk):
+            if kw is None:
+                return C4.cpr4_decode_prefix_triton(q, k, v, g, beta, sl, state, chunk=chunk)
             return RD.cpr4_decode_rows_triton(q, k, v, g, beta, sl, state, C4.CPR4_CHOICE, chunk=chunk, **kw)
         st = GDNState.allocate(len(lens) + 2, 2, 16, 64, "cpu", chunk=C, with_q=True, value_dtype=vdt)
         assert st.buf_v.dtype == vdt
