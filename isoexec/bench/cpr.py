@@ -11,14 +11,15 @@ Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chun
 Baselines (``isoexec_kernels/gdn_core/native.py``):
   native_mixed          chunk algorithm for trainer and prefill, fused recurrent step for decode
   recurrent_everywhere  the per-token recurrence for every stage
-Ours: ``gdn_cpr_varlen`` / ``gdn_cpr_engine`` / ``gdn_cpr_decode``.
+Ours: the CPR the hybrid family's composition pins (``CPR_IMPL``: ``gdn_cpr_chunk``, CPR version 4,
+``gdn_cpr4_varlen`` / ``gdn_cpr4_engine`` / ``gdn_cpr4_decode``; its engine state keeps the open
+chunk's values in their bf16, as the hybrid model allocates it).
 
 Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs
-under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. CPR and
-recurrent-everywhere share the backward (``chunk_backward.py``, the gradient of the torch chunk
-form); native mixed takes its own WY backward on CUDA (``native_wy_backward.py``, stock rounding),
-as a stock stack would. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
+under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. CPR's trainer
+backward is the gradient of its chunk form recomputed (``api.chunk_form_varlen``); native mixed takes
+its own WY backward on CUDA (``native_wy_backward.py``, stock rounding), as a stock stack would. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
 ``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
 (the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
 1.00x). ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on
@@ -41,6 +42,8 @@ GDN_DIMS = dict(Hk=16, H=32, Dk=128, Dv=128, chunk=64)
 FULL = dict(train=(5, 2048), prefill=(5, 2048), decode=256)
 QUICK_DIMS = dict(Hk=2, H=4, Dk=16, Dv=16, chunk=16)
 QUICK = dict(train=(2, 48), prefill=(2, 48), decode=8)
+CPR_IMPL = "gdn_cpr_chunk"
+"""The impl timed as ours (``configs/compositions/isoexec.yaml`` pins it for the hybrid family)."""
 
 
 def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
@@ -57,13 +60,19 @@ def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
     return xs, cu
 
 
-def _decode_state(B, dims, device, seed):
+def _decode_state(B, dims, device, seed, chunk_form=False, value_dtype=torch.float32):
+    """A state of B + 1 slots with random contents and fills (so about B / C lanes complete a chunk
+    per step); ``chunk_form``: CPR version 4's (values kept in ``value_dtype``, its bf16 copies made)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     C = dims["chunk"]
-    st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
-    for name in ("boundary", "running", "buf_k", "buf_v"):
+    st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C, with_q=chunk_form,
+                           value_dtype=value_dtype)
+    for name in ("boundary", "running", "buf_k", "buf_v") + (("buf_q", "buf_vn", "buf_T") if chunk_form else ()):
         t = getattr(st, name)
         t.copy_((torch.randn(t.shape, generator=gen) * 0.05).to(device))
+    if chunk_form:
+        st.boundary_op.copy_(st.boundary)
+        st.buf_vn_op.copy_(st.buf_vn)
     st.buf_g.copy_((-torch.rand(st.buf_g.shape, generator=gen) * 0.3).to(device))
     st.buf_beta.copy_(torch.rand(st.buf_beta.shape, generator=gen).to(device))
     st.fill.copy_(torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(device))
@@ -99,7 +108,7 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
 
     def emit(fields, t_native, t_recurrent, t_ours):
         for name, t in (("native_mixed", t_native), ("recurrent_everywhere", t_recurrent)):
-            r = row({**fields, **common}, name, t, t_ours)
+            r = row({**fields, **common, "impl": CPR_IMPL}, name, t, t_ours)
             r["overhead_vs_native"] = round(t_ours / t_native, 4) if t_native > 0 else None
             rows.append(r)
             print_rows([r], ["stage", "batch", "seqlen"], log)
@@ -116,7 +125,7 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
         return run
 
     t = [time_ms(train(f), device, rep_ms=rep_ms)
-         for f in (nat.gdn_chunk_varlen, nat.gdn_recurrent_varlen, cpr.gdn_cpr_varlen)]
+         for f in (nat.gdn_chunk_varlen, nat.gdn_recurrent_varlen, cpr.gdn_cpr4_varlen)]
     emit({"stage": "trainer_fwd_bwd", "batch": b, "seqlen": L, "tokens": b * L}, *t)
     del xs, do
 
@@ -126,13 +135,14 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
     xs, cu = _inputs([L] * b, dims, device, v_dtype, seed=2)
     slots = torch.arange(b, device=device)
 
-    def prefill(fn):
-        st = cpr.GDNState.allocate(b, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C)
+    def prefill(fn, chunk_form=False):
+        st = cpr.GDNState.allocate(b, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C, with_q=chunk_form,
+                                   value_dtype=v_dtype)
         return lambda: fn(*xs, cu, slots, st, chunk=C)
 
     with torch.no_grad():
-        t = [time_ms(prefill(f), device, rep_ms=rep_ms)
-             for f in (nat.gdn_chunk_engine, nat.gdn_recurrent_engine, cpr.gdn_cpr_engine)]
+        t = [time_ms(prefill(f, f is cpr.gdn_cpr4_engine), device, rep_ms=rep_ms)
+             for f in (nat.gdn_chunk_engine, nat.gdn_recurrent_engine, cpr.gdn_cpr4_engine)]
     emit({"stage": "prefill", "batch": b, "seqlen": L, "tokens": b * L}, *t)
     del xs
 
@@ -141,13 +151,13 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
     xs, _ = _inputs([B], dims, device, v_dtype, seed=3)
     slots = torch.arange(B, device=device)
 
-    def decode(fn):
-        st = _decode_state(B, dims, device, seed=4)
+    def decode(fn, chunk_form=False):
+        st = _decode_state(B, dims, device, seed=4, chunk_form=chunk_form, value_dtype=v_dtype)
         return _graphed(lambda: fn(*xs, slots, st, chunk=C), device)
 
     with torch.no_grad():
         t_native = time_ms(decode(nat.gdn_recurrent_decode), device, rep_ms=rep_ms)
-        t_ours = time_ms(decode(cpr.gdn_cpr_decode), device, rep_ms=rep_ms)
+        t_ours = time_ms(decode(cpr.gdn_cpr4_decode, chunk_form=True), device, rep_ms=rep_ms)
     # both stock compositions decode with the same fused recurrent step: one measurement
     emit({"stage": "decode", "batch": B, "seqlen": 1, "tokens": B, "graphs": device == "cuda"},
          t_native, t_native, t_ours)

@@ -114,23 +114,31 @@ def render(paths, md_out: str, csv_out: str, run: str, log: str) -> None:
 # The seed's CPR table (docs/benchmarks.md): per-layer latency relative to native mixed.
 _CPR_STAGES = (("trainer_fwd_bwd", "trainer fwd+bwd"), ("prefill", "rollout prefill"), ("decode", "decode"))
 _CPR_PUBLISHED = {"trainer_fwd_bwd": (1.43, 4.42), "prefill": (1.67, 4.31), "decode": (1.38, 1.00)}
+# the seed's absolute times at the same shapes (H100): its native mixed (the stock chunk kernels) and
+# its CPR, in ms
+_CPR_PUBLISHED_MS = {"trainer_fwd_bwd": (5.177, 7.386), "prefill": (0.844, 1.412), "decode": (0.0612, 0.0846)}
 
 
 def write_cpr_table(path: str | Path, md_out: str | Path, run: str) -> int:
     """``paper_figures/<run>/cpr.md`` from ``bench/cpr.json``: one row per stage, columns native
     mixed / recurrent everywhere / CPR in ms and the cost of each relative to native mixed (the
-    seed's layout, its published ratios beside ours)."""
+    seed's layout, its published ratios beside ours), then the seed's absolute times (H100) and
+    ours against them."""
     obj = load(path)
     by = {(r["stage"], r["baseline"]): r for r in obj["rows"]}
     env = obj["env"]
+    impl = next((r["impl"] for r in obj["rows"] if r.get("impl")), None)
     lines = [f"# CPR Gated DeltaNet per-layer latency ({run})", "",
              f"Measured on {env.get('device', '?')} (torch {env.get('torch', '?')}, triton {env.get('triton', '?')}, "
-             f"commit {env.get('commit', '?')}, {env.get('date', '?')}) by `isoexec bench cpr`. Cost = time / native "
-             "mixed time (1.00 = parity; lower is better). Published: the seed's IsoExec CPR and recurrent-"
-             "everywhere costs.", "",
+             f"commit {env.get('commit', '?')}, {env.get('date', '?')}) by `isoexec bench cpr`"
+             + (f", CPR = `{impl}`" if impl else "")
+             + ". Cost = time / native mixed time (1.00 = parity; lower is better). Published: the seed's "
+             "IsoExec CPR and recurrent-everywhere costs, and its absolute native mixed (stock chunk kernels) "
+             "and CPR times on an H100; the last two columns are ours over those.", "",
              "| stage | shape | native mixed ms | recurrent everywhere ms | CPR ms | CPR cost | recurrent cost | "
-             "published CPR | published recurrent |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "published CPR | published recurrent | published native ms | published CPR ms | native / published "
+             "| CPR / published |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     n = 0
     for stage, label in _CPR_STAGES:
         nat, rec = by.get((stage, "native_mixed")), by.get((stage, "recurrent_everywhere"))
@@ -138,10 +146,11 @@ def write_cpr_table(path: str | Path, md_out: str | Path, run: str) -> int:
             continue
         ours = nat["ours_ms"]
         shape = f"{nat.get('batch', '?')}×{nat.get('seqlen', '?')}"
-        pub = _CPR_PUBLISHED[stage]
+        pub, pub_ms = _CPR_PUBLISHED[stage], _CPR_PUBLISHED_MS[stage]
         lines.append(f"| {label} | {shape} | {_fmt(nat['baseline_ms'])} | {_fmt(rec['baseline_ms'])} | {_fmt(ours)} | "
                      f"{ours / nat['baseline_ms']:.2f}× | {rec['baseline_ms'] / nat['baseline_ms']:.2f}× | "
-                     f"{pub[0]:.2f}× | {pub[1]:.2f}× |")
+                     f"{pub[0]:.2f}× | {pub[1]:.2f}× | {_fmt(pub_ms[0])} | {_fmt(pub_ms[1])} | "
+                     f"{nat['baseline_ms'] / pub_ms[0]:.2f}× | {ours / pub_ms[1]:.2f}× |")
         n += 1
     if n == 0:
         raise ValueError(f"{path}: no (stage, baseline) rows of the CPR benchmark")

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from isoexec_kernels.gdn_core import GDNState
 
+from ..model.hybrid import CHUNK_FORM_IMPLS
 from .compare import BitReport, compare_bits
 from .kernel_gates import TOLERANCE, GateOutcome, _rand, _rowwise_invariance, rel_err
 
@@ -138,12 +139,17 @@ def gate_gdn_core(fn, region, cfg, family, dtype, device, gen, sizes, hazards, c
     chunk = int(constants.get("CHUNK", 64))
     make = _core_inputs(d, dtype, gen, device)
     varlen, engine, decode = binds["trainer_score"], binds.get("engine_prefill"), binds.get("engine_decode")
+    # the state the model allocates for the bound impl (a chunk-form core's keeps the open chunk's
+    # queries and rows of Vn and T, and its values in their dtype)
+    chunk_form = any(getattr(b, "record", None) is not None and b.record.impl_id in CHUNK_FORM_IMPLS
+                     for b in binds.values())
     reports, exercised = _sequence_gate(
         family, gen, sizes, device, chunk, make,
         lambda ts, cu: varlen(*ts, cu, chunk=chunk),
         lambda ts, cu, slots, st: engine(*ts, cu, slots, st, chunk=chunk),
         lambda ts, slots, st: decode(*ts, slots, st, chunk=chunk),
-        lambda n: GDNState.allocate(n, d["hv"], d["dk"], d["dv"], device, chunk=chunk))
+        lambda n: GDNState.allocate(n, d["hv"], d["dk"], d["dv"], device, chunk=chunk, with_q=chunk_form,
+                                    value_dtype=dtype))
     one = make(int(torch.randint(chunk + 1, 2 * chunk + 40, (1,), generator=gen)))
     err = rel_err(varlen(*one, _cu([one[0].shape[0]], device), chunk=chunk), _recurrence64(*one))
     return GateOutcome(family, dict(d, chunk=chunk, max_len=_max_len(device)), str(dtype), reports, err,

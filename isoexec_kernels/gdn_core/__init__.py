@@ -8,8 +8,9 @@ backward of every trainer path), ``chunk_backward.py`` (that backward as fused T
 on CUDA, and its torch reference twin), ``native.py`` (the stock twin) and ``native_wy.py`` (its
 chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin);
 ``cpr_chunk.py`` (with ``cpr_row_decode.py`` and the twin ``cpr_chunk_reference.py``, behind
-``cpr4_api.py``) is CPR version 4 in development, impl ``gdn_cpr_chunk``: every output from the chunk
-form on those kernels (docs/cpr.md); the compositions still pin ``gdn_cpr`` version 3.
+``cpr4_api.py``) is CPR version 4, impl ``gdn_cpr_chunk``: every output from the chunk form on those
+kernels (docs/cpr.md), which the IsoExec composition pins for the hybrid family (``gdn_cpr``, version
+3, still serves hybrid_moe and the tensor-parallel compositions).
 """
 
 from ..impl import Constant, Impl, per_case
@@ -34,7 +35,7 @@ IMPLS = (
              "partial chunk in its state slot so every split gives the trainer's bits"),
     Impl("gdn_cpr_chunk", "1", "gdn_core", per_case(gdn_cpr4_varlen, gdn_cpr4_engine, gdn_cpr4_decode),
          constants={"CHUNK": Constant(CHUNK, allowed=(16, 32, 64), arg="chunk")},
-         doc="CPR version 4, in development: every output from the chunk form of the native WY kernels "
+         doc="CPR version 4: every output from the chunk form of the native WY kernels "
              "with bf16 operands (decode by rows); the engine keeps the open chunk's rows (and their "
              "rows of Vn and T) in its state slot, so every split gives the trainer's bits"),
     Impl("gdn_chunk_native", "2", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),

@@ -1,6 +1,6 @@
-"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``, in development: the
-hybrid compositions still pin ``gdn_cpr`` version 3; docs/cpr.md says what is left before this
-replaces it).
+"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``: the IsoExec composition
+pins it for the hybrid family; hybrid_moe and the tensor-parallel compositions still pin ``gdn_cpr``
+version 3, docs/cpr.md says why).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
@@ -9,7 +9,8 @@ Public API (the signatures of ``api.py``'s version 3)
 CUDA tensors go to the Triton twin (``cpr_chunk.py``, decode by rows ``cpr_row_decode.py``), others
 to the reference twin (``cpr_chunk_reference.py``). The engine state needs the open chunk's queries
 and rows of Vn and T: ``GDNState.allocate(..., with_q=True)``, which the hybrid model does when its contract
-binds this impl (``isoexec.model.hybrid.contract_gdn_chunk_form``).
+binds this impl (``isoexec.model.hybrid.contract_gdn_chunk_form``), keeping the open chunk's values in
+the model dtype (``value_dtype``; a state that keeps them in bf16 refuses fp32 values).
 
 Rounding schedule: every output from the chunk form of the native WY kernels (``native_wy.py``)
 with the operands pinned to bf16 whatever the model's dtype (``cpr_chunk.CPR4_CHOICE``): q, k, v,

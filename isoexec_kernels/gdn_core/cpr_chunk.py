@@ -1,5 +1,5 @@
-"""CPR version 4 (work in progress, not pinned): every output from the chunk form, on the native
-WY kernels (docs/cpr.md, "Next: outputs in the chunk form").
+"""CPR version 4 (impl ``gdn_cpr_chunk``): every output from the chunk form, on the native WY kernels
+(docs/cpr.md, "Next: outputs in the chunk form").
 
 Version 3 takes each output inside a chunk from a 64-step per-token recurrence; here every case
 computes the chunk form of ``native_wy.py`` (inverse, W/U, state pass, output kernel) with the
@@ -24,8 +24,7 @@ resumed from a stored fp32 state continues with the values it carries in registe
 
 Decode by rows (``cpr_row_decode.py``) computes row t of the chunk form alone; the prefix decode
 (``cpr4_decode_prefix_triton``) recomputes the whole open chunk every step (the first correct
-version, 5.5x native decode on the H200 at ``fc3181a``) and is kept as its yardstick. Not in any
-contract yet.
+version, 5.5x native decode on the H200 at ``fc3181a``) and is kept as its yardstick.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reference twin of CPR version 4 (``cpr_chunk.py``, work in progress): the same chunk form with the
+"""Reference twin of CPR version 4 (``cpr_chunk.py``, impl ``gdn_cpr_chunk``): the same chunk form with the
 same rounding points, from IEEE basic operations in a fixed order, so that on any CPU its trainer,
 engine prefill split anywhere and decode agree bitwise by construction (its bits are not the GPU's).
 

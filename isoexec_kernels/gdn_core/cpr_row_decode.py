@@ -1,18 +1,18 @@
-"""CPR version 4's decode by rows (work in progress, not pinned): one token per lane, row t of the
-chunk form alone instead of the whole open chunk (docs/cpr.md, "The row-only decode").
+"""CPR version 4's decode by rows: one token per lane, row t of the chunk form alone instead of the
+whole open chunk (docs/cpr.md, "The row-only decode").
 
 The prefix decode (``cpr_chunk.cpr4_decode_prefix_triton``) runs the four native WY kernels on the
 open chunk's rows so far at every step and keeps the last row. Here a step at in-chunk position t
 runs four kernels:
 
-1. ``_cpr4_row_inverse_kernel``, one program per (value head, lane) on the inverse kernel's warps:
-   G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
+1. ``_cpr4_row_prep_kernel``'s row-inverse part, one program per (value head, lane) on the inverse
+   kernel's warps: G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
    0..t (its block cumsums, the k k^T tiles of row t's 16-row block, one step of the diagonal
    block's forward substitution, its nesting of 16 x 16 dots for the blocks left of the diagonal)
    but from the earlier rows of T kept in the slot (``GDNState.buf_T``, fp32, filled by prefill too)
    instead of the whole 15-step substitution of every block;
-2. ``_cpr4_row_wm_kernel``, one program per (value head, lane): the parts of row t that do not
-   depend on the Dv tile, from the open chunk's k rows read once: W_t = r(T_t) r(k beta e^G) as the
+2. the same kernel's W/M part (a second launch), one program per (value head, lane): the parts of
+   row t that do not depend on the Dv tile, from the open chunk's k rows read once: W_t = r(T_t) r(k beta e^G) as the
    W/U kernel (which stores it in bf16), in its Dk column blocks, and the output kernel's row
    M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t), its q dots over Dk in the same BK blocks;
 3. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
@@ -49,7 +49,8 @@ in each of its Dv tiles' programs); at ``a2721da`` the step took 0.60 ms (row ke
 operand, so it reads the slot's bf16 copy (``GDNState.boundary_op``, kept by prefill and the
 completion kernel): half the bytes of the fp32 boundary, most of what it reads (0.228 ms at
 ``eb18911``); the open chunk's Vn rows likewise (``GDNState.buf_vn_op``, written beside the unrounded
-rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``. Under the interpreter both
+rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``; and v's rows in their bf16
+(``GDNState.allocate(..., value_dtype=)``): 0.199 ms, a step of 0.449 ms at ``c158c85``. Under the interpreter both
 copies are written but the fp32 originals read (its conversion truncates where torch's, which makes
 prefill's copies, rounds to nearest even).
 """
@@ -184,12 +185,14 @@ def _cpr4_row_prep_kernel(
             kp = kb + dc[None, :]
             ka = tl.load(kp + ra[:, None] * s_kt, mask=oka[:, None] & dm, other=0.0).to(OP_DT).to(DOT_DT)
             kkaa = tl.dot(ka, tl.trans(ka), kkaa, input_precision=PREC)
+            # block c's rows only where row block a reads kk_ac (c < a; the others' tiles stay unused,
+            # and unread: half the k bytes of a step on average)
             if NB >= 2:
-                k0 = tl.load(kp + i2 * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+                k0 = tl.load(kp + i2 * s_kt, mask=dm & (a >= 1), other=0.0).to(OP_DT).to(DOT_DT)
                 kka0 = tl.dot(ka, tl.trans(k0), kka0, input_precision=PREC)
             if NB >= 4:
-                k1 = tl.load(kp + (i2 + 16) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
-                k2 = tl.load(kp + (i2 + 32) * s_kt, mask=dm, other=0.0).to(OP_DT).to(DOT_DT)
+                k1 = tl.load(kp + (i2 + 16) * s_kt, mask=dm & (a >= 2), other=0.0).to(OP_DT).to(DOT_DT)
+                k2 = tl.load(kp + (i2 + 32) * s_kt, mask=dm & (a >= 3), other=0.0).to(OP_DT).to(DOT_DT)
                 kka1 = tl.dot(ka, tl.trans(k1), kka1, input_precision=PREC)
                 kka2 = tl.dot(ka, tl.trans(k2), kka2, input_precision=PREC)
         Aaa = tl.where(strict, bea[:, None] * kkaa * tl.exp(tl.where(strict, Ga[:, None] - Ga[None, :], 0.0)), 0.0)
@@ -429,11 +432,14 @@ WM_WARPS = 4
 
 FUSED_PREP = False
 """Whether the row-inverse and W/M parts of ``_cpr4_row_prep_kernel`` run as one launch (on the
-inverse kernel's warps) rather than two."""
+inverse kernel's warps) rather than two (slower on the H200: ``COMPLETE_TILES`` gives the figures)."""
 
 
-COMPLETE_TILES = 1
-"""Dv tiles per program of the completion kernel (its grid covers every lane; one in C completes)."""
+COMPLETE_TILES = 4
+"""Dv tiles per program of the completion kernel (its grid covers every lane; one in C completes).
+H200 at c158c85, decode of 256 lanes in graphs (Dv 128: four of the fp32 state kernel's 32-wide
+tiles): 0.4491 ms at 1, 0.4483 at 2, 0.4441 at 4, the same bits. The row-inverse and W/M parts as
+one launch (``FUSED_PREP``) took 0.5193 ms, the same bits."""
 
 
 def check_value_dtype(state: GDNState, v: torch.Tensor) -> None:
