@@ -11,9 +11,10 @@ Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chun
 Baselines (``isoexec_kernels/gdn_core/native.py``):
   native_mixed          chunk algorithm for trainer and prefill, fused recurrent step for decode
   recurrent_everywhere  the per-token recurrence for every stage
-Ours: the CPR the hybrid family's composition pins (``CPR_IMPL``: ``gdn_cpr_chunk``, CPR version 4,
-``gdn_cpr4_varlen`` / ``gdn_cpr4_engine`` / ``gdn_cpr4_decode``; its engine state keeps the open
-chunk's values in their bf16, as the hybrid model allocates it).
+Ours: CPR version 4 (``CPR_IMPL``: ``gdn_cpr_chunk``, ``gdn_cpr4_varlen`` / ``gdn_cpr4_engine`` /
+``gdn_cpr4_decode``; its engine state keeps the open chunk's values in their bf16, as the hybrid model
+allocates it), the version that is to replace ``gdn_cpr`` version 3 in the compositions (docs/cpr.md
+says what that still waits on); the table names the impl it timed.
 
 Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs
@@ -43,7 +44,7 @@ FULL = dict(train=(5, 2048), prefill=(5, 2048), decode=256)
 QUICK_DIMS = dict(Hk=2, H=4, Dk=16, Dv=16, chunk=16)
 QUICK = dict(train=(2, 48), prefill=(2, 48), decode=8)
 CPR_IMPL = "gdn_cpr_chunk"
-"""The impl timed as ours (``configs/compositions/isoexec.yaml`` pins it for the hybrid family)."""
+"""The impl timed as ours (named in every row)."""
 
 
 def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):

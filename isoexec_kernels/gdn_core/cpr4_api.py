@@ -1,6 +1,5 @@
-"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``: the IsoExec composition
-pins it for the hybrid family; hybrid_moe and the tensor-parallel compositions still pin ``gdn_cpr``
-version 3, docs/cpr.md says why).
+"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``; the compositions still
+pin ``gdn_cpr`` version 3: docs/cpr.md says what is left before this replaces it).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)

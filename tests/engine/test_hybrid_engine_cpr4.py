@@ -1,5 +1,5 @@
-"""CPR version 4 (impl ``gdn_cpr_chunk``, isoexec_kernels/gdn_core/cpr4_api.py), which the IsoExec
-composition binds for the hybrid family, end to end on the CPU: the hybrid engine allocates the chunk-form state, and every sampled
+"""CPR version 4 (impl ``gdn_cpr_chunk``, isoexec_kernels/gdn_core/cpr4_api.py) bound through a
+contract, end to end on the CPU: the hybrid engine allocates the chunk-form state, and every sampled
 token's engine logprob equals the trainer's score bit for bit, with prefill split inside GDN chunks
 and decode across chunk boundaries (the kernels' own tests: tests/kernels/test_gdn_cpr4.py)."""
 
@@ -17,22 +17,26 @@ from isoexec.engine import Engine, EngineConfig  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 from isoexec.model.hybrid import contract_gdn_chunk_form  # noqa: E402
+from isoexec.paths import configs_dir  # noqa: E402
 
 from engine_fixtures import sampled_params, seeded_prompts  # noqa: E402
 
 CFG = load_model_config("hybrid_tiny")["hf_config"]
 
 
-def _cpr4_contract(arch: str = "cpu"):
-    """The IsoExec composition's hybrid contract: its Gated DeltaNet core is ``gdn_cpr_chunk``."""
-    return build_contract("hybrid", "isoexec", arch, "hybrid_tiny")
+def _cpr4_contract(tmp_path, arch: str = "cpu"):
+    """The IsoExec composition with the Gated DeltaNet core on ``gdn_cpr_chunk``."""
+    text = (configs_dir() / "compositions" / "isoexec.yaml").read_text()
+    assert text.count("impl: gdn_cpr,") == 1
+    path = tmp_path / "isoexec_cpr4.yaml"
+    path.write_text(text.replace("impl: gdn_cpr,", "impl: gdn_cpr_chunk,"))
+    return build_contract("hybrid", str(path), arch, "hybrid_tiny")
 
 
-def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_trainers_bits():
-    c = _cpr4_contract()
+def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_trainers_bits(tmp_path):
+    c = _cpr4_contract(tmp_path)
     assert contract_gdn_chunk_form(c)
-    assert not contract_gdn_chunk_form(build_contract("hybrid_moe", "isoexec", "cpu", "hybrid_moe_tiny")), \
-        "hybrid_moe stays on version 3 (configs/compositions/isoexec.yaml)"
+    assert not contract_gdn_chunk_form(build_contract("hybrid", "isoexec", "cpu", "hybrid_tiny"))
     m = build_model("hybrid", CFG, dtype=torch.float32).init_random(0)
     m.install(c)
     gdn, _ = m.allocate_recurrent_state(3)
@@ -50,13 +54,13 @@ def test_a_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_tr
 
 
 @pytest.mark.gpu
-def test_chunk_form_core_in_decode_graphs_with_padded_lanes_equals_eager_and_the_trainer_bitwise():
+def test_chunk_form_core_in_decode_graphs_with_padded_lanes_equals_eager_and_the_trainer_bitwise(tmp_path):
     """On CUDA (bf16, the Triton twin, decode by rows): decode CUDA graphs whose padded lanes share
     the scratch slot give the eager engine's tokens and logprobs, and those equal the trainer's."""
     from engine_fixtures import same_results
     from isoexec.envinfo import runtime_arch
 
-    c = _cpr4_contract(runtime_arch())
+    c = _cpr4_contract(tmp_path, runtime_arch())
     m = build_model("hybrid", CFG, dtype=torch.bfloat16, device="cuda").init_random(1)
     m.install(c)
     assert m.allocate_recurrent_state(1)[0][0].buf_v.dtype == torch.bfloat16, "bf16 values kept in bf16"
