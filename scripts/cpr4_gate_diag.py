@@ -13,6 +13,8 @@ the slot's fill before it, its length). It replays the plan once per variant of 
   prefix       decode by prefix (the yardstick: the native kernels on the open chunk's rows so far)
   ct1          the completion kernel on one Dv tile per program
   fused        the row-inverse and W/M parts as one launch
+  rows_c       the row decode's operand tiles of C rows (the native kernels' own), on 2 warps
+  rows_c_w4    and the row kernel on 4 warps (a warp group: Hopper's wgmma, as the native kernels)
 
     python3 scripts/cpr4_gate_diag.py [--out $OUT/cpr4_gate_diag.json]
 """
@@ -42,7 +44,9 @@ def _rows(**kw):
 
 VARIANTS = {"pinned": (_rows(), torch.bfloat16), "v32": (_rows(), torch.float32),
             "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16),
-            "ct1": (_rows(complete_tiles=1), torch.bfloat16), "fused": (_rows(fused_prep=True), torch.bfloat16)}
+            "ct1": (_rows(complete_tiles=1), torch.bfloat16), "fused": (_rows(fused_prep=True), torch.bfloat16),
+            "rows_c": (_rows(row_tile=C4.CHUNK), torch.bfloat16),
+            "rows_c_w4": (_rows(row_tile=C4.CHUNK, row_warps=4), torch.bfloat16)}
 
 
 def replay(decode, value_dtype, device="cuda", seed=0, chunk=64, model="hybrid_qwen3p5_9b_dims"):

@@ -61,6 +61,7 @@ VARIANTS = {   # name: (decode, the state's value dtype)
     "rows_ct2": (_row_decode(complete_tiles=2), torch.bfloat16),     # completion: 2 Dv tiles per program
     "rows_ct4": (_row_decode(complete_tiles=4), torch.bfloat16),     # 4 (all of Dv = 128)
     "rows_fused_ct4": (_row_decode(fused_prep=True, complete_tiles=4), torch.bfloat16),
+    "rows_c_w4": (_row_decode(row_tile=C4.CHUNK, row_warps=4), torch.bfloat16),   # C-row tiles, 4 warps
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""
