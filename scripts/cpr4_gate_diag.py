@@ -6,14 +6,14 @@ sequences of up to 600 tokens through random engine prefill pieces and a few dec
 sequence and compares every row with the trainer's. This script replays exactly that plan (the same
 generator, draws and order) and, for every differing element, reports the sequence, token, head and
 Dv column and whether the engine made the row in a prefill or a decode call (with the call's piece:
-the slot's fill before it, its length). It replays the plan once per variant of the engine:
+the slot's fill before it, its length); and for each row decoded in a sequence's first chunk, whether
+the rows of T and Vn it kept in the slot equal those of the prefill kernels on the whole sequence.
+(At ``557b5710`` and ``c5cb97c`` the variants v32 (values kept in fp32), ct1 (one Dv tile per
+completion program), fused (one prep launch) and rows_c (C-row tiles on 2 warps) missed the same 8
+rows as pinned: ``results/h200/bench/cpr4_gate_diag_*``.) It replays the plan once per variant of the engine:
 
   pinned       the decode by rows as pinned, the state's values kept in bf16 (what the gate ran)
-  v32          the state's values kept in fp32
   prefix       decode by prefix (the yardstick: the native kernels on the open chunk's rows so far)
-  ct1          the completion kernel on one Dv tile per program
-  fused        the row-inverse and W/M parts as one launch
-  rows_c       the row decode's operand tiles of C rows (the native kernels' own), on 2 warps
   rows_c_w4    and the row kernel on 4 warps (a warp group: Hopper's wgmma, as the native kernels)
 
     python3 scripts/cpr4_gate_diag.py [--out $OUT/cpr4_gate_diag.json]
@@ -42,10 +42,8 @@ def _rows(**kw):
     return run
 
 
-VARIANTS = {"pinned": (_rows(), torch.bfloat16), "v32": (_rows(), torch.float32),
+VARIANTS = {"pinned": (_rows(), torch.bfloat16),
             "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16),
-            "ct1": (_rows(complete_tiles=1), torch.bfloat16), "fused": (_rows(fused_prep=True), torch.bfloat16),
-            "rows_c": (_rows(row_tile=C4.CHUNK), torch.bfloat16),
             "rows_c_w4": (_rows(row_tile=C4.CHUNK, row_warps=4), torch.bfloat16)}
 
 
@@ -68,6 +66,14 @@ def replay(decode, value_dtype, device="cuda", seed=0, chunk=64, model="hybrid_q
         lens = [int(torch.randint(2, max_len, (1,), generator=gen)) for _ in range(nseq)]
         seqs = [make(n) for n in lens]
         trainer = C4.cpr4_varlen_triton(*pack(seqs), _cu(lens, device), chunk=chunk)
+        # the chunk form's own rows of T and Vn for each sequence's first chunk (prefill's kernels on
+        # the whole sequence from the zero state), to hold the kept rows of a decode against
+        firsts = []
+        for sq, n in zip(seqs, lens):
+            m = min(n, chunk)
+            init = torch.zeros(1, d["hv"], d["dk"], d["dv"], device=device)
+            _, _, _, vn_ref, t_ref = C4._forward_triton(*(x[:m] for x in sq), [0], [m], init, chunk)
+            firsts.append((t_ref[0], vn_ref[0]))     # [H, C, C], [H, C, Dv]
         state = GDNState.allocate(nseq + 3, d["hv"], d["dk"], d["dv"], device, chunk=chunk, with_q=True,
                                   value_dtype=value_dtype)
         slot_of = torch.randperm(nseq + 3, generator=gen)[:nseq].tolist()
@@ -95,6 +101,19 @@ def replay(decode, value_dtype, device="cuda", seed=0, chunk=64, model="hybrid_q
             ts = [torch.cat([seqs[b][j][done[b]:done[b] + 1] for b in live]) for j in range(len(seqs[0]))]
             slots = torch.tensor([slot_of[b] for b in live], dtype=torch.int32, device=device)
             out = decode(*ts, slots, state, chunk=chunk)
+            for b in live:   # the row just decoded, as kept in the slot, against the chunk form's
+                r = done[b]
+                if r < chunk and decode is not C4.cpr4_decode_prefix_triton:
+                    s_ = slot_of[b]
+                    t_ref, vn_ref = firsts[b]
+                    dt = int_view(state.buf_T[s_, r].cpu()) != int_view(t_ref[:, r].cpu())
+                    dv = int_view(state.buf_vn[s_, r].cpu()) != int_view(vn_ref[:, r].cpu())
+                    if dt.any() or dv.any():
+                        found.append({"nseq": nseq, "seq": b, "kept_row": r, "T_differing": int(dt.sum()),
+                                      "T_heads": sorted({int(h) for h, _ in dt.nonzero().tolist()}),
+                                      "T_cols": sorted({int(c) for _, c in dt.nonzero().tolist()})[:16],
+                                      "Vn_differing": int(dv.sum()),
+                                      "Vn_heads": sorted({int(h) for h, _ in dv.nonzero().tolist()})})
             for i, b in enumerate(live):
                 rows[b].append(out[i:i + 1])
                 origin[b].append(("decode", call, done[b] % chunk, 1, len(live)))
