@@ -9,12 +9,12 @@ Dv column and whether the engine made the row in a prefill or a decode call (wit
 the slot's fill before it, its length); and for each row decoded in a sequence's first chunk, whether
 the rows of T and Vn it kept in the slot equal those of the prefill kernels on the whole sequence.
 (At ``557b5710`` and ``c5cb97c`` the variants v32 (values kept in fp32), ct1 (one Dv tile per
-completion program), fused (one prep launch) and rows_c (C-row tiles on 2 warps) missed the same 8
-rows as pinned: ``results/h200/bench/cpr4_gate_diag_*``.) It replays the plan once per variant of the engine:
+completion program), fused (one prep launch), rows_c (C-row tiles on 2 warps) and rows_c_w4 (and the
+row kernel on 4 warps) missed the same 8 rows as pinned: ``results/h200/bench/cpr4_gate_diag_*``.) It replays the plan once per variant of the engine:
 
   pinned       the decode by rows as pinned, the state's values kept in bf16 (what the gate ran)
   prefix       decode by prefix (the yardstick: the native kernels on the open chunk's rows so far)
-  rows_c_w4    and the row kernel on 4 warps (a warp group: Hopper's wgmma, as the native kernels)
+  subst_loop   the diagonal block's substitution by the inverse kernel's loop (steps 1..i)
 
     python3 scripts/cpr4_gate_diag.py [--out $OUT/cpr4_gate_diag.json]
 """
@@ -44,7 +44,7 @@ def _rows(**kw):
 
 VARIANTS = {"pinned": (_rows(), torch.bfloat16),
             "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16),
-            "rows_c_w4": (_rows(row_tile=C4.CHUNK, row_warps=4), torch.bfloat16)}
+            "subst_loop": (_rows(subst_loop=True), torch.bfloat16)}
 
 
 def replay(decode, value_dtype, device="cuda", seed=0, chunk=64, model="hybrid_qwen3p5_9b_dims"):
