@@ -7,10 +7,10 @@ runs four kernels:
 
 1. ``_cpr4_row_prep_kernel``'s row-inverse part, one program per (value head, lane) on the inverse
    kernel's warps: G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
-   0..t (its block cumsums, the k k^T tiles of row t's 16-row block, one step of the diagonal
-   block's forward substitution, its nesting of 16 x 16 dots for the blocks left of the diagonal)
-   but from the earlier rows of T kept in the slot (``GDNState.buf_T``, fp32, filled by prefill too)
-   instead of the whole 15-step substitution of every block;
+   0..t (its block cumsums, the k k^T tiles of row t's 16-row block, the diagonal block's forward
+   substitution up to row t by the kernel's own loop, ``SUBST_LOOP``, its nesting of 16 x 16 dots for
+   the blocks left of the diagonal) but from the complete blocks' rows of T kept in the slot
+   (``GDNState.buf_T``, fp32, filled by prefill too) instead of every block's substitution;
 2. the same kernel's W/M part (a second launch), one program per (value head, lane): the parts of
    row t that do not depend on the Dv tile, from the open chunk's k rows read once: W_t = r(T_t) r(k beta e^G) as the
    W/U kernel (which stores it in bf16), in its Dk column blocks, and the output kernel's row
@@ -208,7 +208,8 @@ def _cpr4_row_prep_kernel(
                 a_ii = tl.sum(tl.where(sel_ii, Aaa, 0.0), axis=0)
                 Taa = tl.where(sel_ii, (e_ii - tl.sum(a_ii[:, None] * Taa, axis=0))[None, :], Taa)
         else:
-            # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's
+            # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's (not
+            # the inverse kernel's bits on the H200: SUBST_LOOP)
             rows_a = tb + (a * 16 + i2) * (H * C) + a * 16 + j2
             Taa = tl.where(i2 < i, tl.load(rows_a, mask=i2 < i, other=0.0), eye)
             e_i = tl.where(tt == i, 1.0, 0.0)
@@ -454,11 +455,14 @@ tiles): 0.4491 ms at 1, 0.4483 at 2, 0.4441 at 4, the same bits. The row-inverse
 one launch (``FUSED_PREP``) took 0.5193 ms, the same bits."""
 
 
-SUBST_LOOP = False
+SUBST_LOOP = True
 """Whether the row-inverse part makes row i of the diagonal block by the inverse kernel's loop over
-steps 1..i from the identity (True) or by step i alone from the rows kept in the slot (False, the
-faster). On the H200 at 868ff99 the single step gave rows of T one ulp off the inverse kernel's in
-most heads (``scripts/cpr4_gate_diag.py``): the sums over a tile's rows follow its layout's tree."""
+steps 1..i from the identity (True) or by step i alone from the rows kept in the slot (False). On the
+H200 the single step gave rows of T one ulp off the inverse kernel's in most heads (868ff99,
+``scripts/cpr4_gate_diag.py``: the sums over a tile's rows follow its layout's tree), which the bf16
+operands mostly absorb: the ``case_parity`` gate of ``gdn_core`` at Qwen3.5-9B dimensions saw 32 of
+31,297,536 outputs differ (8740ae8). With the loop the replayed gate plan gave 0 differing rows of T,
+Vn and outputs, and decode of 256 lanes in graphs took 0.4336 ms against 0.4256 (7d4cc88)."""
 
 
 def check_value_dtype(state: GDNState, v: torch.Tensor) -> None:
