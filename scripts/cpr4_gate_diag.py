@@ -10,11 +10,13 @@ the slot's fill before it, its length); and for each row decoded in a sequence's
 the rows of T and Vn it kept in the slot equal those of the prefill kernels on the whole sequence.
 (At ``557b5710`` and ``c5cb97c`` the variants v32 (values kept in fp32), ct1 (one Dv tile per
 completion program), fused (one prep launch), rows_c (C-row tiles on 2 warps) and rows_c_w4 (and the
-row kernel on 4 warps) missed the same 8 rows as pinned: ``results/h200/bench/cpr4_gate_diag_*``.) It replays the plan once per variant of the engine:
+row kernel on 4 warps) missed the same 8 rows as the then pinned decode, and at ``7d4cc88`` the
+diagonal substitution by the inverse kernel's loop missed none: ``results/h200/bench/cpr4_gate_diag_*``.)
+It replays the plan once per variant of the engine:
 
-  pinned       the decode by rows as pinned, the state's values kept in bf16 (what the gate ran)
+  pinned       the decode by rows as pinned, the state's values kept in bf16 (what the gate runs)
   prefix       decode by prefix (the yardstick: the native kernels on the open chunk's rows so far)
-  subst_loop   the diagonal block's substitution by the inverse kernel's loop (steps 1..i)
+  subst_loop   the diagonal block's substitution by the inverse kernel's loop (pinned since 7d4cc88)
 
     python3 scripts/cpr4_gate_diag.py [--out $OUT/cpr4_gate_diag.json]
 """

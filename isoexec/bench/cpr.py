@@ -20,7 +20,8 @@ Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs
 under a CUDA graph on GPU (the engine captures decode), trainer and prefill eagerly. CPR's trainer
 backward is the gradient of its chunk form recomputed (``api.chunk_form_varlen``); native mixed takes
-its own WY backward on CUDA (``native_wy_backward.py``, stock rounding), as a stock stack would. One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
+its own WY backward on CUDA (``native_wy_backward.py``, stock rounding), as a stock stack would.
+One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
 ``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
 (the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
 1.00x). ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on

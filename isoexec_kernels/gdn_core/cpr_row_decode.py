@@ -6,13 +6,14 @@ open chunk's rows so far at every step and keeps the last row. Here a step at in
 runs four kernels:
 
 1. ``_cpr4_row_prep_kernel``'s row-inverse part, one program per (value head, lane) on the inverse
-   kernel's warps: G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel makes it on rows
-   0..t (its block cumsums, the k k^T tiles of row t's 16-row block, the diagonal block's forward
+   kernel's warps: G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel
+   makes it on rows 0..t (its block cumsums, the k k^T tiles of row t's 16-row block, the diagonal block's forward
    substitution up to row t by the kernel's own loop, ``SUBST_LOOP``, its nesting of 16 x 16 dots for
    the blocks left of the diagonal) but from the complete blocks' rows of T kept in the slot
    (``GDNState.buf_T``, fp32, filled by prefill too) instead of every block's substitution;
 2. the same kernel's W/M part (a second launch), one program per (value head, lane): the parts of
-   row t that do not depend on the Dv tile, from the open chunk's k rows read once: W_t = r(T_t) r(k beta e^G) as the
+   row t that do not depend on the Dv tile, from the open chunk's k rows read once:
+   W_t = r(T_t) r(k beta e^G) as the
    W/U kernel (which stores it in bf16), in its Dk column blocks, and the output kernel's row
    M_tj = (q_t . k_j) e^{G_t - G_j} (j <= t), its q dots over Dk in the same BK blocks;
 3. ``_cpr4_row_kernel``, one program per (Dv tile, value head, lane), with the native kernels'
@@ -50,7 +51,9 @@ operand, so it reads the slot's bf16 copy (``GDNState.boundary_op``, kept by pre
 completion kernel): half the bytes of the fp32 boundary, most of what it reads (0.228 ms at
 ``eb18911``); the open chunk's Vn rows likewise (``GDNState.buf_vn_op``, written beside the unrounded
 rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``; and v's rows in their bf16
-(``GDNState.allocate(..., value_dtype=)``): 0.199 ms, a step of 0.449 ms at ``c158c85``. Under the interpreter both
+(``GDNState.allocate(..., value_dtype=)``): 0.199 ms, a step of 0.449 ms at ``c158c85``; 0.4336 ms
+with the diagonal substitution by the inverse kernel's loop (``SUBST_LOOP``, 7d4cc88). Under the
+interpreter both
 copies are written but the fp32 originals read (its conversion truncates where torch's, which makes
 prefill's copies, rounds to nearest even).
 """
@@ -72,7 +75,8 @@ def _cpr4_append_kernel(
     C: tl.constexpr, DKP: tl.constexpr, DVP: tl.constexpr,
 ):
     # One program per (value head h, lane b): the lane's token into its slot's open chunk at the
-    # slot's fill, in fp32 (v in the buffer's dtype: fp32, or v's own where the state keeps that), q and k from the head h // rep that value head h reads (what
+    # slot's fill, in fp32 (v in the buffer's dtype: fp32, or v's own where the state keeps that),
+    # q and k from the head h // rep that value head h reads (what
     # ``append_token`` writes, in one launch instead of six indexing kernels); the head-0 program
     # records the position for the step's other kernels (``fill`` moves in the completion kernel).
     h = tl.program_id(0)
