@@ -16,7 +16,6 @@ It replays the plan once per variant of the engine:
 
   pinned       the decode by rows as pinned, the state's values kept in bf16 (what the gate runs)
   prefix       decode by prefix (the yardstick: the native kernels on the open chunk's rows so far)
-  subst_loop   the diagonal block's substitution by the inverse kernel's loop (pinned since 7d4cc88)
 
     python3 scripts/cpr4_gate_diag.py [--out $OUT/cpr4_gate_diag.json]
 """
@@ -45,8 +44,7 @@ def _rows(**kw):
 
 
 VARIANTS = {"pinned": (_rows(), torch.bfloat16),
-            "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16),
-            "subst_loop": (_rows(subst_loop=True), torch.bfloat16)}
+            "prefix": (C4.cpr4_decode_prefix_triton, torch.bfloat16)}
 
 
 def replay(decode, value_dtype, device="cuda", seed=0, chunk=64, model="hybrid_qwen3p5_9b_dims"):

@@ -62,7 +62,6 @@ VARIANTS = {   # name: (decode, the state's value dtype)
     "rows_ct4": (_row_decode(complete_tiles=4), torch.bfloat16),     # 4 (all of Dv = 128)
     "rows_fused_ct4": (_row_decode(fused_prep=True, complete_tiles=4), torch.bfloat16),
     "rows_c_w4": (_row_decode(row_tile=C4.CHUNK, row_warps=4), torch.bfloat16),   # C-row tiles, 4 warps
-    "rows_subst_loop": (_row_decode(subst_loop=True), torch.bfloat16),   # the inverse kernel's loop for T_aa
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""

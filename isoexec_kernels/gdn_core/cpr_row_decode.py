@@ -8,7 +8,7 @@ runs four kernels:
 1. ``_cpr4_row_prep_kernel``'s row-inverse part, one program per (value head, lane) on the inverse
    kernel's warps: G for the rows so far and row t of T = (I + A)^-1, made as the inverse kernel
    makes it on rows 0..t (its block cumsums, the k k^T tiles of row t's 16-row block, the diagonal block's forward
-   substitution up to row t by the kernel's own loop, ``SUBST_LOOP``, its nesting of 16 x 16 dots for
+   substitution up to row t by the kernel's own loop, its nesting of 16 x 16 dots for
    the blocks left of the diagonal) but from the complete blocks' rows of T kept in the slot
    (``GDNState.buf_T``, fp32, filled by prefill too) instead of every block's substitution;
 2. the same kernel's W/M part (a second launch), one program per (value head, lane): the parts of
@@ -52,7 +52,7 @@ completion kernel): half the bytes of the fp32 boundary, most of what it reads (
 ``eb18911``); the open chunk's Vn rows likewise (``GDNState.buf_vn_op``, written beside the unrounded
 rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``; and v's rows in their bf16
 (``GDNState.allocate(..., value_dtype=)``): 0.199 ms, a step of 0.449 ms at ``c158c85``; 0.4336 ms
-with the diagonal substitution by the inverse kernel's loop (``SUBST_LOOP``, 7d4cc88). Under the
+with the diagonal substitution by the inverse kernel's loop (7d4cc88). Under the
 interpreter both
 copies are written but the fp32 originals read (its conversion truncates where torch's, which makes
 prefill's copies, rounds to nearest even).
@@ -106,7 +106,7 @@ def _cpr4_row_prep_kernel(
     q_ptr, k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, w_ptr, m_ptr, slot_ptr, pos_ptr, H, DK,
     C: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    DO_T: tl.constexpr, DO_WM: tl.constexpr, SUBST_LOOP: tl.constexpr,
+    DO_T: tl.constexpr, DO_WM: tl.constexpr,
 ):
     # One program per (value head h, lane b): the parts of row t that do not depend on the Dv tile,
     # in two parts that run as two launches (DO_T, then DO_WM; each on its own warps) or as one
@@ -200,25 +200,17 @@ def _cpr4_row_prep_kernel(
                 kka1 = tl.dot(ka, tl.trans(k1), kka1, input_precision=PREC)
                 kka2 = tl.dot(ka, tl.trans(k2), kka2, input_precision=PREC)
         Aaa = tl.where(strict, bea[:, None] * kkaa * tl.exp(tl.where(strict, Ga[:, None] - Ga[None, :], 0.0)), 0.0)
-        if SUBST_LOOP:
-            # the diagonal block's steps 1..i as the inverse kernel's loop takes them from the identity:
-            # each step's sums over the tile's rows then run in the tree of that loop's tile layout
-            # (on the H200 a single step from the kept rows summed in another order: rows of T one
-            # ulp off the inverse kernel's, at 868ff99, which bf16 operands mostly absorb)
-            Taa = eye
-            for ii in range(1, i + 1):
-                sel_ii = i2 == ii
-                e_ii = tl.where(tt == ii, 1.0, 0.0)
-                a_ii = tl.sum(tl.where(sel_ii, Aaa, 0.0), axis=0)
-                Taa = tl.where(sel_ii, (e_ii - tl.sum(a_ii[:, None] * Taa, axis=0))[None, :], Taa)
-        else:
-            # the diagonal block's step i: rows 0..i-1 kept, rows i.. still the identity's (not
-            # the inverse kernel's bits on the H200: SUBST_LOOP)
-            rows_a = tb + (a * 16 + i2) * (H * C) + a * 16 + j2
-            Taa = tl.where(i2 < i, tl.load(rows_a, mask=i2 < i, other=0.0), eye)
-            e_i = tl.where(tt == i, 1.0, 0.0)
-            a_i = tl.sum(tl.where(i2 == i, Aaa, 0.0), axis=0)
-            Taa = tl.where(i2 == i, (e_i - tl.sum(a_i[:, None] * Taa, axis=0))[None, :], Taa)
+        # the diagonal block's steps 1..i as the inverse kernel's loop takes them from the identity:
+        # each step's sums over the tile's rows then run in the tree of that loop's tile layout (on
+        # the H200 a single step i from the kept rows 0..i-1 summed in another order: rows of T one ulp
+        # off the inverse kernel's at 868ff99, and 32 of 31,297,536 outputs differing in the gdn_core
+        # case_parity gate at 8740ae8; with the loop 0, at 0.4336 ms a decode step against 0.4256)
+        Taa = eye
+        for ii in range(1, i + 1):
+            sel_ii = i2 == ii
+            e_ii = tl.where(tt == ii, 1.0, 0.0)
+            a_ii = tl.sum(tl.where(sel_ii, Aaa, 0.0), axis=0)
+            Taa = tl.where(sel_ii, (e_ii - tl.sum(a_ii[:, None] * Taa, axis=0))[None, :], Taa)
         sel = i2 == i
         rt = tb + t * (H * C)                          # row t of T
         tl.store(rt + i2 * 0 + a * 16 + tt[None, :], Taa, mask=sel)
@@ -459,16 +451,6 @@ tiles): 0.4491 ms at 1, 0.4483 at 2, 0.4441 at 4, the same bits. The row-inverse
 one launch (``FUSED_PREP``) took 0.5193 ms, the same bits."""
 
 
-SUBST_LOOP = True
-"""Whether the row-inverse part makes row i of the diagonal block by the inverse kernel's loop over
-steps 1..i from the identity (True) or by step i alone from the rows kept in the slot (False). On the
-H200 the single step gave rows of T one ulp off the inverse kernel's in most heads (868ff99,
-``scripts/cpr4_gate_diag.py``: the sums over a tile's rows follow its layout's tree), which the bf16
-operands mostly absorb: the ``case_parity`` gate of ``gdn_core`` at Qwen3.5-9B dimensions saw 32 of
-31,297,536 outputs differ (8740ae8). With the loop the replayed gate plan gave 0 differing rows of T,
-Vn and outputs, and decode of 256 lanes in graphs took 0.4336 ms against 0.4256 (7d4cc88)."""
-
-
 def check_value_dtype(state: GDNState, v: torch.Tensor) -> None:
     """The open chunk's value rows hold v exactly: in fp32, or in v's own dtype where the state keeps
     that (``GDNState.allocate(..., value_dtype=)``); anything else would round v on the way in."""
@@ -481,7 +463,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
                             row_tile: int | None = None, row_warps: int | None = None,
                             wm_warps: int | None = None, row_bv: int | None = None,
                             s_once: bool | None = None, fused_prep: bool | None = None,
-                            complete_tiles: int | None = None, subst_loop: bool | None = None) -> torch.Tensor:
+                            complete_tiles: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
@@ -489,8 +471,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     ``choice.out_bv``); ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
     already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
     and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
-    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``subst_loop``: the
-    diagonal block's substitution as the inverse kernel's loop (default ``SUBST_LOOP``).
+    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
@@ -522,8 +503,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
     w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
     m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
-    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num,
-                SUBST_LOOP=SUBST_LOOP if subst_loop is None else bool(subst_loop))
+    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num)
     args = (bq, bk, bg, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk)
     fused = FUSED_PREP if fused_prep is None else bool(fused_prep)
     if fused:

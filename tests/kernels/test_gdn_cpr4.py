@@ -156,8 +156,7 @@ def interp_case_cpr4_row_decode_makes_every_row_block_of_t_from_the_kept_rows(kb
 
 def interp_case_cpr4_decode_choices_and_a_bf16_value_buffer_keep_the_trainer_bits(kb):
     # the choices of the row decode that are not the default (the row-inverse and W/M parts as one
-    # launch; two Dv tiles per completion program: Dv = 64 is two of the fp32 state kernel's tiles;
-    # the diagonal block's row by one substitution step, which rounds otherwise on the H200 only)
+    # launch; two Dv tiles per completion program: Dv = 64 is two of the fp32 state kernel's tiles)
     # and the open chunk's values kept in their bf16: the trainer's bits with each, across chunk
     # boundaries (C = 16)
     from isoexec_kernels.gdn_core import cpr_row_decode as RD
@@ -172,7 +171,6 @@ def interp_case_cpr4_decode_choices_and_a_bf16_value_buffer_keep_the_trainer_bit
     for label, kw, vdt in (("fused prep", dict(fused_prep=True), torch.float32),
                            ("two Dv tiles per completion program", dict(complete_tiles=2), torch.float32),
                            ("bf16 value buffer", {}, torch.bfloat16),
-                           ("the diagonal block by one step from the kept rows", dict(subst_loop=False), torch.float32),
                            ("by prefix, bf16 value buffer", None, torch.bfloat16)):
         def dec(q, k, v, g, beta, sl, state, *, chunk):
             if kw is None:
