@@ -7,7 +7,7 @@ Bits: three sequences (300, 70 and 129 tokens) driven through random prefill pie
 steps (``tests/kernels/test_gdn_core.random_plan``) against the trainer's rows, with the row decode
 (as pinned, on C-row tiles, and each of ``VARIANTS``) and with the prefix decode; then 40 row-decode
 steps of 256 lanes replayed from a CUDA graph against
-the same steps run eagerly (outputs and states).
+the same steps run eagerly (outputs and states). ``--fp32``: the same plans with fp32 values only.
 Last, the row decode's kernels under torch.profiler, and the prefill's against the trainer forward's
 (kernels and host time).
 Timings (forward only for the trainer, the backward being the native one in both): trainer forward
@@ -129,6 +129,31 @@ def bits(dims, dev) -> dict:
         res[mode] = (torch.stack(outs), st.boundary.clone())
     out["graph_vs_eager_outputs"] = count_differing(res["graph"][0], res["eager"][0])
     out["graph_vs_eager_boundary"] = count_differing(res["graph"][1], res["eager"][1])
+    return out
+
+
+def bits_fp32(dims, dev) -> dict:
+    """fp32 values (``cpr_chunk.CPR4_CHOICE_FP32``: tf32x3 dots, no bf16 rounding): trainer == engine
+    prefill split anywhere == decode (rows and prefix), as ``bits`` does for bf16; and the trainer's
+    distance from version 3's (both fp32-accurate: a relative L2 near 1e-6 says the dots are fp32)."""
+    from test_gdn_core import random_plan, run_engine
+
+    C = dims["chunk"]
+    lens = [300, 70, 129]
+    xs, cu = _inputs(lens, dims, dev, torch.float32, seed=5)
+    trainer = C4.cpr4_varlen_triton(*xs, cu, chunk=C)
+    v3 = cpr.gdn_cpr_varlen_triton(*xs, cu, chunk=C)
+    out = {"elements": trainer.numel(), "choice_dot": C4.cpr4_choice(torch.float32).dot,
+           "rel_l2_vs_v3": float((trainer - v3).norm() / v3.norm()), "plans": []}
+    for seed in (1, 2, 3):
+        plan = random_plan(lens, seed, max_decode=80)
+        row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
+        for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton)):
+            st = _state(len(lens) + 2, dims, dev, value_dtype=torch.float32)
+            got = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
+            row[f"differing_{name}"] = count_differing(got, trainer)
+            row["state_has_op_copies"] = st.boundary_op is not None
+        out["plans"].append(row)
     return out
 
 
@@ -285,14 +310,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="only the CPR4_CHOICE variants of SWEEP")
+    ap.add_argument("--fp32", action="store_true", help="only the bits with fp32 values (bits_fp32)")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit(),
            "dims": GDN_DIMS}
-    if args.sweep:
+    if args.sweep or args.fp32:
         with torch.no_grad():
-            res["sweep"] = sweep(GDN_DIMS, dev)
+            if args.sweep:
+                res["sweep"] = sweep(GDN_DIMS, dev)
+            else:
+                res["bits_fp32"] = bits_fp32(GDN_DIMS, dev)
+                print("bits_fp32:", json.dumps(res["bits_fp32"]), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)

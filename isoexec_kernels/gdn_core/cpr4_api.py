@@ -12,8 +12,9 @@ binds this impl (``isoexec.model.hybrid.contract_gdn_chunk_form``), keeping the 
 the model dtype (``value_dtype``; a state that keeps them in bf16 refuses fp32 values).
 
 Rounding schedule: every output from the chunk form of the native WY kernels (``native_wy.py``)
-with the operands pinned to bf16 whatever the model's dtype (``cpr_chunk.CPR4_CHOICE``): q, k, v,
-T, W, U, the states and Vn rounded to bf16 as dot operands, fp32 accumulation, the state chain
+with the operands pinned by the model's dtype (``cpr_chunk.cpr4_choice``). bf16 values: q, k, v,
+T, W, U, the states and Vn rounded to bf16 as dot operands (``CPR4_CHOICE``); fp32 values: the same
+dots in tf32x3, fp32-accurate, nothing rounded (``CPR4_CHOICE_FP32``). fp32 accumulation, the state chain
 between chunks in fp32 (stored in fp32 at every chunk start, where the engine resumes). The engine
 prefill continues the open chunk as [its buffered rows + the new rows] from the slot's fp32 state
 entering it; decode computes row t of the chunk form alone from the same state. Row t of every
@@ -21,8 +22,9 @@ matrix of the chunk form depends only on rows 0..t of its chunk, so every case g
 the trainer's bits (0 differing on the H200 in random prefill/decode plans, CUDA graph == eager:
 ``scripts/cpr4_probe.py``).
 
-Accuracy: bf16 operands (relative L2 about 4e-3 against the float64 recurrence at Qwen3.5 sizes),
-also for an fp32 model: this impl is for bf16 models.
+Accuracy: with bf16 values, bf16 operands (relative L2 about 4e-3 against the float64 recurrence
+at Qwen3.5 sizes, the stock kernels' accuracy); with fp32 values, fp32 accuracy (impl version 2;
+version 1 took bf16 operands for fp32 values too).
 
 Backward (trainer): as version 3, the gradient of the chunk form recomputed by
 ``chunk_form_backward`` (on CUDA the native WY backward kernels, deterministic run to run; elsewhere

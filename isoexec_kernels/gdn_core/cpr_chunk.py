@@ -3,8 +3,8 @@
 
 Version 3 takes each output inside a chunk from a 64-step per-token recurrence; here every case
 computes the chunk form of ``native_wy.py`` (inverse, W/U, state pass, output kernel) with the
-operands pinned to bf16 (``CPR4_CHOICE``) whatever v's dtype, so that trainer, engine prefill split
-anywhere and engine decode give each token the same bits:
+operands pinned by v's dtype (``cpr4_choice``: bf16 operands for bf16 values, tf32x3 dots for fp32
+ones), so that trainer, engine prefill split anywhere and engine decode give each token the same bits:
 
 * trainer: the native forward over each sequence from the zero state;
 * engine prefill: each piece runs as [the open chunk's buffered rows + the new rows] from the fp32
@@ -29,6 +29,8 @@ version, 5.5x native decode on the H200 at ``fc3181a``) and is kept as its yards
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
@@ -39,18 +41,30 @@ from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
 CPR4_CHOICE = NativeWYChoice(dot="bf16", prep_warps=1)
-"""The native kernels' tiles with the operands pinned to bf16 (fp32 accumulation, fp32 state chain),
-and the inverse kernel on one warp: its 15-step substitution reduces 16 x 16 tiles, within one warp
-by shuffles (H200 at df9bebd, ``scripts/cpr4_probe.py --sweep``: decode by rows 1.14 ms instead of
-1.43 at 256 lanes, trainer forward 1.07 instead of 1.20 ms, prefill 2.11 instead of 2.25 ms, 0
-differing in each)."""
+"""The native kernels' tiles with bf16 operands (fp32 accumulation, fp32 state chain), for values
+that are not fp32, and the inverse kernel on one warp: its 15-step substitution reduces 16 x 16
+tiles, within one warp by shuffles (H200 at df9bebd, ``scripts/cpr4_probe.py --sweep``: decode by
+rows 1.14 ms instead of 1.43 at 256 lanes, trainer forward 1.07 instead of 1.20 ms, prefill 2.11
+instead of 2.25 ms, 0 differing in each)."""
+
+CPR4_CHOICE_FP32 = replace(CPR4_CHOICE, dot="tf32x3")
+"""The same tiles for fp32 values: fp32-accurate dots (three TF32 products each, as version 3's), so
+that an fp32 model keeps fp32 accuracy (bf16 operands gave an fp32 hybrid 2.7e-5 logprob error
+against transformers' instead of 1e-5; and a rounding to bf16 turns fp32 noise from elsewhere, such
+as a sharded reduction's order, into whole bf16 steps)."""
+
+
+def cpr4_choice(value_dtype: torch.dtype) -> NativeWYChoice:
+    """Version 4's pinned numerics for values of ``value_dtype`` (the model's dtype, fixed by the
+    contract): ``CPR4_CHOICE_FP32`` for fp32, ``CPR4_CHOICE`` (bf16 operands) otherwise."""
+    return CPR4_CHOICE_FP32 if value_dtype == torch.float32 else CPR4_CHOICE
 
 
 def cpr4_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch.Tensor:
     """Trainer: each sequence of ``cu_seqlens`` from the zero state; o [T, H, Dv] fp32."""
     cu = cu_seqlens.tolist()
     starts, lens = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
-    return wy_chunk_triton(q, k, v, g, beta, starts, lens, None, None, None, chunk, CPR4_CHOICE,
+    return wy_chunk_triton(q, k, v, g, beta, starts, lens, None, None, None, chunk, cpr4_choice(v.dtype),
                            states_dtype=torch.float32)
 
 
@@ -74,7 +88,7 @@ def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
     fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
-    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, CPR4_CHOICE,
+    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, cpr4_choice(pv.dtype),
                          states_dtype=torch.float32, vn_dtype=torch.float32, t_dtype=torch.float32)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
@@ -183,7 +197,7 @@ def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *
 def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
     """Engine decode, one token per lane, by rows: row t of the chunk form alone
     (``cpr_row_decode.py``); o [B, H, Dv] fp32."""
-    return cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, CPR4_CHOICE, chunk=chunk)
+    return cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, cpr4_choice(v.dtype), chunk=chunk)
 
 
 def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
@@ -195,7 +209,7 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     slot's ``buf_vn`` and ``buf_T`` as they were: a lane must not switch between the two decodes
     inside a chunk."""
     C = chunk
-    choice = CPR4_CHOICE
+    choice = cpr4_choice(v.dtype)
     B = q.shape[0]
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
     Dv = state.buf_v.shape[3]
@@ -232,4 +246,4 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     return o_rows[sl * C + pos]
 
 
-__all__ = ["CPR4_CHOICE", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton", "cpr4_decode_prefix_triton"]
+__all__ = ["CPR4_CHOICE", "CPR4_CHOICE_FP32", "cpr4_choice", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton", "cpr4_decode_prefix_triton"]

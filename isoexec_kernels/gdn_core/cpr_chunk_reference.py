@@ -3,7 +3,9 @@ same rounding points, from IEEE basic operations in a fixed order, so that on an
 engine prefill split anywhere and decode agree bitwise by construction (its bits are not the GPU's).
 
 Per chunk of C rows (a piece's last chunk padded with zero rows: g = beta = k = v = q = 0), value
-head h, ``r`` = rounding to bf16 (nearest even) where the kernels round an operand or a stored value:
+head h, ``r`` = rounding to bf16 (nearest even) where the kernels round an operand or a stored value
+(for values that are not fp32; with fp32 values ``r`` is the identity, as the kernels' tf32x3 dots
+are fp32-accurate: ``cpr_chunk.cpr4_choice``):
 
     G     running sums inside each 16-row block plus the sums of the blocks before it
     A_ij  = (beta_i * (r(k_i) . r(k_j))) * exp(G_i - G_j)  for j < i, else 0
@@ -43,7 +45,9 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     fin = torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev)
     if P == 0:
         return o, None, fin, None, None
-    r = native_wy.round_bf16   # looked up per call: the interpreter tests swap in truncation
+    # the operand rounding of ``cpr_chunk.cpr4_choice``: to bf16 for values that are not fp32 (looked
+    # up per call: the interpreter tests swap in truncation), none for fp32 values (tf32x3 dots)
+    r = (lambda x: x) if pv.dtype == torch.float32 else native_wy.round_bf16
     t = torch.arange(C, device=dev)
     src = torch.tensor(row0, device=dev)[:, None] + t[None, :]                  # [P, C]
     ok = t[None, :] < torch.tensor(nrow, device=dev)[:, None]

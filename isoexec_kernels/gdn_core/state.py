@@ -40,9 +40,10 @@ class GDNState:
     boundary_op [S, H, Dk, Dv] ``boundary`` rounded to bf16, the operand dtype of version 4's dots
                               (its row decode reads the state only as an operand: half the bytes
                               of the fp32 one; kept equal to it by prefill and the decode's
-                              completion kernel; None unless allocated with ``with_q``)
+                              completion kernel; None unless allocated with ``with_q`` and a
+                              ``value_dtype`` other than fp32, whose dots take fp32 operands)
     buf_vn_op [S, C, H, Dv]   ``buf_vn`` rounded to bf16 (the row decode's output reads the rows
-                              only as a bf16 operand; None unless allocated with ``with_q``)
+                              only as a bf16 operand; allocated with ``boundary_op``)
     """
 
     boundary: torch.Tensor
@@ -66,6 +67,9 @@ class GDNState:
         chunk's values in it (bf16 values kept in bf16 are the values kept in fp32, and version 4's
         decode reads half the bytes); the other forms' kernels read fp32 value buffers."""
         f32 = dict(dtype=torch.float32, device=device)
+        # bf16 operand copies of the boundary and the open chunk's Vn: version 4 rounds its operands
+        # to bf16 only for values that are not fp32 (fp32 values take fp32-accurate dots)
+        op_copies = with_q and value_dtype != torch.float32
         return cls(
             boundary=torch.zeros(num_slots, H, Dk, Dv, **f32),
             running=torch.zeros(num_slots, H, Dk, Dv, **f32),
@@ -77,8 +81,8 @@ class GDNState:
             buf_q=torch.zeros(num_slots, chunk, H, Dk, **f32) if with_q else None,
             buf_vn=torch.zeros(num_slots, chunk, H, Dv, **f32) if with_q else None,
             buf_T=torch.zeros(num_slots, chunk, H, chunk, **f32) if with_q else None,
-            boundary_op=torch.zeros(num_slots, H, Dk, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
-            buf_vn_op=torch.zeros(num_slots, chunk, H, Dv, dtype=torch.bfloat16, device=device) if with_q else None,
+            boundary_op=torch.zeros(num_slots, H, Dk, Dv, dtype=torch.bfloat16, device=device) if op_copies else None,
+            buf_vn_op=torch.zeros(num_slots, chunk, H, Dv, dtype=torch.bfloat16, device=device) if op_copies else None,
         )
 
     @property
