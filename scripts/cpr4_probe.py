@@ -132,6 +132,13 @@ def bits(dims, dev) -> dict:
     return out
 
 
+def _row_decode_fp32(**kw):
+    """The row decode of fp32 values (``CPR4_CHOICE_FP32``) with ``kw`` instead of the pinned tiles."""
+    def run(q, k, v, g, beta, slots, state, *, chunk):
+        return RD.cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, C4.CPR4_CHOICE_FP32, chunk=chunk, **kw)
+    return run
+
+
 def bits_fp32(dims, dev) -> dict:
     """fp32 values (``cpr_chunk.CPR4_CHOICE_FP32``: tf32x3 dots, no bf16 rounding): trainer == engine
     prefill split anywhere == decode (rows and prefix), as ``bits`` does for bf16; and the trainer's
@@ -148,7 +155,10 @@ def bits_fp32(dims, dev) -> dict:
     for seed in (1, 2, 3):
         plan = random_plan(lens, seed, max_decode=80)
         row = {"seed": seed, "calls": len(plan), "decode_calls": sum(k == "decode" for k, _ in plan)}
-        for name, dec in (("rows", C4.cpr4_decode_triton), ("prefix", C4.cpr4_decode_prefix_triton)):
+        decs = {"rows": C4.cpr4_decode_triton, "prefix": C4.cpr4_decode_prefix_triton,
+                "rows_c": _row_decode_fp32(row_tile=C), "rows_c_w4": _row_decode_fp32(row_tile=C, row_warps=4),
+                "rows_w4": _row_decode_fp32(row_warps=4), "rows_no_s_once": _row_decode_fp32(s_once=False)}
+        for name, dec in decs.items():
             st = _state(len(lens) + 2, dims, dev, value_dtype=torch.float32)
             got = run_engine((*xs, cu), lens, plan, [4, 1, 2], st, C4.cpr4_engine_triton, dec, C)
             row[f"differing_{name}"] = count_differing(got, trainer)
