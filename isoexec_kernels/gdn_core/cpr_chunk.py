@@ -194,10 +194,23 @@ def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *
     return engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_triton)
 
 
+ROW_DECODE_DOTS = ("bf16",)
+"""The operand modes whose decode goes by rows. fp32 values (tf32x3) take the prefix decode: on the
+H200 at 1f3c6ee the row decode in tf32x3 missed the trainer's bits (22,074-62,239 of 2,043,904
+outputs in three plans, every tile variant; 93-247 with q S in BK blocks), where the prefix decode
+gave 0 (``scripts/cpr4_probe.py --fp32``). A tf32x3 dot splits each operand into a high and a low
+part, three products summed; a row alone in a 16-row tile evidently sums them otherwise than the
+64-row tile does, which bf16's single product does not (0 differing in every bf16 probe and gate)."""
+
+
 def cpr4_decode_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
-    """Engine decode, one token per lane, by rows: row t of the chunk form alone
-    (``cpr_row_decode.py``); o [B, H, Dv] fp32."""
-    return cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, cpr4_choice(v.dtype), chunk=chunk)
+    """Engine decode, one token per lane: by rows, row t of the chunk form alone
+    (``cpr_row_decode.py``), for bf16 values; by prefix for fp32 values (``ROW_DECODE_DOTS``);
+    o [B, H, Dv] fp32."""
+    choice = cpr4_choice(v.dtype)
+    if choice.dot not in ROW_DECODE_DOTS:
+        return cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state, chunk=chunk)
+    return cpr4_decode_rows_triton(q, k, v, g, beta, slots, state, choice, chunk=chunk)
 
 
 def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
@@ -246,4 +259,4 @@ def cpr4_decode_prefix_triton(q, k, v, g, beta, slots, state: GDNState, *, chunk
     return o_rows[sl * C + pos]
 
 
-__all__ = ["CPR4_CHOICE", "CPR4_CHOICE_FP32", "cpr4_choice", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton", "cpr4_decode_prefix_triton"]
+__all__ = ["CPR4_CHOICE", "CPR4_CHOICE_FP32", "ROW_DECODE_DOTS", "cpr4_choice", "cpr4_varlen_triton", "cpr4_engine_triton", "cpr4_decode_triton", "cpr4_decode_prefix_triton"]
