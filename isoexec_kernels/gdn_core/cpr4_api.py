@@ -1,5 +1,5 @@
-"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``; the compositions still
-pin ``gdn_cpr`` version 3: docs/cpr.md says what is left before this replaces it).
+"""CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``, bound by the IsoExec
+composition for the hybrid families; the tensor-parallel compositions still pin ``gdn_cpr`` version 3).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
@@ -17,7 +17,8 @@ T, W, U, the states and Vn rounded to bf16 as dot operands (``CPR4_CHOICE``); fp
 dots in tf32x3, fp32-accurate, nothing rounded (``CPR4_CHOICE_FP32``). fp32 accumulation, the state chain
 between chunks in fp32 (stored in fp32 at every chunk start, where the engine resumes). The engine
 prefill continues the open chunk as [its buffered rows + the new rows] from the slot's fp32 state
-entering it; decode computes row t of the chunk form alone from the same state. Row t of every
+entering it; decode computes row t of the chunk form alone from the same state (bf16 values; fp32
+values decode by the open chunk's prefix: ``cpr_chunk.ROW_DECODE_DOTS`` says why). Row t of every
 matrix of the chunk form depends only on rows 0..t of its chunk, so every case gives every token
 the trainer's bits (0 differing on the H200 in random prefill/decode plans, CUDA graph == eager:
 ``scripts/cpr4_probe.py``).

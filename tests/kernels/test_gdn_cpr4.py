@@ -149,6 +149,24 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
             kb.assert_bitwise(o, trainer, "engine split + decode by prefix == trainer, C=16")
 
 
+def interp_case_cpr4_fp32_values_take_fp32_dots_and_keep_the_trainer_bits(kb):
+    # fp32 values: tf32x3 dots (CPR4_CHOICE_FP32), no bf16 copies in the state, the pinned decode
+    # (by prefix: ROW_DECODE_DOTS) and the engine split give the trainer's bits, at fp32 accuracy
+    C4 = _cpr4()
+    C, lens = 16, [40, 5, 33]
+    inp = make_inputs(lens, Hk=1, H=2, Dk=16, Dv=16, seed=37, v_dtype=torch.float32)
+    assert C4.cpr4_choice(torch.float32).dot == "tf32x3" and "tf32x3" not in C4.ROW_DECODE_DOTS
+    trainer = C4.cpr4_varlen_triton(*inp, chunk=C)
+    want = torch_recurrence(*(x.double() for x in inp[:5]), inp[5])
+    assert kb.rel_l2(trainer, want) < 1e-5, "fp32 values: fp32-accurate dots"
+    st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True, value_dtype=torch.float32)
+    assert st.boundary_op is None and st.buf_vn_op is None
+    plan = random_plan(lens, 37, max_decode=24)
+    assert sum(kind == "decode" for kind, _ in plan) >= 3, "the plan must decode"
+    o = run_engine(inp, lens, plan, [3, 1, 2], st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
+    kb.assert_bitwise(o, trainer, "fp32 values: engine split + pinned decode == trainer")
+
+
 def interp_case_cpr4_row_decode_makes_every_row_block_of_t_from_the_kept_rows(kb):
     # C = 64: prefill 30 rows (row block 1 open), then decode rows 30..69: the row-inverse kernel's
     # branches for row blocks 1, 2 and 3 (each from the kept rows of T), the chunk's completion at
