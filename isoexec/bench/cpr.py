@@ -64,7 +64,8 @@ def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
 
 def _decode_state(B, dims, device, seed, chunk_form=False, value_dtype=torch.float32):
     """A state of B + 1 slots with random contents and fills (so about B / C lanes complete a chunk
-    per step); ``chunk_form``: CPR version 4's (values kept in ``value_dtype``, its bf16 copies made)."""
+    per step); ``chunk_form``: CPR version 4's (values kept in ``value_dtype``, its bf16 copies made
+where the values are not fp32)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     C = dims["chunk"]
     st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C, with_q=chunk_form,
@@ -72,7 +73,7 @@ def _decode_state(B, dims, device, seed, chunk_form=False, value_dtype=torch.flo
     for name in ("boundary", "running", "buf_k", "buf_v") + (("buf_q", "buf_vn", "buf_T") if chunk_form else ()):
         t = getattr(st, name)
         t.copy_((torch.randn(t.shape, generator=gen) * 0.05).to(device))
-    if chunk_form:
+    if st.boundary_op is not None:   # bf16 values: the state keeps bf16 operand copies (fp32 values: none)
         st.boundary_op.copy_(st.boundary)
         st.buf_vn_op.copy_(st.buf_vn)
     st.buf_g.copy_((-torch.rand(st.buf_g.shape, generator=gen) * 0.3).to(device))
