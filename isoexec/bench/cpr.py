@@ -64,8 +64,8 @@ def _inputs(lens, dims, device, v_dtype, seed, requires_grad=False):
 
 def _decode_state(B, dims, device, seed, chunk_form=False, value_dtype=torch.float32):
     """A state of B + 1 slots with random contents and fills (so about B / C lanes complete a chunk
-    per step); ``chunk_form``: CPR version 4's (values kept in ``value_dtype``, its bf16 copies made
-where the values are not fp32)."""
+    per step); ``chunk_form``: CPR version 4's (values kept in ``value_dtype``, its bf16 copies
+    made where the values are not fp32)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     C = dims["chunk"]
     st = GDNState.allocate(B + 1, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C, with_q=chunk_form,

@@ -36,9 +36,10 @@ IMPLS = (
              "partial chunk in its state slot so every split gives the trainer's bits"),
     Impl("gdn_cpr_chunk", "2", "gdn_core", per_case(gdn_cpr4_varlen, gdn_cpr4_engine, gdn_cpr4_decode),
          constants={"CHUNK": Constant(CHUNK, allowed=(16, 32, 64), arg="chunk")},
-         doc="CPR version 4: every output from the chunk form of the native WY kernels "
-             "with bf16 operands for bf16 values, tf32x3 dots for fp32 values (decode by rows); the engine keeps the open chunk's rows (and their "
-             "rows of Vn and T) in its state slot, so every split gives the trainer's bits"),
+         doc="CPR version 4: every output from the chunk form of the native WY kernels with bf16 "
+             "operands for bf16 values (decode by rows), tf32x3 dots for fp32 values (decode by "
+             "prefix); the engine keeps the open chunk's rows (and their rows of Vn and T) in its "
+             "state slot, so every split gives the trainer's bits"),
     Impl("gdn_chunk_native", "2", "gdn_core", per_case(gdn_chunk_varlen, gdn_chunk_engine, gdn_recurrent_decode),
          constants={"CHUNK": Constant(CHUNK, arg="chunk")}, native=True,
          doc="stock-style chunked gated delta rule (trainer, prefill) and token recurrence (decode)"),

@@ -17,7 +17,6 @@ from isoexec.engine import Engine, EngineConfig  # noqa: E402
 from isoexec.gates.engine_gates import verify_engine_logprobs  # noqa: E402
 from isoexec.model import build_model  # noqa: E402
 from isoexec.model.hybrid import contract_gdn_chunk_form  # noqa: E402
-from isoexec.paths import configs_dir  # noqa: E402
 
 from engine_fixtures import sampled_params, seeded_prompts  # noqa: E402
 
