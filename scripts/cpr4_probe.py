@@ -230,7 +230,8 @@ def decode_profile(dims, dev) -> list[dict]:
 
 def prefill_profile(dims, dev) -> dict:
     """Where the prefill's time goes beyond the trainer forward's (5 x 2048 from fresh slots, eager,
-    10 calls each): device time per kernel, and the host time of one call."""
+    10 calls each): device time per kernel, and the host time of one call; the native prefill too,
+    with its plan read from the device and given on the host."""
     from torch.profiler import ProfilerActivity, profile
 
     C = dims["chunk"]
@@ -238,8 +239,14 @@ def prefill_profile(dims, dev) -> dict:
     xs, cu = _inputs([L] * b, dims, dev, torch.bfloat16, seed=1)
     slots = torch.arange(b, device=dev)
     st = _state(b, dims, dev)
+    st_nat = _state(b, dims, dev, q=False)
+    cu_h, slots_h = cu.cpu(), slots.cpu()
     runs = {"trainer_fwd": lambda: C4.cpr4_varlen_triton(*xs, cu, chunk=C),
-            "prefill": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C)}
+            "prefill": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C),
+            "native_prefill": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C),
+            # the same with cu_seqlens and slots on the host: no read back from the device for the
+            # plan (the index upload still waits for the stream)
+            "native_prefill_host_plan": lambda: nat.gdn_chunk_engine(*xs, cu_h, slots_h, st_nat, chunk=C)}
     out = {}
     for name, fn in runs.items():
         fn()
@@ -322,11 +329,19 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="only the CPR4_CHOICE variants of SWEEP")
     ap.add_argument("--fp32", action="store_true", help="only the bits with fp32 values (bits_fp32)")
+    ap.add_argument("--prefill-profile", action="store_true", help="only prefill_profile")
     args = ap.parse_args()
     dev = "cuda"
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "commit": git_commit(),
            "dims": GDN_DIMS}
+    if args.prefill_profile:
+        with torch.no_grad():
+            res["prefill_profile"] = prefill_profile(GDN_DIMS, dev)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     if args.sweep or args.fp32:
         with torch.no_grad():
             if args.sweep:
