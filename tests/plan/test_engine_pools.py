@@ -6,7 +6,7 @@ import torch
 
 from isoexec.assembly import installed_model
 from isoexec.engine import Engine, EngineConfig
-from isoexec.model.hybrid import contract_gdn_chunk
+from isoexec.model.hybrid import contract_gdn_chunk, contract_gdn_chunk_form
 from isoexec.plan.engine_pools import kv_bytes_per_page, kv_pool_bytes, recurrent_state_bytes
 
 
@@ -33,5 +33,6 @@ def test_the_pools_are_what_the_engine_allocates(family, dtype):
     cfg = inst.model.cfg
     assert kv == kv_pool_bytes(cfg, 40, 16, name) == 40 * kv_bytes_per_page(cfg, 16, name)
     slots = engine.config.num_state_slots
-    assert state == recurrent_state_bytes(cfg, slots, contract_gdn_chunk(inst.contract), name)
+    assert state == recurrent_state_bytes(cfg, slots, contract_gdn_chunk(inst.contract), name,
+                                          chunk_form=contract_gdn_chunk_form(inst.contract))
     assert (state > 0) == (family == "hybrid")
