@@ -10,8 +10,11 @@ schedule; ``reference.py`` is the fixed-order torch twin; ``triton_kernels.py`` 
 ``__init__.py`` re-exports its public names.
 
 Shared by the ops: ``_ref.py`` (fixed-order sums and float64 exp/log/sin/cos from basic
-operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator).
+operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator, and ``upload``:
+host tensors to the device without a host sync, re-exported here for the engine's batches).
 
 The import name is ``isoexec_kernels``, not ``kernels``: transformers treats an importable
 top-level ``kernels`` module as the Hugging Face kernel hub and changes its behaviour.
 """
+
+from ._triton_util import upload  # noqa: E402,F401

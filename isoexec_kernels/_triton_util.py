@@ -165,9 +165,24 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+def upload(host: torch.Tensor, device) -> torch.Tensor:
+    """The host tensor ``host`` on ``device`` without a host sync: to a CUDA device it is staged in
+    pinned memory and copied without blocking (a blocking copy waits for the stream, i.e. for every
+    kernel queued before it; torch's pinned allocator keeps the staging block until the copy has
+    read it). Not for use inside a CUDA-graph capture."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def upload_ints(xs, dtype: torch.dtype, device) -> torch.Tensor:
+    """The ints ``xs`` as a ``dtype`` tensor on ``device`` (``upload``)."""
+    return upload(torch.tensor(list(xs), dtype=dtype), device)
+
+
 def int32_segments(segments, device) -> list[torch.Tensor]:
-    """The int lists ``segments`` as int32 tensors on ``device``, made by one host-to-device copy,
-    each view starting on a 16-byte boundary. Triton specialises a pointer argument on 16-byte
+    """The int lists ``segments`` as int32 tensors on ``device``, made by one asynchronous
+    host-to-device copy, each view starting on a 16-byte boundary. Triton specialises a pointer argument on 16-byte
     alignment: views packed back to back start at offsets that move with the lists' lengths, so a
     launch compiled a new kernel variant whenever a length crossed a multiple of 4 (the GDN state
     kernel recompiled in the middle of RL runs). Each segment is padded to whole 16-byte groups."""
@@ -176,7 +191,7 @@ def int32_segments(segments, device) -> list[torch.Tensor]:
         seg = [int(x) for x in seg]
         lengths.append(len(seg))
         flat += seg + [0] * (-len(seg) % 4)
-    packed = torch.tensor(flat, dtype=torch.int32).to(device)
+    packed = upload(torch.tensor(flat, dtype=torch.int32), device)
     views, off = [], 0
     for n in lengths:
         views.append(packed[off:off + n])

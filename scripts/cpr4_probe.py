@@ -33,7 +33,7 @@ from isoexec.bench.cpr import FULL, GDN_DIMS, _graphed, _inputs  # noqa: E402
 from isoexec.bits import count_differing  # noqa: E402
 from isoexec.envinfo import git_commit  # noqa: E402
 from isoexec_kernels import gdn_core as cpr  # noqa: E402
-from isoexec_kernels.gdn_core import GDNState  # noqa: E402
+from isoexec_kernels.gdn_core import GDNState, HostPlan  # noqa: E402
 from isoexec_kernels.gdn_core import cpr_chunk as C4  # noqa: E402
 from isoexec_kernels.gdn_core import cpr_row_decode as RD  # noqa: E402
 from isoexec_kernels.gdn_core import native as nat  # noqa: E402
@@ -230,8 +230,8 @@ def decode_profile(dims, dev) -> list[dict]:
 
 def prefill_profile(dims, dev) -> dict:
     """Where the prefill's time goes beyond the trainer forward's (5 x 2048 from fresh slots, eager,
-    10 calls each): device time per kernel, and the host time of one call; the native prefill too,
-    with its plan read from the device and given on the host."""
+    10 calls each): device time per kernel, and the host time of one call; CPR's and the native
+    prefill with the layout read back from the device and given on the host (``HostPlan``)."""
     from torch.profiler import ProfilerActivity, profile
 
     C = dims["chunk"]
@@ -240,13 +240,13 @@ def prefill_profile(dims, dev) -> dict:
     slots = torch.arange(b, device=dev)
     st = _state(b, dims, dev)
     st_nat = _state(b, dims, dev, q=False)
-    cu_h, slots_h = cu.cpu(), slots.cpu()
+    # the layout on the host as the engine's batches give it (fresh slots: every open chunk empty)
+    host = HostPlan.of([L] * b, range(b), [0] * b)
     runs = {"trainer_fwd": lambda: C4.cpr4_varlen_triton(*xs, cu, chunk=C),
             "prefill": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C),
+            "prefill_host_plan": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C, host=host),
             "native_prefill": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C),
-            # the same with cu_seqlens and slots on the host: no read back from the device for the
-            # plan (the index upload still waits for the stream)
-            "native_prefill_host_plan": lambda: nat.gdn_chunk_engine(*xs, cu_h, slots_h, st_nat, chunk=C)}
+            "native_prefill_host_plan": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C, host=host)}
     out = {}
     for name, fn in runs.items():
         fn()

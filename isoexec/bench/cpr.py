@@ -4,7 +4,8 @@ latency vs native mixed and recurrent-everywhere").
 
 Stages (Qwen3.5 GDN dimensions: 16 q/k heads, 32 value heads, head dim 128, chunk 64):
   trainer_fwd_bwd   varlen forward + backward, 5 sequences x 2048 tokens (10,240 tokens)
-  prefill           engine prefill of 5 fresh sequences x 2048 tokens (state written)
+  prefill           engine prefill of 5 fresh sequences x 2048 tokens (state written), the layout
+                    given on the host as the engine gives it (``gdn_core.HostPlan``)
   decode            one token for each of 256 sequences that already hold context state (random
                     chunk fill, so about 256/64 lanes resynchronise per step, as in steady state)
 
@@ -13,8 +14,8 @@ Baselines (``isoexec_kernels/gdn_core/native.py``):
   recurrent_everywhere  the per-token recurrence for every stage
 Ours: CPR version 4 (``CPR_IMPL``: ``gdn_cpr_chunk``, ``gdn_cpr4_varlen`` / ``gdn_cpr4_engine`` /
 ``gdn_cpr4_decode``; its engine state keeps the open chunk's values in their bf16, as the hybrid model
-allocates it), the version the IsoExec composition binds for the hybrid family (``gdn_cpr``
-version 3 stays for hybrid_moe and in the tensor-parallel compositions); the table names the impl it timed.
+allocates it), the version the IsoExec composition binds for both GDN families (``gdn_cpr``
+version 3 stays in the tensor-parallel compositions); the table names the impl it timed.
 
 Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs
@@ -138,15 +139,19 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
     xs, cu = _inputs([L] * b, dims, device, v_dtype, seed=2)
     slots = torch.arange(b, device=device)
 
+    # the layout on the host, as the engine's batches give it (HostPlan: no readbacks). The slots
+    # count as fresh: what matters is each open chunk's fill, which every repetition leaves at 0
+    host = cpr.HostPlan.of([L] * b, range(b), [0] * b)
+
     def prefill(fn, chunk_form=False):
         st = cpr.GDNState.allocate(b, dims["H"], dims["Dk"], dims["Dv"], device, chunk=C, with_q=chunk_form,
                                    value_dtype=v_dtype)
-        return lambda: fn(*xs, cu, slots, st, chunk=C)
+        return lambda: fn(*xs, cu, slots, st, chunk=C, host=host)
 
     with torch.no_grad():
         t = [time_ms(prefill(f, f is cpr.gdn_cpr4_engine), device, rep_ms=rep_ms)
              for f in (nat.gdn_chunk_engine, nat.gdn_recurrent_engine, cpr.gdn_cpr4_engine)]
-    emit({"stage": "prefill", "batch": b, "seqlen": L, "tokens": b * L}, *t)
+    emit({"stage": "prefill", "batch": b, "seqlen": L, "tokens": b * L, "host_plan": True}, *t)
     del xs
 
     # decode: one token for B sequences with context state

@@ -8,7 +8,9 @@ Families with recurrent layers (hybrid: Gated DeltaNet) also give the engine one
 sequence: ``state_slots[b]`` indexes, in every recurrent layer, the gated-delta-rule state
 ``gdn_states[i]`` and the conv window ``conv_states[i]`` (i = ordinal of the recurrent layer). The
 model reads and advances them in place; a fresh sequence needs its slot reset first (zeros). The
-three fields stay None for dense models and for the trainer.
+engine prefill also carries that layout on the host (``gdn_host``), so the recurrent layers plan
+their launches without reading it back from the device. These fields stay None for dense models
+and for the trainer.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from isoexec_kernels import upload
 from isoexec_kernels.attention import compute_slot_mapping
+from isoexec_kernels.gdn_core import HostPlan
 
 
 @dataclass
@@ -56,6 +60,8 @@ class ForwardBatch:
     gdn_states: Optional[list[Any]] = None         # engine, recurrent layers: GDNState per layer
     conv_states: Optional[list[torch.Tensor]] = None  # engine: [S, conv_dim, W-1] per recurrent layer
     state_slots: Optional[torch.Tensor] = None     # engine: [B] int32 state slot of each sequence
+    gdn_host: Optional[HostPlan] = None            # engine prefill: cu_seqlens_q, the state slots and the
+                                                   # tokens each slot holds, on the host (no readbacks)
 
     @property
     def is_engine(self) -> bool:
@@ -89,8 +95,12 @@ class ForwardBatch:
         ctx = torch.tensor([s + n for s, n in zip(starts, q_lens)], dtype=torch.int32)
         positions = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, q_lens)])
         slots = compute_slot_mapping(bt, cu, ctx, kv.page_size)
-        sslots = None if state_slots is None else torch.tensor(list(state_slots), dtype=torch.int32).to(device)
-        return cls(case=case, positions=positions.to(device), kv=kv, block_table=bt.to(device),
-                   cu_seqlens_q=cu.to(device), context_lens=ctx.to(device), slot_mapping=slots.to(device),
-                   max_seqlen_q=int(max(q_lens, default=0)), gdn_states=gdn_states, conv_states=conv_states,
-                   state_slots=sslots)
+        sslots = host = None
+        if state_slots is not None:
+            sslots = upload(torch.tensor(list(state_slots), dtype=torch.int32), device)
+            host = HostPlan.of(q_lens, state_slots, starts)
+        # non-blocking copies from pinned memory: a blocking one would wait for the work queued before
+        return cls(case=case, positions=upload(positions, device), kv=kv, block_table=upload(bt, device),
+                   cu_seqlens_q=upload(cu, device), context_lens=upload(ctx, device),
+                   slot_mapping=upload(slots, device), max_seqlen_q=int(max(q_lens, default=0)),
+                   gdn_states=gdn_states, conv_states=conv_states, state_slots=sslots, gdn_host=host)

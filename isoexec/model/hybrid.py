@@ -246,7 +246,8 @@ class HybridModel(DenseModel):
         elif batch.case == "engine_decode":
             o = core(q, k, v, g, beta, batch.state_slots, batch.gdn_states[gdn_layer])
         else:
-            o = core(q, k, v, g, beta, batch.cu_seqlens_q, batch.state_slots, batch.gdn_states[gdn_layer])
+            o = core(q, k, v, g, beta, batch.cu_seqlens_q, batch.state_slots, batch.gdn_states[gdn_layer],
+                     host=batch.gdn_host)
         # the core's fp32 output is rounded to the model dtype before the norm, as transformers does
         o = plan["gdn_out_norm"](o.to(proj.dtype), z.reshape(T, hv, dv), L.out_norm, cfg.rms_norm_eps)
         return o.reshape(T, hv * dv)

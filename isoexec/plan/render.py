@@ -118,7 +118,7 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         s = r.shape
         pool = (f"{s.num_pages:,} KV pages of {s.page_size} tokens" + (
             f", {s.num_state_slots:,} + 1 GDN state slots (chunk {s.gdn_chunk})" if s.num_state_slots else ""))
-        out.append(f"{s.family} ({s.model}, {s.dtype}): {pool}; max_num_seqs {s.max_num_seqs:,}, "
+        line = (f"{s.family} ({s.model}, {s.dtype}): {pool}; max_num_seqs {s.max_num_seqs:,}, "
                    f"max_num_batched_tokens {s.max_num_batched_tokens:,}; largest micro-batch "
                    f"{max(s.micro_batch_budget, s.longest_sequence):,} tokens"
                    f"{' (activation checkpointing)' if s.activation_checkpointing else ''}; activations: trainer "
@@ -128,6 +128,8 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
                       f"{_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
                       f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "")
                    + (_expert_note(r) if r.experts else "") + ".")
+        if line not in out:   # the arms of a family that differ only in their engine state say it once
+            out.append(line)
     if any(r.experts for r in rows):
         out.append(
             "Expert-parallel trainer (trainer_ep > 1, isoexec.dist.fsdp.ExpertParallelTrainer): the ranks form "

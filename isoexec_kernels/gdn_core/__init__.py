@@ -16,6 +16,7 @@ tensor-parallel compositions still pin ``gdn_cpr`` version 3.
 
 from ..impl import Constant, Impl, per_case
 from .state import CHUNK, GDNState
+from .plan import HostPlan
 from .api import gdn_cpr_decode, gdn_cpr_engine, gdn_cpr_varlen
 from .reference import (
     chunk_update_reference,

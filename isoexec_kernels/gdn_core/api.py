@@ -156,13 +156,16 @@ def gdn_cpr_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torch
     return chunk_form_varlen(_varlen_forward, q, k, v, g, beta, cu_seqlens, chunk, "gdn_cpr_varlen")
 
 
-def gdn_cpr_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+def gdn_cpr_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                   host=None) -> torch.Tensor:
     """Engine prefill: any number of new tokens per sequence (``cu_seqlens_q``), sequence b
     continuing from state slot ``slots[b]``; updates ``state`` in place, returns o [T, H, Dv]
-    fp32. Bitwise equal to the trainer rows of the same positions."""
+    fp32. Bitwise equal to the trainer rows of the same positions. ``host``: the same layout on
+    the host (``plan.HostPlan``), which spares the Triton twin's readbacks (the reference reads
+    its state on the host anyway)."""
     with torch.no_grad():
         if want_triton(v):
-            return gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+            return gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk, host=host)
         return gdn_cpr_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
 
 

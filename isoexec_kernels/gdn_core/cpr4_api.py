@@ -4,7 +4,7 @@ version 3).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
-  ``gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state, *, chunk)`` engine prefill
+  ``gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state, *, chunk, host)`` engine prefill
   ``gdn_cpr4_decode(q, k, v, g, beta, slots, state, *, chunk)``             engine decode
 CUDA tensors go to the Triton twin (``cpr_chunk.py``, decode by rows ``cpr_row_decode.py``), others
 to the reference twin (``cpr_chunk_reference.py``). The engine state needs the open chunk's queries
@@ -41,6 +41,7 @@ from .._triton_util import want_triton
 from .api import chunk_form_varlen
 from .cpr_chunk import cpr4_decode_triton, cpr4_engine_triton, cpr4_varlen_triton
 from .cpr_chunk_reference import cpr4_decode_reference, cpr4_engine_reference, cpr4_varlen_reference
+from .plan import HostPlan
 from .state import CHUNK, GDNState
 
 
@@ -56,14 +57,16 @@ def gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -> torc
     return chunk_form_varlen(_varlen_forward, q, k, v, g, beta, cu_seqlens, chunk, "gdn_cpr4_varlen")
 
 
-def gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+def gdn_cpr4_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                    host: HostPlan | None = None) -> torch.Tensor:
     """Engine prefill: any number of new tokens per sequence (``cu_seqlens_q``), sequence b
     continuing from state slot ``slots[b]``; updates ``state`` in place, returns o [T, H, Dv] fp32,
-    bitwise equal to the trainer rows of the same positions."""
+    bitwise equal to the trainer rows of the same positions. ``host``: the same layout on the host
+    (``HostPlan``), which spares the readbacks."""
     with torch.no_grad():
         if want_triton(v):
-            return cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
-        return cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk)
+            return cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk, host=host)
+        return cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk=chunk, host=host)
 
 
 def gdn_cpr4_decode(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:

@@ -37,6 +37,7 @@ from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, lau
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
 from .cpr_row_decode import append_token, check_value_dtype, cpr4_decode_rows_triton
 from .._triton_util import int32_segments
+from .plan import HostPlan, _virtual_rows, engine_layout
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
 
@@ -97,11 +98,14 @@ def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
     return o, f.states, fin, f.vn, f.T
 
 
-def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward) -> torch.Tensor:
+def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward,
+                host: HostPlan | None = None) -> torch.Tensor:
     """The engine prefill of version 4 on a chunk-form ``forward`` (``_forward_triton`` or the
     reference's): sequence b's new rows continue slot ``slots[b]`` (module docstring); updates
     ``state`` (boundary, the open chunk's buffers and rows of Vn and T, fill) and returns o [T, H, Dv] fp32
-    for the new rows. Host-side planning: the prefill path, not the captured decode."""
+    for the new rows. Host-side planning: the prefill path, not the captured decode. ``host``: the
+    layout as the engine knows it (``plan.HostPlan``); without it the layout is read back from the
+    device. Either way a fixed number of tensor operations, whatever the number of sequences."""
     if state.buf_q is None:
         raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
     if state.buf_T is None or state.buf_vn is None:
@@ -110,37 +114,23 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     C = chunk
     H, Dv = v.shape[1], v.shape[2]
     dev = v.device
-    cu = cu_seqlens_q.tolist()
-    sl = [int(s) for s in slots.tolist()]
-    fills = [int(f) for f in state.fill[slots.long()].tolist()]
+    new_starts, new_lens, sl, fills = engine_layout(host, cu_seqlens_q, slots, state, C, q.shape[0],
+                                                    "gdn_cpr4_engine")
     # pieces in the inputs' layout (q and k on their Hk heads, q, k and v in their dtypes: the kernels
     # read them so, as the trainer's do); the buffered rows go back to it exactly (the buffers hold
     # the values of those dtypes in fp32, or v's in its own, the key heads repeated to the value heads)
     rep = H // k.shape[1]
     dtypes = (q.dtype, k.dtype, v.dtype, torch.float32, torch.float32)
-    if not any(fills):
+    news = (q, k, v, g, beta)
+    fresh = not any(fills)
+    if fresh:
         # every slot fresh (a new prompt's prefill): the pieces are the new rows as they are, and so
         # is the output (no copies)
-        pq, pk, pv, pg, pb = (x.to(dt) for x, dt in zip((q, k, v, g, beta), dtypes))
-        starts = cu[:-1]
-        lens = [e - a for a, e in zip(cu[:-1], cu[1:])]
-        new_rows = None
+        starts, lens, gather = new_starts, new_lens, []
     else:
-        pieces = ([], [], [], [], [])
-        starts, lens, new_rows = [], [], []
-        row = 0
-        for b, s in enumerate(sl):
-            a, e, f = cu[b], cu[b + 1], fills[b]
-            for dst, buf, new, dt in zip(pieces, (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v,
-                                                  state.buf_g, state.buf_beta), (q, k, v, g, beta), dtypes):
-                if f:
-                    dst.append(buf[s, :f].to(dt))
-                dst.append(new[a:e].to(dt))
-            starts.append(row)
-            lens.append(f + e - a)
-            new_rows.append((row + f, e - a))
-            row += f + e - a
-        pq, pk, pv, pg, pb = (torch.cat(x) for x in pieces)
+        # piece b = slot b's buffered rows, then sequence b's new rows (plan._virtual_rows)
+        starts, lens, new_dst, _, pre_dst, pre_slot, pre_pos = _virtual_rows(state, sl, fills, new_starts, new_lens, C)
+        gather = [new_dst, pre_dst, pre_slot, pre_pos]
     # what each slot keeps, planned on the host and written by one indexing operation per buffer:
     # the boundary (the final state where the piece ends on a chunk boundary, else the state entering
     # its last, open chunk), the open chunk's last L % C rows and their rows of Vn and T, the fill
@@ -163,8 +153,21 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             dst_s += [s] * r
             dst_p += range(r)
             ch += [first - 1] * r
-    (sl_t, fill_t, fin_b_t, fin_s_t, st_i_t, st_s_t, src_t, dst_s_t, dst_p_t, ch_t) = int32_segments(
-        [sl, [L % C for L in lens], fin_b, fin_s, st_i, st_s, src, dst_s, dst_p, ch], dev)
+    segs = int32_segments([sl, [L % C for L in lens], fin_b, fin_s, st_i, st_s, src, dst_s, dst_p, ch] + gather, dev)
+    (sl_t, fill_t, fin_b_t, fin_s_t, st_i_t, st_s_t, src_t, dst_s_t, dst_p_t, ch_t) = segs[:10]
+    if fresh:
+        pq, pk, pv, pg, pb = (x.to(dt) for x, dt in zip(news, dtypes))
+    else:
+        nd, pd, ps, pp = segs[10:]
+        rows = sum(lens)
+        bufs = (state.buf_q[:, :, ::rep], state.buf_k[:, :, ::rep], state.buf_v, state.buf_g, state.buf_beta)
+        pieces = []
+        for buf, new, dt in zip(bufs, news, dtypes):
+            piece = torch.empty((rows,) + tuple(new.shape[1:]), dtype=dt, device=dev)
+            piece[nd] = new.to(dt)
+            piece[pd] = buf[ps, pp].to(dt)
+            pieces.append(piece)
+        pq, pk, pv, pg, pb = pieces
     init = state.boundary[sl_t]
     o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
     if fin_b:
@@ -184,14 +187,13 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             state.buf_vn_op[dst_s_t, dst_p_t] = vn_rows.to(state.buf_vn_op.dtype)
         state.buf_T[dst_s_t, dst_p_t] = tm[ch_t, :, dst_p_t]
     state.fill[sl_t] = fill_t.to(state.fill.dtype)
-    if new_rows is None:
-        return o_all
-    return torch.cat([o_all[a:a + n] for a, n in new_rows]) if new_rows else o_all[:0]
+    return o_all if fresh else o_all[nd]
 
 
-def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+def cpr4_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                       host: HostPlan | None = None) -> torch.Tensor:
     """Engine prefill on the native WY kernels (``engine_step``)."""
-    return engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_triton)
+    return engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_triton, host)
 
 
 ROW_DECODE_DOTS = ("bf16",)

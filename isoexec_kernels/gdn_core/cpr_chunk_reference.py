@@ -101,9 +101,11 @@ def cpr4_varlen_reference(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) -
                               None, chunk)[0]
 
 
-def cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
-    """Engine prefill (``cpr_chunk.engine_step`` on this twin's forward)."""
-    return cpr_chunk.engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_reference)
+def cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                          host=None) -> torch.Tensor:
+    """Engine prefill (``cpr_chunk.engine_step`` on this twin's forward; ``host``: its
+    ``plan.HostPlan``)."""
+    return cpr_chunk.engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_reference, host)
 
 
 def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:

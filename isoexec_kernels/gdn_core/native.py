@@ -37,7 +37,7 @@ import torch
 
 from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
-from .plan import _check, _host_lens, chunk_plan
+from .plan import HostPlan, _check, _host_lens, chunk_plan, engine_layout
 from .native_wy import WY_CHUNKS, wy_chunk_triton
 from .state import CHUNK, GDNState
 from .triton_kernels import _i32, _rows3, launch_prep, launch_recurrent, launch_state, tile_constants, triton_cdiv
@@ -216,14 +216,14 @@ def gdn_recurrent_varlen(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK) ->
     return _trainer(q, k, v, g, beta, cu_seqlens, chunk, "recurrent")
 
 
-def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind, triton=None):
+def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind, triton=None, host=None):
     """Engine prefill of either composition; ``triton`` (default: ``want_triton(v)``) picks the
-    Triton kernels (True also for CPU tensors under the interpreter, as the tests run them)."""
+    Triton kernels (True also for CPU tensors under the interpreter, as the tests run them);
+    ``host``: the layout on the host (``plan.HostPlan``; else read back from the device)."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, f"gdn_{kind}_engine")
     dev = v.device
-    starts, lens = _host_lens(cu_seqlens_q)
-    slots_l = [int(s) for s in slots.tolist()]
-    slots_t = torch.tensor(slots_l, dtype=torch.long, device=dev)
+    starts, lens, slots_l, _ = engine_layout(host, cu_seqlens_q, slots, None, chunk, T, f"gdn_{kind}_engine")
+    slots_t = slots.to(device=dev, dtype=torch.long)
     with torch.no_grad():
         if want_triton(v) if triton is None else triton:
             fin_idx = [s if n > 0 else -1 for s, n in zip(slots_l, lens)]
@@ -241,15 +241,19 @@ def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind,
         return o.float()
 
 
-def gdn_chunk_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK):
+def gdn_chunk_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                     host: HostPlan | None = None):
     """Engine prefill, native chunk algorithm from ``state.running[slots[b]]`` (chunks start at
-    the piece's first token); writes the final state back to ``state.running``."""
-    return _engine(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, "chunk")
+    the piece's first token); writes the final state back to ``state.running``. ``host``: the
+    layout on the host (``HostPlan``), which spares the readbacks."""
+    return _engine(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, "chunk", host=host)
 
 
-def gdn_recurrent_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK):
-    """Engine prefill by the per-token recurrence from ``state.running[slots[b]]``."""
-    return _engine(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, "recurrent")
+def gdn_recurrent_engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *, chunk: int = CHUNK,
+                         host: HostPlan | None = None):
+    """Engine prefill by the per-token recurrence from ``state.running[slots[b]]`` (``host`` as
+    :func:`gdn_chunk_engine`'s)."""
+    return _engine(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, "recurrent", host=host)
 
 
 def gdn_recurrent_decode(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:

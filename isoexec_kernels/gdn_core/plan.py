@@ -2,9 +2,64 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .state import GDNState
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """An engine prefill's layout as the host already knows it (the scheduler's numbers), so that
+    an impl plans its launches without reading ``cu_seqlens_q``, the slots or the slots' fill counts
+    back from the device: each readback is a host sync, which empties the launch queue once per
+    layer (on the H200 at 3671620 the native prefill of 5 x 2048 tokens took 1.50 ms of wall time for
+    0.95 ms of device time with its readbacks, 1.23 ms with the plan on the host).
+
+    cu_seqlens_q  cumulative new-token counts, B + 1 entries (the device tensor's values)
+    slots         each sequence's state slot (the device ``slots``' values)
+    processed     tokens each slot's state already holds (the position of the sequence's first new
+                  token); the open chunk holds ``processed % chunk`` of them (``fills``)
+    """
+
+    cu_seqlens_q: tuple[int, ...]
+    slots: tuple[int, ...]
+    processed: tuple[int, ...]
+
+    @classmethod
+    def of(cls, q_lens, slots, processed) -> "HostPlan":
+        """The plan of sequences with ``q_lens`` new tokens each, in ``slots``, after ``processed``."""
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + int(n))
+        return cls(tuple(cu), tuple(int(s) for s in slots), tuple(int(p) for p in processed))
+
+    def fills(self, chunk: int) -> list[int]:
+        return [p % chunk for p in self.processed]
+
+
+def engine_layout(host: HostPlan | None, cu_seqlens_q: torch.Tensor, slots: torch.Tensor,
+                  state: GDNState | None, chunk: int, T: int, name: str):
+    """(starts, lens, slots, fills) of an engine prefill as host lists: from ``host`` when given
+    (checked against the shapes it describes), else read back from the device (a host sync each).
+    ``fills`` is None without a ``state`` (an impl whose state keeps no open chunk)."""
+    if host is None:
+        starts, lens = _host_lens(cu_seqlens_q)
+        slots_l = [int(s) for s in slots.tolist()]
+        fills = None
+        if state is not None:
+            fills = [int(x) for x in state.fill.index_select(0, slots.to(state.fill.device).long()).tolist()] \
+                if slots_l else []
+        return starts, lens, slots_l, fills
+    B = slots.shape[0]
+    if not (len(host.slots) == len(host.processed) == len(host.cu_seqlens_q) - 1 == B) \
+            or host.cu_seqlens_q[-1] != T:
+        raise ValueError(f"{name}: the host plan describes {len(host.slots)} sequences of "
+                         f"{host.cu_seqlens_q[-1]} new tokens, the inputs {B} sequences of {T} tokens")
+    cu = host.cu_seqlens_q
+    return (list(cu[:-1]), [b - a for a, b in zip(cu[:-1], cu[1:])], list(host.slots),
+            host.fills(chunk) if state is not None else None)
 
 
 def _check(q, k, v, g, beta, name: str) -> tuple[int, int, int, int, int]:

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .._triton_util import jit, next_pow2, tl
+from .._triton_util import jit, next_pow2, tl, upload_ints
 from .cpr_wy import wy_boundary_chain, wy_resync
-from .plan import _check, _check_state, _host_lens, _virtual_rows
+from .plan import HostPlan, _check, _check_state, _host_lens, _virtual_rows, engine_layout
 from .state import BOUNDARY, CHUNK, GDNState
 
 
@@ -286,7 +286,7 @@ def tile_constants(Dk: int, Dv: int) -> dict:
 
 
 def _i32(xs, dev) -> torch.Tensor:
-    return torch.tensor(list(xs), dtype=torch.int32, device=dev)
+    return upload_ints(xs, torch.int32, dev)
 
 
 def launch_prep(k, v, g, beta, row0, nrow, H, rep, chunk, prec="ieee", t_out=None, inv_bs=0):
@@ -418,17 +418,17 @@ def gdn_cpr_varlen_triton(q, k, v, g, beta, cu_seqlens, *, chunk: int = CHUNK,
 
 
 def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, *,
-                          chunk: int = CHUNK, choice: CPRKernelChoice = PINNED) -> torch.Tensor:
-    """Engine prefill by the Triton kernels; updates ``state`` in place. One host sync (the
-    slots' fill counts and the sequence lengths plan the launch)."""
+                          chunk: int = CHUNK, choice: CPRKernelChoice = PINNED,
+                          host: HostPlan | None = None) -> torch.Tensor:
+    """Engine prefill by the Triton kernels; updates ``state`` in place. The slots' fill counts and
+    the sequence lengths plan the launch: from ``host`` (``plan.HostPlan``) when given, else read
+    back from the device (host syncs)."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, "gdn_cpr_engine_triton")
     _check_state(state, H, Dk, Dv, chunk, "gdn_cpr_engine_triton")
     rep = H // Hk
     dev = v.device
-    starts, lens = _host_lens(cu_seqlens_q)
-    slots_l = [int(s) for s in slots.tolist()]
-    fills = [int(x) for x in state.fill.index_select(0, slots.to(dev).long()).tolist()] if slots_l else []
-    slots_t = torch.tensor(slots_l, dtype=torch.long, device=dev)
+    starts, lens, slots_l, fills = engine_layout(host, cu_seqlens_q, slots, state, chunk, T, "gdn_cpr_engine_triton")
+    slots_t = slots.to(device=dev, dtype=torch.long)
     init = state.boundary.index_select(0, slots_t)
     if not any(fills):
         # every sequence starts on a boundary: run on the inputs as they are
@@ -439,7 +439,7 @@ def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
         vstarts, vlens, new_dst, new_src, pre_dst, pre_slot, pre_pos = _virtual_rows(
             state, slots_l, fills, starts, lens, chunk)
         Tv = sum(vlens)
-        ix = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+        ix = lambda xs: upload_ints(xs, torch.long, dev)  # noqa: E731
         nd, ns, pd, ps, pp = ix(new_dst), ix(new_src), ix(pre_dst), ix(pre_slot), ix(pre_pos)
         f32 = dict(dtype=torch.float32, device=dev)
         qv_ = torch.zeros(Tv, Hk, Dk, **f32)
@@ -460,7 +460,7 @@ def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
     # state write-back (buffers hold the trailing partial chunk, k expanded per value head)
     keep = [b for b, L in enumerate(vlens) if L > 0]
     if keep:
-        kb = torch.tensor(keep, dtype=torch.long, device=dev)
+        kb = upload_ints(keep, torch.long, dev)
         sl = slots_t.index_select(0, kb)
         state.boundary.index_copy_(0, sl, boundary.index_select(0, kb))
         state.running.index_copy_(0, sl, running.index_select(0, kb))
@@ -472,13 +472,13 @@ def gdn_cpr_engine_triton(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
             b_pos += range(r)
             b_row += range(a, a + r)
         if b_row:
-            ix = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev)  # noqa: E731
+            ix = lambda xs: upload_ints(xs, torch.long, dev)  # noqa: E731
             bs, bp, br = ix(b_slot), ix(b_pos), ix(b_row)
             state.buf_k[bs, bp] = kv_[br].float().repeat_interleave(rep, dim=1)
             state.buf_v[bs, bp] = vv_[br].float()
             state.buf_g[bs, bp] = gv_[br].float()
             state.buf_beta[bs, bp] = bv_[br].float()
-        state.fill.index_copy_(0, sl, torch.tensor(rem, dtype=torch.int32, device=dev))
+        state.fill.index_copy_(0, sl, upload_ints(rem, torch.int32, dev))
     if new_dst is None:
         return o_v
     out = torch.empty(T, H, Dv, dtype=torch.float32, device=dev)

@@ -32,8 +32,8 @@ def test_the_isoexec_contract_on_the_chunk_form_core_gives_the_engine_its_state_
     c = _cpr4_contract()
     assert contract_gdn_chunk_form(c)
     assert not contract_gdn_chunk_form(build_contract("hybrid", "isoexec_tp4", "cpu", "hybrid_tiny"))
-    assert not contract_gdn_chunk_form(build_contract("hybrid_moe", "isoexec", "cpu", "hybrid_moe_tiny")), \
-        "hybrid_moe stays on version 3 until its GPU gates run on version 4"
+    assert contract_gdn_chunk_form(build_contract("hybrid_moe", "isoexec", "cpu", "hybrid_moe_tiny")), \
+        "both GDN families on version 4"
     m = build_model("hybrid", CFG, dtype=torch.float32).init_random(0)
     m.install(c)
     gdn, _ = m.allocate_recurrent_state(3)

@@ -19,6 +19,7 @@ import torch
 from gdn_inputs import make_inputs
 from isoexec_kernels import gdn_core as G
 from isoexec_kernels.gdn_core import native as N
+from isoexec_kernels.gdn_core.plan import HostPlan
 
 SMALL = dict(Hk=2, H=4, Dk=16, Dv=16, C=16)
 
@@ -35,24 +36,27 @@ def take(x, rows):
     return x[torch.as_tensor(rows, dtype=torch.long, device=x.device)]
 
 
-def run_engine(inputs, lens, plan, slots, state, engine, decode, chunk):
+def run_engine(inputs, lens, plan, slots, state, engine, decode, chunk, host: bool = False):
     """Drive the engine over ``plan``: a list of calls, each ("prefill", {b: n}) or
-    ("decode", [b, ...]); returns o [T, H, Dv] assembled from the calls' rows."""
+    ("decode", [b, ...]); returns o [T, H, Dv] assembled from the calls' rows. ``host``: give each
+    prefill its layout on the host (``HostPlan``, as the engine's batches do)."""
     q, k, v, g, beta, cu = inputs
     out = torch.full((q.shape[0], v.shape[1], v.shape[2]), float("nan"), device=v.device)
     pos = [0] * len(lens)
     for kind, arg in plan:
         if kind == "prefill":
-            rows, cus, sl = [], [0], []
+            rows, cus, sl, done = [], [0], [], []
             for b, n in arg.items():
                 s = int(cu[b]) + pos[b]
                 rows += range(s, s + n)
                 cus.append(cus[-1] + n)
                 sl.append(slots[b])
+                done.append(pos[b])
                 pos[b] += n
+            kw = dict(host=HostPlan.of(list(arg.values()), sl, done)) if host else {}
             o = engine(*(take(x, rows) for x in (q, k, v, g, beta)),
                        torch.tensor(cus, dtype=torch.int32, device=v.device),
-                       torch.tensor(sl, device=v.device), state, chunk=chunk)
+                       torch.tensor(sl, device=v.device), state, chunk=chunk, **kw)
         else:
             rows = [int(cu[b]) + pos[b] for b in arg]
             for b in arg:
@@ -407,6 +411,48 @@ def test_native_engine_and_decode_match_recurrence(kb):
         st = G.GDNState.allocate(3, p["H"], p["Dk"], p["Dv"], "cpu", chunk=p["C"])
         o = run_engine(inp, lens, plan, [2, 0], st, eng, N.gdn_recurrent_decode, p["C"])
         assert kb.rel_l2(o, want) < 1e-5, eng.__name__
+
+
+def _engines_with_state():
+    from isoexec_kernels.gdn_core import cpr_chunk_reference as R4
+
+    return [("native chunk", N.gdn_chunk_engine, N.gdn_recurrent_decode, {}),
+            ("native recurrent", N.gdn_recurrent_engine, N.gdn_recurrent_decode, {}),
+            ("cpr v3", G.gdn_cpr_engine, G.gdn_cpr_decode, {}),
+            ("cpr v4", R4.cpr4_engine_reference, R4.cpr4_decode_reference, {"with_q": True})]
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_engine_prefill_with_the_host_plan_gives_the_readback_bits_and_state(kb, which):
+    # the engine's batches give each prefill its layout on the host (HostPlan: no readbacks); the
+    # outputs and every field of the state must be those of the call that reads the layout back
+    name, engine, decode, alloc = _engines_with_state()[which]
+    p = SMALL
+    lens = [40, 23, 9]
+    inp = make_inputs(lens, p["Hk"], p["H"], p["Dk"], p["Dv"], seed=23, v_dtype=torch.bfloat16)
+    plan = random_plan(lens, 5)
+    assert sum(k == "prefill" for k, _ in plan) >= 2, "the plan must prefill onto an open chunk"
+    runs = []
+    for host in (False, True):
+        st = G.GDNState.allocate(5, p["H"], p["Dk"], p["Dv"], "cpu", chunk=p["C"], value_dtype=torch.bfloat16,
+                                 **alloc)
+        runs.append((run_engine(inp, lens, plan, [3, 0, 4], st, engine, decode, p["C"], host=host), st))
+    (o0, s0), (o1, s1) = runs
+    kb.assert_bitwise(o1, o0, f"{name}: outputs with the host plan")
+    assert torch.equal(s1.fill, s0.fill), f"{name}: state.fill with the host plan"
+    for f in ("boundary", "running", "buf_k", "buf_v", "buf_g", "buf_beta", "buf_q", "buf_vn", "buf_T"):
+        if getattr(s0, f) is not None:
+            kb.assert_bitwise(getattr(s1, f), getattr(s0, f), f"{name}: state.{f} with the host plan")
+
+
+def test_a_host_plan_that_does_not_describe_the_inputs_is_refused():
+    p = SMALL
+    inp = make_inputs([7, 5], p["Hk"], p["H"], p["Dk"], p["Dv"], seed=3)
+    st = G.GDNState.allocate(3, p["H"], p["Dk"], p["Dv"], "cpu", chunk=p["C"])
+    wrong = HostPlan.of([7, 4], [0, 1], [0, 0])
+    with pytest.raises(ValueError, match="host plan describes 2 sequences of 11 new tokens, the inputs 2 "
+                                         "sequences of 12"):
+        N.gdn_chunk_engine(*inp[:5], inp[5], torch.tensor([0, 1]), st, chunk=p["C"], host=wrong)
 
 
 def test_native_trainer_backward_matches_recurrence(kb):
