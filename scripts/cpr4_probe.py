@@ -241,12 +241,12 @@ def prefill_profile(dims, dev) -> dict:
     st = _state(b, dims, dev)
     st_nat = _state(b, dims, dev, q=False)
     # the layout on the host as the engine's batches give it (fresh slots: every open chunk empty)
-    host = HostPlan.of([L] * b, range(b), [0] * b)
+    plan_h = HostPlan.of([L] * b, range(b), [0] * b)
     runs = {"trainer_fwd": lambda: C4.cpr4_varlen_triton(*xs, cu, chunk=C),
             "prefill": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C),
-            "prefill_host_plan": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C, host=host),
+            "prefill_host_plan": lambda: C4.cpr4_engine_triton(*xs, cu, slots, st, chunk=C, host=plan_h),
             "native_prefill": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C),
-            "native_prefill_host_plan": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C, host=host)}
+            "native_prefill_host_plan": lambda: nat.gdn_chunk_engine(*xs, cu, slots, st_nat, chunk=C, host=plan_h)}
     out = {}
     for name, fn in runs.items():
         fn()
