@@ -1,6 +1,5 @@
 """CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``, bound by the IsoExec
-composition for the hybrid family; hybrid_moe and the tensor-parallel compositions still pin ``gdn_cpr``
-version 3).
+composition for both GDN families; the tensor-parallel compositions still pin ``gdn_cpr`` version 3).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)
