@@ -132,12 +132,12 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
     assert x.dtype == torch.float64
     xc = x.clamp(-800.0, 800.0)
     n = torch.round(xc * _INV_LN2)
-    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    r = (xc - n * _LN2_HI).sub_(n * _LN2_LO)
     p = torch.full_like(r, _EXP_COEF[-1])
-    for c in reversed(_EXP_COEF[:-1]):
-        p = p * r + c
+    for c in reversed(_EXP_COEF[:-1]):   # Horner, in place (the same roundings as p * r + c)
+        p.mul_(r).add_(c)
     n1 = torch.div(n, 2, rounding_mode="floor")
-    out = (p * _pow2_int(n1)) * _pow2_int(n - n1)
+    out = p.mul_(_pow2_int(n1)).mul_(_pow2_int(n - n1))
     return torch.where(torch.isnan(x), x, out)
 
 

@@ -182,10 +182,11 @@ def upload_ints(xs, dtype: torch.dtype, device) -> torch.Tensor:
 
 def int32_segments(segments, device) -> list[torch.Tensor]:
     """The int lists ``segments`` as int32 tensors on ``device``, made by one asynchronous
-    host-to-device copy, each view starting on a 16-byte boundary. Triton specialises a pointer argument on 16-byte
-    alignment: views packed back to back start at offsets that move with the lists' lengths, so a
-    launch compiled a new kernel variant whenever a length crossed a multiple of 4 (the GDN state
-    kernel recompiled in the middle of RL runs). Each segment is padded to whole 16-byte groups."""
+    host-to-device copy (``upload``), each view starting on a 16-byte boundary. Triton specialises a
+    pointer argument on 16-byte alignment: views packed back to back start at offsets that move with
+    the lists' lengths, so a launch compiled a new kernel variant whenever a length crossed a multiple
+    of 4 (the GDN state kernel recompiled in the middle of RL runs). Each segment is padded to whole
+    16-byte groups."""
     flat, lengths = [], []
     for seg in segments:
         seg = [int(x) for x in seg]

@@ -14,8 +14,8 @@ Baselines (``isoexec_kernels/gdn_core/native.py``):
   recurrent_everywhere  the per-token recurrence for every stage
 Ours: CPR version 4 (``CPR_IMPL``: ``gdn_cpr_chunk``, ``gdn_cpr4_varlen`` / ``gdn_cpr4_engine`` /
 ``gdn_cpr4_decode``; its engine state keeps the open chunk's values in their bf16, as the hybrid model
-allocates it), the version the IsoExec composition binds for both GDN families (``gdn_cpr``
-version 3 stays in the tensor-parallel compositions); the table names the impl it timed.
+allocates it), the version the IsoExec compositions bind for both GDN families (version 3 is
+``gdn_cpr``); the table names the impl it timed.
 
 Only the core is timed (inputs q, k fp32 L2-normalised, v bf16 on CUDA / fp32 on CPU, g, beta
 fp32; projections, conv and norms are the same for every variant and left out). Decode runs

@@ -139,8 +139,8 @@ class DenseModel(nn.Module):
         cfg = self.cfg
         return {"o_proj": (cfg.q_size, cfg.num_heads), "down_proj": (cfg.intermediate_size, None)}
 
-    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
-        """{op: (impl, arch or None for any)}: the kernels whose schedule the tensor-parallel
+    def tp_impls(self) -> dict[str, tuple[str | tuple[str, ...], str | None]]:
+        """{op: (impl or impls, arch or None for any)}: the kernels whose schedule the tensor-parallel
         layers reproduce (a linear's columns, the vocabulary-parallel logprob)."""
         want: dict[str, tuple[str, str | None]] = {o: ("gemm_fixed_k", None) for o in self.linear_k()}
         want["logprob"] = ("logprob_fixed", "cpu")
@@ -203,11 +203,12 @@ class DenseModel(nn.Module):
                                f"{leafs}, not their heads' {mine}: each rank's heads must span whole K leaves")
         out += self.tp_vocab_problems(tp)
         for o, (impl, arch) in self.tp_impls().items():
+            allowed = (impl,) if isinstance(impl, str) else tuple(impl)
             for got_impl, got_arch in sorted(impls.get(o, ())):
-                if got_impl != impl or (arch is not None and got_arch != arch):
-                    out.append(f"region of {o} runs {got_impl} ({got_arch}); at tp > 1 it must be {impl}"
-                               + (f" on {arch}" if arch else "") + ", the schedule the tensor-parallel layers "
-                               "reproduce")
+                if got_impl not in allowed or (arch is not None and got_arch != arch):
+                    out.append(f"region of {o} runs {got_impl} ({got_arch}); at tp > 1 it must be "
+                               f"{' or '.join(allowed)}" + (f" on {arch}" if arch else "")
+                               + ", the schedule the tensor-parallel layers reproduce")
         return out
 
     def ops(self) -> tuple[str, ...]:

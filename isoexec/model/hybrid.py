@@ -120,12 +120,12 @@ class HybridModel(DenseModel):
         cfg = self.cfg
         return {**super().tp_row_parallel(), "gdn_out_proj": (cfg.value_dim, cfg.linear_num_value_heads)}
 
-    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+    def tp_impls(self) -> dict[str, tuple[str | tuple[str, ...], str | None]]:
         """The linear and logprob kernels of the dense model, and the Gated DeltaNet regions whose
         per-head (per-channel) schedule the tensor-parallel layers rely on (tp_hybrid.py says why
-        each holds): the short conv, the prep, the CPR core and the gated norm."""
+        each holds): the short conv, the prep, the CPR core (version 4 or 3) and the gated norm."""
         return {**super().tp_impls(), "gdn_conv": ("conv_fixed_taps", None), "gdn_prep": ("gdn_prep_fp32", None),
-                "gdn_core": ("gdn_cpr", None), "gdn_out_norm": ("gated_rmsnorm_fixed", None)}
+                "gdn_core": (("gdn_cpr_chunk", "gdn_cpr"), None), "gdn_out_norm": ("gated_rmsnorm_fixed", None)}
 
     # ------------------------------------------------------------------------------ init
     @torch.no_grad()

@@ -80,7 +80,7 @@ class HybridMoeModel(HybridModel):
         """o_proj and the Gated DeltaNet out_proj (no dense MLP, so no down_proj)."""
         return {o: v for o, v in super().tp_row_parallel().items() if o != "down_proj"}
 
-    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+    def tp_impls(self) -> dict[str, tuple[str | tuple[str, ...], str | None]]:
         """The hybrid model's kernels and the MoE regions (mla_moe.moe_tp_impls)."""
         return {**super().tp_impls(), **moe_tp_impls()}
 

@@ -164,7 +164,7 @@ class MlaMoeModel(DenseModel):
         cfg = self.cfg
         return {"o_proj": (cfg.num_heads * cfg.v_head_dim, cfg.num_heads), "down_proj": (cfg.intermediate_size, None)}
 
-    def tp_impls(self) -> dict[str, tuple[str, str | None]]:
+    def tp_impls(self) -> dict[str, tuple[str | tuple[str, ...], str | None]]:
         """The linear and logprob kernels of the dense model, the expanded MLA attention (per head:
         each head zero-padded and run through the fixed-walk attention alone) and the MoE regions."""
         return {**super().tp_impls(), "attn_core": ("mla_expanded_walk", None), **moe_tp_impls()}

@@ -32,12 +32,14 @@ group of value heads stays on one rank, and the rank's value head j reads its ke
     on which other channels share the call;
   * ``gdn_prep_fp32`` (q/k L2 norm per head row of Dk, g and beta per element) and
     ``gated_rmsnorm_fixed`` (one row of Dv per token and value head) work per row or element;
-  * ``gdn_cpr``, the core: its lanes are (sequence, value head) pairs; key heads are repeated to
-    value heads (``repeat_interleave``) and every product, halves-tree sum over Dk or over a chunk's
-    C tokens, forward substitution and float64-rounded exp stays inside a lane (the reference twin
-    never mixes rows; its row grouping only bounds a temporary). The engine's state (boundary and
-    running states, the open chunk's buffers) is per slot and head, so a rank's ``GDNState`` holds
-    its own value heads and advances them as one process advances those heads;
+  * the core, ``gdn_cpr_chunk`` (CPR version 4) or ``gdn_cpr`` (version 3): its lanes are (chunk or
+    sequence, value head) pairs; key heads are repeated to value heads and every product, halves-tree
+    sum over Dk or over a chunk's C tokens, forward substitution and float64-rounded exp stays inside a
+    lane (the reference twins never mix rows; their row grouping only bounds a temporary), and each
+    Triton program works on one value head (of one chunk or lane, and a Dv tile) with tiles pinned by
+    (Dk, Dv) alone, never by the head count. The engine's state (boundary and running states, the
+    open chunk's buffers and, for version 4, its rows of Vn and T) is per slot and head, so a rank's
+    ``GDNState`` holds its own value heads and advances them as one process advances those heads;
   * out_proj row-parallel as o_proj (the contract's ``K_LEAVES``, or the stock all-reduce): its K
     columns are the value heads, which ``tp_problems`` checks fall on whole K leaves;
   * ``A_log`` and ``dt_bias`` cut by value head; the output norm's weight (one per channel of a

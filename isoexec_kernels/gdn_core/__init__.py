@@ -9,9 +9,9 @@ on CUDA, and its torch reference twin), ``native.py`` (the stock twin) and ``nat
 chunk forward on CUDA in the WY form of stock kernels, and that forward's torch twin);
 ``cpr_chunk.py`` (with ``cpr_row_decode.py`` and the twin ``cpr_chunk_reference.py``, behind
 ``cpr4_api.py``) is CPR version 4, impl ``gdn_cpr_chunk``: every output from the chunk form on those
-kernels (docs/cpr.md), which the IsoExec composition binds for the hybrid and hybrid_moe families since
-their gates and DAPO runs on the H200 (``e99f7c8``-``b751fd1``, ``22395ec``); the tensor-parallel
-compositions still pin ``gdn_cpr`` version 3.
+kernels (docs/cpr.md), which the IsoExec compositions bind for the hybrid and hybrid_moe families since
+their gates and DAPO runs on the H200 (``e99f7c8``-``b751fd1``, ``22395ec``); version 3 (``gdn_cpr``)
+stays registered and accepted.
 """
 
 from ..impl import Constant, Impl, per_case

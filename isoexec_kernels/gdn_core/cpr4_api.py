@@ -1,5 +1,5 @@
 """CPR version 4 behind one public function per case (impl ``gdn_cpr_chunk``, bound by the IsoExec
-composition for both GDN families; the tensor-parallel compositions still pin ``gdn_cpr`` version 3).
+compositions, the tensor-parallel ones included, for both GDN families; version 3 is ``gdn_cpr``).
 
 Public API (the signatures of ``api.py``'s version 3)
   ``gdn_cpr4_varlen(q, k, v, g, beta, cu_seqlens, *, chunk)``               trainer (autograd)

@@ -62,8 +62,11 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     incl = t[None, :] <= t[:, None]
     zero = torch.zeros((), dtype=torch.float32, device=dev)
     dG = G[:, :, None] - G[:, None, :]
+    # exp(G_i - G_j) for j <= i, exp(0) = 1 elsewhere: A's strict mask and M's inclusive one take the
+    # same values (on the diagonal G_i - G_i is +0 either way), so one exp serves both
+    eG = _exp(torch.where(incl, dG, zero))
     Kr = r(K)
-    A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * _exp(torch.where(strict, dG, zero)), zero)
+    A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * eG, zero)
     T_raw = blocked_inverse_reference(A)
     Tm = r(T_raw)
     W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
@@ -85,7 +88,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
             S = _mm(Kr[lanes].transpose(1, 2), r(Vd)) + S * _exp(gl)[:, None, None]
         fin[b] = S
     Sr = r(states).view(P * H, Dk, Dv)
-    M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * _exp(torch.where(incl, dG, zero)), zero)
+    M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * eG, zero)
     out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]

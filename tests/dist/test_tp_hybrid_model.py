@@ -220,7 +220,7 @@ def test_hybrid_refuses_out_proj_leaves_off_the_value_head_boundaries():
 
 def test_hybrid_refuses_a_gdn_core_whose_heads_were_not_read_per_head(tmp_path):
     text = resolve_config("compositions", "isoexec_tp4").read_text()
-    old = "{region: [gdn_core], impl: gdn_cpr,"
+    old = "{region: [gdn_core], impl: gdn_cpr_chunk,"
     assert old in text
     p = tmp_path / "tp4_chunk_native.yaml"
     p.write_text(text.replace(old, "{region: [gdn_core], impl: gdn_chunk_native,"))
@@ -228,7 +228,7 @@ def test_hybrid_refuses_a_gdn_core_whose_heads_were_not_read_per_head(tmp_path):
     model, _ = hw.model_and_contract(torch.float32)
     model.install(contract)   # one process: any core
     with pytest.raises(TopologyRefused, match="region of gdn_core runs gdn_chunk_native \\(cpu\\); at tp > 1 it "
-                                              "must be gdn_cpr"):
+                                              "must be gdn_cpr_chunk or gdn_cpr, the schedule"):
         model.install(contract, RuntimeFacts("cpu", tp=2))
 
 

@@ -31,7 +31,7 @@ def _cpr4_contract(arch: str = "cpu"):
 def test_the_isoexec_contract_on_the_chunk_form_core_gives_the_engine_its_state_and_the_trainers_bits():
     c = _cpr4_contract()
     assert contract_gdn_chunk_form(c)
-    assert not contract_gdn_chunk_form(build_contract("hybrid", "isoexec_tp4", "cpu", "hybrid_tiny"))
+    assert contract_gdn_chunk_form(build_contract("hybrid", "isoexec_tp4", "cpu", "hybrid_tiny"))
     assert contract_gdn_chunk_form(build_contract("hybrid_moe", "isoexec", "cpu", "hybrid_moe_tiny")), \
         "both GDN families on version 4"
     m = build_model("hybrid", CFG, dtype=torch.float32).init_random(0)
