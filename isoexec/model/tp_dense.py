@@ -95,8 +95,7 @@ VOCAB_PARALLEL_LOGPROB = "logprob_fixed"
 #: exchange runs the invariant ones only (ep_moe.EP_REGION_IMPLS).
 STOCK_TWINS = {"gemm_fixed_k": "torch_linear", "logprob_fixed": "torch_log_softmax",
                "conv_fixed_taps": "torch_conv1d", "gdn_prep_fp32": "torch_gdn_prep",
-               "gdn_cpr_chunk": "gdn_chunk_native", "gdn_cpr": "gdn_chunk_native",
-               "gated_rmsnorm_fixed": "torch_gated_rmsnorm"}
+               "gdn_cpr_chunk": "gdn_chunk_native", "gated_rmsnorm_fixed": "torch_gated_rmsnorm"}
 
 
 def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str]:
@@ -122,7 +121,7 @@ def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str
                 runs.setdefault(o, set()).add((e.impl.id, e.impl.arch))
     for o, (impl, arch) in model.tp_impls().items():
         allowed = (impl,) if isinstance(impl, str) else tuple(impl)
-        twin = STOCK_TWINS.get(allowed[0])
+        twin = STOCK_TWINS.get(allowed[0])   # keyed by the first (preferred) impl of each op
         for got, got_arch in sorted(runs.get(o, ())):
             if got == twin or (got in allowed and arch in (None, got_arch)):
                 continue
