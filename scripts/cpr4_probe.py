@@ -56,14 +56,10 @@ def _row_decode(**kw):
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
 VARIANTS = {   # name: (decode, the state's value dtype)
-    "rows_late": (_row_decode(early=False), torch.bfloat16),     # loads in use order, row t of Vn via memory
-    "rows_w1": (_row_decode(row_warps=1), torch.bfloat16),       # the row kernel on 1 warp
-    "rows_w4": (_row_decode(row_warps=4), torch.bfloat16),       # on 4 warps
+    "rows_two_dots": (_row_decode(stack=False), torch.bfloat16),     # W_t S and q_t S as two dots
     "rows_bv128_w4": (_row_decode(row_bv=128, row_warps=4), torch.bfloat16),   # one program per head and lane
-    "rows_bv128_w8": (_row_decode(row_bv=128, row_warps=8), torch.bfloat16),
-    "rows_bv32_w1": (_row_decode(row_bv=32, row_warps=1), torch.bfloat16),
-    "rows_wm_unroll": (_row_decode(wm_unroll=True), torch.bfloat16),   # the W/M part's Dk blocks unrolled
-    "rows_wm_unroll_w2": (_row_decode(wm_unroll=True, wm_warps=2), torch.bfloat16),
+    "rows_two_dots_bv128_w4": (_row_decode(stack=False, row_bv=128, row_warps=4), torch.bfloat16),
+    "rows_w4": (_row_decode(row_warps=4), torch.bfloat16),
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""
@@ -243,6 +239,20 @@ def decode_profile(dims, dev) -> list[dict]:
             print(f"  {us:9.1f} us/step  {len(evs):4d}x  prep part {part}", flush=True)
     except Exception as exc:  # noqa: BLE001 - the split is a convenience
         print(f"  (no split of the prep kernel: {type(exc).__name__}: {exc})", flush=True)
+    # what each compiled kernel of the decode holds per program (registers and shared memory bound
+    # how many programs an SM keeps in flight)
+    for name in ("_cpr4_append_kernel", "_cpr4_row_prep_kernel", "_cpr4_row_kernel", "_cpr4_complete_kernel"):
+        try:
+            jf = getattr(RD, name)._get()
+            for dev_cache in getattr(jf, "device_caches", {}).values():
+                for ck in dev_cache[0].values():
+                    md = ck.metadata
+                    info = {"kernel": name, "num_warps": md.num_warps, "n_regs": ck.n_regs, "n_spills": ck.n_spills,
+                            "shared": md.shared}
+                    rows.append(info)
+                    print("  compiled", json.dumps(info), flush=True)
+        except Exception as exc:  # noqa: BLE001 - introspection of triton internals is best effort
+            print(f"  (no compile info for {name}: {type(exc).__name__}: {exc})", flush=True)
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:12]:
         rows.append({"kernel": e.key[:90], "calls": e.count, "us_per_step": round(e.device_time_total / 20, 1)})
         print(f"  {rows[-1]['us_per_step']:9.1f} us/step  {e.count:4d}x  {rows[-1]['kernel']}", flush=True)

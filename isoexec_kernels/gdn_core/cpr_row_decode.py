@@ -106,7 +106,7 @@ def _cpr4_row_prep_kernel(
     q_ptr, k_ptr, g_ptr, b_ptr, gc_ptr, tc_ptr, w_ptr, m_ptr, slot_ptr, pos_ptr, H, DK,
     C: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, INV_PREC: tl.constexpr,
-    DO_T: tl.constexpr, DO_WM: tl.constexpr, WM_UNROLL: tl.constexpr,
+    DO_T: tl.constexpr, DO_WM: tl.constexpr,
 ):
     # One program per (value head h, lane b): the parts of row t that do not depend on the Dv tile,
     # in two parts that run as two launches (DO_T, then DO_WM; each on its own warps) or as one
@@ -264,32 +264,17 @@ def _cpr4_row_prep_kernel(
         coef = beta * tl.exp(G)
         wb = w_ptr + (b.to(tl.int64) * H + h) * DKP
         qk = tl.zeros((ROWS, C), dtype=tl.float32)
-        # the Dk blocks of BK columns: W_t's columns (stored) and their share of q_t k^T; unrolled
-        # (WM_UNROLL: every block's loads can be in flight at once) or as a loop (the same dots in turn)
-        if WM_UNROLL:
-            for d0 in tl.static_range(0, DKP, BK):
-                dc = d0 + tl.arange(0, BK)
-                dm = dc[None, :] < DK
-                kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
-                               other=0.0).to(tl.float32)
-                x = kraw * coef[:, None]
-                Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
-                tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=wsel & dm)
-                Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=wsel & dm,
-                            other=0.0).to(OP_DT).to(DOT_DT)
-                qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
-        else:
-            for d0 in range(0, DKP, BK):
-                dc = d0 + tl.arange(0, BK)
-                dm = dc[None, :] < DK
-                kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
-                               other=0.0).to(tl.float32)
-                x = kraw * coef[:, None]
-                Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
-                tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=wsel & dm)
-                Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=wsel & dm,
-                            other=0.0).to(OP_DT).to(DOT_DT)
-                qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
+        for d0 in range(0, DKP, BK):
+            dc = d0 + tl.arange(0, BK)
+            dm = dc[None, :] < DK
+            kraw = tl.load(k_ptr + ((r0 + rows[:, None]) * H + h) * DK + dc[None, :], mask=ok[:, None] & dm,
+                           other=0.0).to(tl.float32)
+            x = kraw * coef[:, None]
+            Wb = tl.dot(Tt, x.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)    # [ROWS, BK]
+            tl.store(wb + rr[:, None] * 0 + dc[None, :], Wb.to(tl.float32), mask=wsel & dm)
+            Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=wsel & dm,
+                        other=0.0).to(OP_DT).to(DOT_DT)
+            qk = tl.dot(Q, tl.trans(kraw.to(OP_DT).to(DOT_DT)), qk, input_precision=PREC)
         incl = wsel & ok[None, :]
         M = tl.where(incl, qk * tl.exp(tl.where(incl, Gt - G[None, :], 0.0)), 0.0)
         tl.store(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], M, mask=wsel)
@@ -301,7 +286,7 @@ def _cpr4_row_kernel(
     H, DK, DV,
     C: tl.constexpr, ROWS: tl.constexpr, DKP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, S_ONCE: tl.constexpr,
-    VN_OP_WRITE: tl.constexpr, VN_OP_READ: tl.constexpr, EARLY: tl.constexpr,
+    VN_OP_WRITE: tl.constexpr, VN_OP_READ: tl.constexpr, STACK: tl.constexpr,
 ):
     # One program per (Dv tile, value head h, lane b). The slot's buffers are token rows
     # [S * C, H, D] (slot s's open chunk: rows s * C ..), the rows of T [S * C, H, C] fp32 and of Vn
@@ -320,43 +305,34 @@ def _cpr4_row_kernel(
     ok = rows <= t
     rr = tl.arange(0, ROWS)
     sel = rr[:, None] == t % ROWS
+    # STACK: the rows of U, W and Vn at tile row t + 1 (mod ROWS), q's and the output's at row t, so
+    # that W_t S and q_t S come out of one dot with S (each row of a product is computed alone)
+    wsel = rr[:, None] == (t + STACK) % ROWS
     dk = tl.arange(0, DKP)
     dv = vt * BV + tl.arange(0, BV)
     km = dk < DK
     vm = dv < DV
-    sb = s_ptr + (s * H + h) * (DK * DV)
-    vnb = vn_ptr + (r0 * H + h) * DV
-    vqb = vnop_ptr + (r0 * H + h) * DV
-    if EARLY:
-        # every load first, the state tile (most of the bytes) at the head, so that each is in flight
-        # while the program waits for the earlier ones; the open chunk's earlier Vn rows (j < t) too,
-        # row t joining them in registers below instead of through memory and a barrier
-        S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0)
-        if VN_OP_READ:
-            Vp = tl.load(vqb + rows[:, None] * (H * DV) + dv[None, :], mask=(rows < t)[:, None] & vm[None, :],
-                         other=0.0)
-        else:
-            Vp = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=(rows < t)[:, None] & vm[None, :],
-                         other=0.0)
-        M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
     Gt = tl.load(gc_ptr + (r0 + t) * H + h)
     beta = tl.load(b_ptr + (r0 + rows) * H + h, mask=ok, other=0.0)
     # T's row t from the slot's fp32 rows (the W/U kernel rounds T to the operand dtype as it loads it)
     Tt = tl.load(t_ptr + ((r0 + t) * H + h) * C + rr[:, None] * 0 + rows[None, :],
-                 mask=sel, other=0.0).to(OP_DT).to(DOT_DT)
+                 mask=wsel, other=0.0).to(OP_DT).to(DOT_DT)
     y = tl.load(v_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=ok[:, None] & vm[None, :],
                 other=0.0).to(tl.float32) * beta[:, None]
-    Wt = tl.load(w_ptr + (b.to(tl.int64) * H + h) * DKP + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
-                 other=0.0).to(OP_DT).to(DOT_DT)
-    if S_ONCE:
-        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
-                    other=0.0).to(OP_DT).to(DOT_DT)
-    if not EARLY:
-        S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0)
-    S = S.to(OP_DT).to(DOT_DT)
     Ut = tl.dot(Tt, y.to(OP_DT).to(DOT_DT), input_precision=PREC).to(OP_DT)          # [ROWS, BV]
     # Vn_t = U_t - W_t S (the state kernel: one dot over all of Dk), kept unrounded in the slot
-    Vt = Ut.to(tl.float32) - tl.dot(Wt, S, input_precision=PREC)
+    Wt = tl.load(w_ptr + (b.to(tl.int64) * H + h) * DKP + rr[:, None] * 0 + dk[None, :], mask=wsel & km[None, :],
+                 other=0.0).to(OP_DT).to(DOT_DT)
+    sb = s_ptr + (s * H + h) * (DK * DV)
+    S = tl.load(sb + dk[:, None] * DV + dv[None, :], mask=km[:, None] & vm[None, :], other=0.0).to(OP_DT).to(DOT_DT)
+    if STACK:
+        Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
+                    other=0.0).to(OP_DT).to(DOT_DT)
+        WQS = tl.dot(tl.where(wsel, Wt, Q), S, input_precision=PREC)   # row t + 1: W_t S; row t: q_t S
+        Vt = Ut.to(tl.float32) - WQS
+        o = WQS
+    else:
+        Vt = Ut.to(tl.float32) - tl.dot(Wt, S, input_precision=PREC)
     # o_t as the output kernel: q S over Dk (accumulated in BK blocks there), then the masked,
     # decayed q k^T row (M_t) against Vn in the operand dtype (what the output kernel reads)
     if S_ONCE:
@@ -364,34 +340,32 @@ def _cpr4_row_kernel(
         # into the accumulator in Dk order, the accumulations of the BK-block dots in turn (the
         # GEMM's K tiles rest on the same fact); not under the interpreter, whose dots are BLAS
         # calls blocked by shape
-        o = tl.dot(Q, S, input_precision=PREC)
+        if not STACK:
+            Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dk[None, :], mask=sel & km[None, :],
+                        other=0.0).to(OP_DT).to(DOT_DT)
+            o = tl.dot(Q, S, input_precision=PREC)
     else:
         o = tl.zeros((ROWS, BV), dtype=tl.float32)
         for d0 in range(0, DKP, BK):
             dc = d0 + tl.arange(0, BK)
             dm = dc[None, :] < DK
-            Qb = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
-                         other=0.0).to(OP_DT).to(DOT_DT)
+            Q = tl.load(q_ptr + ((r0 + t) * H + h) * DK + rr[:, None] * 0 + dc[None, :], mask=sel & dm,
+                        other=0.0).to(OP_DT).to(DOT_DT)
             Sb = tl.load(sb + dc[:, None] * DV + dv[None, :], mask=(dc[:, None] < DK) & vm[None, :],
                          other=0.0).to(OP_DT).to(DOT_DT)
-            o = tl.dot(Qb, Sb, o, input_precision=PREC)
-    tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=sel & vm[None, :])
+            o = tl.dot(Q, Sb, o, input_precision=PREC)
+    vnb = vn_ptr + (r0 * H + h) * DV
+    tl.store(vnb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt, mask=wsel & vm[None, :])
+    vqb = vnop_ptr + (r0 * H + h) * DV
     if VN_OP_WRITE:   # Vn_t rounded to the operand dtype too, for later steps' outputs
         tl.store(vqb + t * (H * DV) + rr[:, None] * 0 + dv[None, :], Vt.to(vnop_ptr.dtype.element_ty),
-                 mask=sel & vm[None, :])
-    if EARLY:
-        # row t of Vn alone as a [BV] vector: the other rows replaced by -0.0, which adds to any
-        # value exactly (a -0 row keeps its sign), then placed at row t of the earlier rows' tile, in
-        # the dtype those were read in (the copy's rounding is the store's just above)
-        vrow = tl.sum(tl.where(sel, Vt, -0.0), axis=0)
-        Vn = tl.where(rows[:, None] == t, vrow.to(Vp.dtype)[None, :], Vp)
+                 mask=wsel & vm[None, :])
+    tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
+    if VN_OP_READ:    # the rows as the output's operand: half the bytes of the unrounded ones
+        Vn = tl.load(vqb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
     else:
-        tl.debug_barrier()   # row t's Vn, just stored, is read back below by the other threads
-        if VN_OP_READ:    # the rows as the output's operand: half the bytes of the unrounded ones
-            Vn = tl.load(vqb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
-        else:
-            Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
-        M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
+        Vn = tl.load(vnb + rows[:, None] * (H * DV) + dv[None, :], mask=ok[:, None] & vm[None, :], other=0.0)
+    M = tl.load(m_ptr + (b.to(tl.int64) * H + h) * C + rr[:, None] * 0 + rows[None, :], mask=sel, other=0.0)
     o = o * tl.exp(Gt)
     o = tl.dot(M.to(OP_DT).to(DOT_DT), Vn.to(OP_DT).to(DOT_DT), o, input_precision=PREC)
     tl.store(o_ptr + (b.to(tl.int64) * H + h) * DV + rr[:, None] * 0 + dv[None, :], o, mask=sel & vm[None, :])
@@ -476,14 +450,9 @@ WM_WARPS = 4
 77442e3, decode of 256 lanes in graphs: 0.666 ms on 4 warps, 0.673 on 1, the same bits."""
 
 
-ROW_EARLY = True
-"""Whether the row kernel issues all its loads before its first dot (the state tile first) and joins
-row t of Vn to the open chunk's earlier rows in registers, instead of storing it, a barrier, and
-reading the rows back after the dots. The same operands reach the same dots."""
-
-
-WM_UNROLL = False
-"""Whether the W/M part unrolls its loop over the Dk blocks (the same dots in the same order)."""
+ROW_STACK = True
+"""Whether the row kernel takes W_t S and q_t S from one dot with the state tile (W_t at tile row
+t + 1 mod ROWS, q_t at row t, so U, W and Vn sit at row t + 1), instead of two dots with it."""
 
 
 FUSED_PREP = False
@@ -510,8 +479,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
                             row_tile: int | None = None, row_warps: int | None = None,
                             wm_warps: int | None = None, row_bv: int | None = None,
                             s_once: bool | None = None, fused_prep: bool | None = None,
-                            complete_tiles: int | None = None, early: bool | None = None,
-                            wm_unroll: bool | None = None) -> torch.Tensor:
+                            complete_tiles: int | None = None, stack: bool | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
@@ -519,9 +487,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     ``choice.out_bv``); ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
     already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
     and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
-    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``early``: the
-    row kernel's loads issued first and row t of Vn joined to the earlier rows in registers (default
-    ``ROW_EARLY``); ``wm_unroll``: the W/M part's Dk blocks unrolled (default ``WM_UNROLL``).
+    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``stack``: the
+    row kernel's W_t S and q_t S as one dot (default ``ROW_STACK``; with ``s_once`` only).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
@@ -553,8 +520,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
     w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
     m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
-    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num,
-                WM_UNROLL=WM_UNROLL if wm_unroll is None else bool(wm_unroll))
+    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num)
     args = (bq, bk, bg, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk)
     fused = FUSED_PREP if fused_prep is None else bool(fused_prep)
     if fused:
@@ -577,7 +543,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
         bq, bv, bb, gc, state.buf_T, w_t, m_t, s_op if read_copies else state.boundary, state.buf_vn, vn_op,
         o, sl, pos32, H, Dk, Dv,
         C=C, ROWS=rows, DKP=DKP, BK=BK, BV=BV, **num, S_ONCE=s_once, VN_OP_WRITE=copies,
-        VN_OP_READ=read_copies, EARLY=ROW_EARLY if early is None else bool(early), num_warps=row_warps or ROW_WARPS)
+        VN_OP_READ=read_copies, STACK=int(ROW_STACK if stack is None else stack) if s_once else 0, num_warps=row_warps or ROW_WARPS)
     # 4. the boundary where the chunk completes (the state kernel's Dv tile and warps)
     sbv = state_tile(choice, torch.float32, DVP)
     n_vt = -(-Dv // sbv)
@@ -588,5 +554,5 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["COMPLETE_TILES", "FUSED_PREP", "ROW_EARLY", "ROW_TILE", "WM_UNROLL", "ROW_WARPS", "WM_WARPS", "append_token", "check_value_dtype",
+__all__ = ["COMPLETE_TILES", "FUSED_PREP", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_WARPS", "append_token", "check_value_dtype",
            "cpr4_decode_rows_triton"]
