@@ -55,11 +55,15 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
+_B4 = dict(row_bv=128, row_warps=4)   # the row kernel's best tile at 3a08aee
 VARIANTS = {   # name: (decode, the state's value dtype)
-    "rows_two_dots": (_row_decode(stack=False), torch.bfloat16),     # W_t S and q_t S as two dots
-    "rows_bv128_w4": (_row_decode(row_bv=128, row_warps=4), torch.bfloat16),   # one program per head and lane
-    "rows_two_dots_bv128_w4": (_row_decode(stack=False, row_bv=128, row_warps=4), torch.bfloat16),
-    "rows_w4": (_row_decode(row_warps=4), torch.bfloat16),
+    "rows_bv128_w4": (_row_decode(**_B4), torch.bfloat16),
+    "rows_bv128_w4_inv32": (_row_decode(**_B4, inv_bk=32), torch.bfloat16),   # row-inverse k k^T in 32-column steps
+    "rows_bv128_w4_inv16": (_row_decode(**_B4, inv_bk=16), torch.bfloat16),
+    "rows_bv128_w4_wm32": (_row_decode(**_B4, wm_bk=32), torch.bfloat16),     # W/M in 32-column blocks
+    "rows_bv128_w4_inv32_wm32": (_row_decode(**_B4, inv_bk=32, wm_bk=32), torch.bfloat16),
+    "rows_bv128_w4_inv16_wm32_wmw2": (_row_decode(**_B4, inv_bk=16, wm_bk=32, wm_warps=2), torch.bfloat16),
+    "rows_bv128_w4_wmw2": (_row_decode(**_B4, wm_warps=2), torch.bfloat16),
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""

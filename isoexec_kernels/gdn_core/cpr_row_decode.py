@@ -455,6 +455,14 @@ ROW_STACK = True
 t + 1 mod ROWS, q_t at row t, so U, W and Vn sit at row t + 1), instead of two dots with it."""
 
 
+INV_BK = 64
+"""Dk block of the row-inverse part's k k^T dots on a GPU (the prefill's BK, 64, or narrower)."""
+
+
+WM_BK = 64
+"""Dk block of the W/M part on a GPU (W_t's column blocks and the q k^T dots' steps)."""
+
+
 FUSED_PREP = False
 """Whether the row-inverse and W/M parts of ``_cpr4_row_prep_kernel`` run as one launch (on the
 inverse kernel's warps) rather than two (slower on the H200: ``COMPLETE_TILES`` gives the figures)."""
@@ -479,7 +487,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
                             row_tile: int | None = None, row_warps: int | None = None,
                             wm_warps: int | None = None, row_bv: int | None = None,
                             s_once: bool | None = None, fused_prep: bool | None = None,
-                            complete_tiles: int | None = None, stack: bool | None = None) -> torch.Tensor:
+                            complete_tiles: int | None = None, stack: bool | None = None,
+                            inv_bk: int | None = None, wm_bk: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
@@ -488,7 +497,9 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
     and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
     ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``stack``: the
-    row kernel's W_t S and q_t S as one dot (default ``ROW_STACK``; with ``s_once`` only).
+    row kernel's W_t S and q_t S as one dot (default ``ROW_STACK``; with ``s_once`` only); ``inv_bk`` /
+    ``wm_bk``: the Dk blocks of the row-inverse and W/M parts on a GPU (default ``INV_BK`` / ``WM_BK``,
+    at most the choice's BK).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     if state.buf_vn is None or state.buf_T is None:
@@ -520,14 +531,18 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     gc = torch.empty(S_ * C, H, dtype=torch.float32, device=dev)
     w_t = torch.empty(B, H, DKP, dtype=torch.float32, device=dev)
     m_t = torch.empty(B, H, C, dtype=torch.float32, device=dev)
-    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, BK=BK, INV_PREC=choice.inv_dot, **num)
+    prep = dict(C=C, NB=C // 16, ROWS=rows, DKP=DKP, INV_PREC=choice.inv_dot, **num)
     args = (bq, bk, bg, bb, gc, state.buf_T, w_t, m_t, sl, pos32, H, Dk)
     fused = FUSED_PREP if fused_prep is None else bool(fused_prep)
     if fused:
-        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=True, DO_WM=True, num_warps=choice.prep_warps)
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, BK=BK, DO_T=True, DO_WM=True, num_warps=choice.prep_warps)
     else:
-        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=True, DO_WM=False, num_warps=choice.prep_warps)
-        _cpr4_row_prep_kernel[(H, B)](*args, **prep, DO_T=False, DO_WM=True, num_warps=wm_warps or WM_WARPS)
+        # each part's Dk blocks may be narrower than the prefill's BK on a GPU, where a dot chained
+        # over two blocks of Dk is the same sequence of k16 steps as one over both (not under the
+        # interpreter, whose dots are BLAS calls blocked by shape)
+        bk_t, bk_w = (BK, BK) if interpreting() else (min(inv_bk or INV_BK, BK), min(wm_bk or WM_BK, BK))
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, BK=bk_t, DO_T=True, DO_WM=False, num_warps=choice.prep_warps)
+        _cpr4_row_prep_kernel[(H, B)](*args, **prep, BK=bk_w, DO_T=False, DO_WM=True, num_warps=wm_warps or WM_WARPS)
     # 3. row t of U, Vn and o. The state and the open chunk's Vn rows are read as their operand
     # copies where the state keeps them (allocated together, ``with_q``; the same values: the kernel
     # rounds the fp32 ones to the operand dtype as it loads them). Not under the interpreter, whose
@@ -554,5 +569,5 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["COMPLETE_TILES", "FUSED_PREP", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_WARPS", "append_token", "check_value_dtype",
+__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_value_dtype",
            "cpr4_decode_rows_triton"]
