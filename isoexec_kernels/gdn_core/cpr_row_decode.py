@@ -52,7 +52,10 @@ completion kernel): half the bytes of the fp32 boundary, most of what it reads (
 ``eb18911``); the open chunk's Vn rows likewise (``GDNState.buf_vn_op``, written beside the unrounded
 rows the completion reads): 0.213 ms, a step of 0.464 ms at ``5beff10``; and v's rows in their bf16
 (``GDNState.allocate(..., value_dtype=)``): 0.199 ms, a step of 0.449 ms at ``c158c85``; 0.4336 ms
-with the diagonal substitution by the inverse kernel's loop (7d4cc88). Under the
+with the diagonal substitution by the inverse kernel's loop (7d4cc88). At aed6b0b (profile at
+3a08aee: row-inverse 0.106 ms, its one warp spilling; W/M 0.092; row kernel 0.186 with one dot for
+W_t S and q_t S, 0.199 with two) the parts' pinned tiles below took the step from 0.4214 to 0.3852 ms
+(native recurrent decode 0.3368 in the same run). Under the
 interpreter both
 copies are written but the fp32 originals read (its conversion truncates where torch's, which makes
 prefill's copies, rounds to nearest even).
@@ -437,17 +440,26 @@ prefix decode) at 1.08 instead of 1.25 ms per decode step. Under the interpreter
 are BLAS calls, blocked by shape."""
 
 
-ROW_WARPS = 2
+ROW_WARPS = 4
 """Warps of the row kernel (a row of every product is computed alone: warps change its speed only).
 H200 at aa47b16, decode of 256 lanes in graphs: 0.930 ms on 2 warps, 1.024 on 4, 1.325 on 8, each
 with the bits of the others and of the prefix decode; again at 77442e3 (W_t and M_t made apart):
 0.666 on 2, 0.746 on 4; at a2721da with Dv tiles of 32: 0.648 on 2, 0.597 on 1, against 0.598 for
-the pinned 2 warps and Dv tiles of 64."""
+the pinned 2 warps and Dv tiles of 64. With one dot for W_t S and q_t S (3a08aee): 0.4200 ms on 2
+warps and Dv tiles of 64, 0.4098 on 4, 0.4048 on 4 with ``ROW_BV`` = 128 (201 registers, 2 programs
+per SM, against 194 and 8 on 2 warps of 64: fewer, fuller programs)."""
 
 
-WM_WARPS = 4
+ROW_BV = 128
+"""Dv tile of the row kernel (all of Qwen3.5's Dv = 128: one program per head and lane, which reads
+row t's operands once instead of once per tile). H200 figures: ``ROW_WARPS``."""
+
+
+WM_WARPS = 2
 """Warps of the W/M kernel (row t of W and of the masked q k^T, once per head and lane). H200 at
-77442e3, decode of 256 lanes in graphs: 0.666 ms on 4 warps, 0.673 on 1, the same bits."""
+77442e3, decode of 256 lanes in graphs: 0.666 ms on 4 warps, 0.673 on 1, the same bits. With
+``WM_BK`` = 32 and ``INV_BK`` = 16 (aed6b0b): 0.3852 ms on 2 warps (139 registers, 23 KB of shared
+memory a program) against 0.3988 on 4."""
 
 
 ROW_STACK = True
@@ -455,12 +467,18 @@ ROW_STACK = True
 t + 1 mod ROWS, q_t at row t, so U, W and Vn sit at row t + 1), instead of two dots with it."""
 
 
-INV_BK = 64
-"""Dk block of the row-inverse part's k k^T dots on a GPU (the prefill's BK, 64, or narrower)."""
+INV_BK = 16
+"""Dk block of the row-inverse part's k k^T dots on a GPU (the prefill's BK, 64, or narrower: the
+same k16 steps in the same order). The part runs on the inverse kernel's one warp, whose four
+16 x BK tiles of k are most of its registers: H200 at aed6b0b (row kernel on ``ROW_BV``), decode
+0.4066 ms at 64 (255 registers, 16 spilled), 0.4254 at 32 (6 spilled), 0.3988 at 16 (none); the
+same bits in each (0 differing against the trainer in the probe's three plans)."""
 
 
-WM_BK = 64
-"""Dk block of the W/M part on a GPU (W_t's column blocks and the q k^T dots' steps)."""
+WM_BK = 32
+"""Dk block of the W/M part on a GPU (W_t's column blocks and the q k^T dots' k16 steps). H200 at
+aed6b0b: with ``INV_BK`` = 16 and 2 warps 0.3852 ms against 0.4024 at 64 (4 warps: 0.4158 at 32,
+0.4066 at 64), the same bits."""
 
 
 FUSED_PREP = False
@@ -492,8 +510,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
-    ``ROW_WARPS`` / ``WM_WARPS``); ``row_bv``: the row kernel's Dv tile (default the output kernel's,
-    ``choice.out_bv``); ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
+    ``ROW_WARPS`` / ``WM_WARPS``); ``row_bv``: the row kernel's Dv tile (default ``ROW_BV``);
+    ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
     already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
     and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
     ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``stack``: the
@@ -515,7 +533,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     num = dict(OP_DT=OP_DT, DOT_DT=DOT_DT, PREC=PREC)
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     BK = min(choice.bk, DKP, DVP)
-    BV = min(row_bv or choice.out_bv, DVP)
+    BV = min(row_bv or ROW_BV, DVP)
     rows = C if interpreting() else min(row_tile or ROW_TILE, C)
     s_once = (not interpreting()) if s_once is None else bool(s_once)
     bq, bk = state.buf_q.view(-1, H, Dk), state.buf_k.view(-1, H, Dk)
@@ -569,5 +587,5 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_value_dtype",
+__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_BV", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_value_dtype",
            "cpr4_decode_rows_triton"]
