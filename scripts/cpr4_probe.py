@@ -55,15 +55,11 @@ def _row_decode(**kw):
 
 
 _rows_c = _row_decode(row_tile=C4.CHUNK)      # C-row tiles: the native kernels' own
-_B4 = dict(row_bv=128, row_warps=4)   # the row kernel's best tile at 3a08aee
 VARIANTS = {   # name: (decode, the state's value dtype)
-    "rows_bv128_w4": (_row_decode(**_B4), torch.bfloat16),
-    "rows_bv128_w4_inv32": (_row_decode(**_B4, inv_bk=32), torch.bfloat16),   # row-inverse k k^T in 32-column steps
-    "rows_bv128_w4_inv16": (_row_decode(**_B4, inv_bk=16), torch.bfloat16),
-    "rows_bv128_w4_wm32": (_row_decode(**_B4, wm_bk=32), torch.bfloat16),     # W/M in 32-column blocks
-    "rows_bv128_w4_inv32_wm32": (_row_decode(**_B4, inv_bk=32, wm_bk=32), torch.bfloat16),
-    "rows_bv128_w4_inv16_wm32_wmw2": (_row_decode(**_B4, inv_bk=16, wm_bk=32, wm_warps=2), torch.bfloat16),
-    "rows_bv128_w4_wmw2": (_row_decode(**_B4, wm_warps=2), torch.bfloat16),
+    # the tiles pinned before 57e4664 (row kernel 64-wide on 2 warps, two dots with S; the
+    # row-inverse and W/M parts in 64-column blocks, W/M on 4 warps)
+    "rows_before_57e4664": (_row_decode(row_bv=64, row_warps=2, stack=False, inv_bk=64, wm_bk=64, wm_warps=4),
+                            torch.bfloat16),
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""

@@ -36,7 +36,7 @@ import torch
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
 from .cpr_row_decode import append_token, check_value_dtype, cpr4_decode_rows_triton
-from .._triton_util import int32_segments
+from .._triton_util import int32_segments, interpreting
 from .plan import HostPlan, _virtual_rows, engine_layout
 from .reference import _expand_heads
 from .state import CHUNK, GDNState
@@ -81,21 +81,43 @@ def _expand(x: torch.Tensor, H: int) -> torch.Tensor:
     return _expand_heads(x, H // x.shape[1])
 
 
-def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C):
+def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C, *, slot_state=None):
     """The chunk form over pieces (rows ``starts[b]..+lens[b]``, piece b from ``init[b]``): o [rows,
     H, Dv] fp32, the fp32 state entering each chunk [P, H, Dk, Dv] (None without a chunk), each
     piece's final state [B, H, Dk, Dv] (unwritten for an empty piece), Vn [P, H, C, Dv] and T
-    [P, H, C, C] in fp32, unrounded (None without a chunk)."""
+    [P, H, C, C] in fp32, unrounded (None without a chunk).
+
+    ``slot_state`` = (state, slots, ends): the engine's form (``engine_step``), ``init`` unused: piece
+    b starts from the slot's ``boundary`` read in place, and where ``ends[b]`` (the piece ends on a
+    chunk boundary) its final state is written straight into the slot's ``boundary`` (and its bf16
+    ``boundary_op``, on a GPU) instead of returned: three to six torch operations fewer per call,
+    which is what a prefill's wall time is made of on a slow host. The returned final states are
+    then None."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
-    fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
-    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C, cpr4_choice(pv.dtype),
-                         states_dtype=torch.float32, vn_dtype=torch.float32, t_dtype=torch.float32)
+    if slot_state is None:
+        fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
+        ends = dict(init=init, fin=fin, fin_idx=list(range(B)))
+    else:
+        state, slots, at_end = slot_state
+        fin = None
+        fin_idx = [s if e else -1 for s, e in zip(slots, at_end)]
+        # the operand copy by the state kernel's store (a GPU's conversion rounds to nearest even,
+        # as torch's does; the interpreter's truncates, so there ``refresh_boundary_op`` makes it)
+        op = state.boundary_op if state.boundary_op is not None and not interpreting() else None
+        ends = dict(init=state.boundary, init_idx=list(slots), fin=state.boundary, fin_idx=fin_idx,
+                    fin2=op, fin2_idx=fin_idx if op is not None else None)
+    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, ends.pop("init"), ends.pop("fin"), ends.pop("fin_idx"), C,
+                         cpr4_choice(pv.dtype), states_dtype=torch.float32, vn_dtype=torch.float32,
+                         t_dtype=torch.float32, **ends)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
         return o, None, fin, None, None
     launch_wy_out(pq, f, o, C)
     return o, f.states, fin, f.vn, f.T
+
+
+_forward_triton.slot_state = True   # engine_step may hand it the slots' states to read and write in place
 
 
 def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: int, forward,
@@ -168,13 +190,22 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             piece[pd] = buf[ps, pp].to(dt)
             pieces.append(piece)
         pq, pk, pv, pg, pb = pieces
-    init = state.boundary[sl_t]
-    o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
-    if fin_b:
-        state.boundary[fin_s_t] = fin[fin_b_t]
-    if st_i:
-        state.boundary[st_s_t] = states[st_i_t]
-    refresh_boundary_op(state, sl_t)
+    if getattr(forward, "slot_state", False):
+        # the slots' boundaries read and (for pieces ending on a chunk boundary) written in place
+        ends = [bool(L) and L % C == 0 for L in lens]
+        o_all, states, _, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, None, C, slot_state=(state, sl, ends))
+        if st_i:
+            state.boundary[st_s_t] = states[st_i_t]
+        if state.boundary_op is not None and (interpreting() or st_i):
+            refresh_boundary_op(state, sl_t if interpreting() else st_s_t)
+    else:
+        init = state.boundary[sl_t]
+        o_all, states, fin, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, init, C)
+        if fin_b:
+            state.boundary[fin_s_t] = fin[fin_b_t]
+        if st_i:
+            state.boundary[st_s_t] = states[st_i_t]
+        refresh_boundary_op(state, sl_t)
     if src:
         for buf, piece, heads in ((state.buf_q, pq, True), (state.buf_k, pk, True), (state.buf_v, pv, False),
                                   (state.buf_g, pg, False), (state.buf_beta, pb, False)):

@@ -576,14 +576,19 @@ def launch_wy_state(kc, gc, W, U, init, st, vn, fin, row0, nrow, chunk0, nchunk,
 
 def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: int = CHUNK,
                      choice: NativeWYChoice | None = None, states_dtype: torch.dtype | None = None,
-                     vn_dtype: torch.dtype | None = None, t_dtype: torch.dtype | None = None) -> WYParts | None:
+                     vn_dtype: torch.dtype | None = None, t_dtype: torch.dtype | None = None,
+                     init_idx: list[int] | None = None, fin2=None, fin2_idx: list[int] | None = None) -> WYParts | None:
     """The inverse, W/U and state kernels of the forward (arguments as ``wy_chunk_triton``); None
     when there is no chunk. The backward recomputes the forward with this. ``states_dtype``: the
     storage of the states entering each chunk (default: the choice's storage dtype); fp32 keeps
     them exact (CPR's chunk-form engine reads the open chunk's from there) and gives the output
     kernel the same operand bits, which it rounds to the operand dtype as it loads them. ``vn_dtype``:
     likewise for Vn (fp32: CPR's engine keeps the open chunk's unrounded Vn for its decode), and
-    ``t_dtype`` for T (fp32: CPR's engine keeps the open chunk's rows of T for its decode)."""
+    ``t_dtype`` for T (fp32: CPR's engine keeps the open chunk's rows of T for its decode).
+    ``init_idx``: piece b starts from ``init[init_idx[b]]`` (-1: from zero) instead of ``init[b]``, so
+    that an engine passes its slots' states as they are, with no gathered copy; ``fin2`` /
+    ``fin2_idx``: a second destination of the final states (in ``fin2``'s dtype, the store's
+    conversion)."""
     choice = choice or NATIVE_WY
     if chunk not in WY_CHUNKS:
         raise ValueError(f"the WY kernels take chunks of {WY_CHUNKS} tokens; got {chunk}")
@@ -605,13 +610,17 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
     DKP, DVP = max(16, next_pow2(Dk)), max(16, next_pow2(Dv))
     BK = min(choice.bk, DKP, DVP)
     dims = dict(T=T, Hk=Hk, H=H, Dk=Dk, Dv=Dv, rep=rep, DKP=DKP, DVP=DVP, BK=BK)
-    init_idx = list(range(B)) if init is not None else [-1] * B
+    if init is None:
+        init_idx = [-1] * B
+    elif init_idx is None:
+        init_idx = list(range(B))
     if fin is None:
         fin_idx = [-1] * B
+    extra = [list(fin2_idx)] if fin2 is not None else []
     # every index list in one host-to-device copy (the host has just synchronised on cu_seqlens,
     # so each separate copy would leave the GPU idle a little longer)
-    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t = int32_segments(
-        (row0, nrow, chunk0, nchunk, init_idx, fin_idx), dev)
+    row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t, *fin2_t = int32_segments(
+        [row0, nrow, chunk0, nchunk, init_idx, fin_idx] + extra, dev)
     # k in the operand dtype for the state and output kernels: a copy when that is not k's dtype
     kc = k if k.dtype == st_dt else torch.empty(T, Hk, Dk, dtype=st_dt, device=dev)
     gc, Tm, W, U = launch_inverse_wu(k, v, g, beta, row0_t, nrow_t, kc, T, H, rep, C, BK, num, st_dt,
@@ -621,7 +630,8 @@ def wy_forward_parts(q, k, v, g, beta, starts, lens, init, fin, fin_idx, chunk: 
     # a missing init / fin is never dereferenced (index -1 masks the access): gc stands in
     launch_wy_state(kc, gc, W, U, init if init is not None else gc, states, vn, fin if fin is not None else gc,
                     row0_t, nrow_t, chunk0_t, nchunk_t, init_t, fin_t, H, rep, C, DKP,
-                    state_tile(choice, st_dt, DVP), num, choice.state_warps, choice.state_stages)
+                    state_tile(choice, st_dt, DVP), num, choice.state_warps, choice.state_stages,
+                    fin2=fin2, fin2_idx=fin2_t[0] if fin2_t else None)
     return WYParts(choice, P, B, row0_t, nrow_t, chunk0_t, nchunk_t, gc, Tm, W, kc, states, vn, num, dims, st_dt)
 
 
