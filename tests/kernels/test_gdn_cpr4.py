@@ -45,6 +45,27 @@ def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C
         kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
 
 
+def test_block_cumsum_reference_takes_its_blocks_side_by_side_with_the_row_by_row_bits(kb):
+    # the twin's G sums the blocks side by side; the same additions in the same order as one running
+    # sum per block, row by row, and the blocks before it chained and added last
+    from isoexec_kernels.gdn_core.reference import block_cumsum_reference
+
+    gen = torch.Generator().manual_seed(7)
+    for C in (64, 48, 24, 16, 1):
+        g = -torch.rand(9, C, generator=gen) * 3
+        g[0] = -0.0
+        block = 16 if C % 16 == 0 else C
+        want = torch.empty_like(g)
+        before = None
+        for a in range(C // block):
+            acc = g.new_zeros(9)
+            for t in range(a * block, (a + 1) * block):
+                acc = acc + g[:, t]
+                want[:, t] = acc if before is None else acc + before
+            before = acc if before is None else before + acc
+        kb.assert_bitwise(block_cumsum_reference(g), want, f"C={C}")
+
+
 def test_the_trainer_backward_is_version_3s_and_the_forward_takes_the_accuracy_of_the_values_dtype():
     from isoexec_kernels.gdn_core import gdn_cpr4_varlen, gdn_cpr_varlen
 
