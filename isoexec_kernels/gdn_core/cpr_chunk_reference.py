@@ -37,7 +37,9 @@ tree and the same bits:
            prefill's order over all 16 rows of block a (its rows after t made from the zero rows
            as the prefill makes them) and the kept T of the complete blocks before a
     W_t, U_t, Vn_t  from r(T_t) over the chunk's rows, Vn_t kept unrounded
-    o_t    e^G_t (r(q_t) @ r(S)) + r(M_t) @ r(Vn), the rows j < t of Vn the kept ones
+    o_t    e^G_t (r(q_t) @ r(S)) + r(M_t) @ r(Vn), the rows j < t of Vn the kept ones, the rows
+           after t +0 (the prefill has the zero rows' own Vn there, +-0; either way M_tj = +0 makes
+           the term a zero, and a zero term changes no sum that has a nonzero one)
     S'     at t = C - 1 only, from all C unrounded Vn rows, as the prefill's state pass
 
 The state is left as that prefill of one token leaves it: row t of every buffer, of Vn and of T
