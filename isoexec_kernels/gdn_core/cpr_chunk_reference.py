@@ -19,7 +19,34 @@ are fp32-accurate: ``cpr_chunk.cpr4_choice``):
 Every dot product is the halves tree of ``_ref.tree_sum0`` over its contraction (zero-padded to a
 power of two), every exp is ``_ref.exp64`` rounded once. Row t of each of these depends only on
 rows 0..t of its chunk (strict / inclusive masks, lower-triangular T; a later row enters only as an
-exact zero term), which is what lets decode recompute the open chunk's prefix.
+exact zero term).
+
+Decode by rows (``cpr4_decode_reference``): a token at row t of its slot's open chunk (t = fill)
+gets row t of each matrix above, computed alone, from what the slot keeps (``GDNState``: the
+boundary S, the open chunk's q, k, v, g, beta rows, its unrounded Vn rows and fp32 rows of T). Each
+of its dot products is the prefill's dot for that row: the same contraction length (C for the
+products over the chunk's rows, Dk or a 16-row block otherwise) with the same operands at the same positions
+(the rows after t zero, as in the padded chunk of a prefill that ends at t), hence the same halves
+tree and the same bits:
+
+    G      as above over the chunk with rows after t zero (rows 0..t are the prefill's)
+    T_t    row i = t mod 16 of block-row a = t // 16 of the blocked inverse: the diagonal block's
+           substitution step i from the kept rows < i of T_aa (identity rows from i on, which is
+           what the substitution holds when it reaches row i); then for each b < a,
+           -(row i of T_aa) @ (A_ab T_bb + A_a,b+1 T_b+1,b + ... + A_a,a-1 T_a-1,b), the sum in the
+           prefill's order over all 16 rows of block a (its rows after t made from the zero rows
+           as the prefill makes them) and the kept T of the complete blocks before a
+    W_t, U_t, Vn_t  from r(T_t) over the chunk's rows, Vn_t kept unrounded
+    o_t    e^G_t (r(q_t) @ r(S)) + r(M_t) @ r(Vn), the rows j < t of Vn the kept ones, the rows
+           after t +0 (the prefill has the zero rows' own Vn there, +-0; either way M_tj = +0 makes
+           the term a zero, and a zero term changes no sum that has a nonzero one)
+    S'     at t = C - 1 only, from all C unrounded Vn rows, as the prefill's state pass
+
+The state is left as that prefill of one token leaves it: row t of every buffer, of Vn and of T
+(and ``fill`` = t + 1), or, at t = C - 1, the new boundary, ``fill`` = 0 and the buffers untouched.
+``_decode_prefix_reference`` is that prefill (the open chunk's rows so far recomputed every step,
+about six times the row decode's time on the tiny CPU models); the tests compare the two bitwise,
+outputs and every state field.
 """
 
 from __future__ import annotations
@@ -28,7 +55,8 @@ import torch
 
 from . import cpr_chunk, native_wy
 from .plan import chunk_plan
-from .reference import _exp, _mm, block_cumsum_reference, blocked_inverse_reference
+from .cpr_row_decode import check_value_dtype
+from .reference import _exp, _mm, _sum_dim, block_cumsum_reference, blocked_inverse_reference
 from .state import CHUNK, GDNState
 
 
@@ -111,8 +139,127 @@ def cpr4_engine_reference(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState
     return cpr_chunk.engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state, chunk, _forward_reference, host)
 
 
-def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
-    """Engine decode: a prefill of one token per lane (the same computation as the Triton twin's
-    decode: the open chunk's rows so far from the slot's boundary)."""
+def _decode_prefix_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode by prefix: a prefill of one token per lane, the whole open chunk recomputed
+    every step (the first version; kept as the row decode's yardstick, whose bits it must give)."""
     cu = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return cpr4_engine_reference(q, k, v, g, beta, cu, slots, state, chunk=chunk)
+
+
+def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: int = CHUNK) -> torch.Tensor:
+    """Engine decode, one token per lane: row t = ``fill`` of the chunk form alone (module
+    docstring, "Decode by rows"), with the prefix decode's bits; updates ``state`` as that prefill of
+    one token does and returns o [B, H, Dv] fp32."""
+    if state.buf_q is None or state.buf_T is None or state.buf_vn is None:
+        raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
+                         "GDNState.allocate(..., with_q=True)")
+    check_value_dtype(state, v)
+    C = chunk
+    B, H, Dv = q.shape[0], v.shape[1], v.shape[2]
+    Dk = state.buf_k.shape[3]
+    dev = v.device
+    if B == 0:
+        return torch.zeros(0, H, Dv, dtype=torch.float32, device=dev)
+    # the prefill's operand rounding (``_forward_reference``), looked up per call for the same reason
+    r = (lambda x: x) if v.dtype == torch.float32 else native_wy.round_bf16
+    N = B * H                                        # lanes (sequence b, value head h) = b * H + h
+    sl = slots.to(device=dev, dtype=torch.long)
+    tb = state.fill[sl].long()                       # each token's row in its open chunk
+    t = tb.repeat_interleave(H)
+    n = torch.arange(N, device=dev)
+    rows = torch.arange(C, device=dev)
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def lanes(buf, new):
+        # [S, C, H, ...] buffer and [B, H, ...] token -> [N, C, ...] in fp32: the kept rows before t,
+        # the token at t, zeros after it, as the prefill's padded chunk holds them
+        x = buf[sl].float().movedim(2, 1).reshape(N, C, *buf.shape[3:])
+        new = new.float().reshape(N, 1, *new.shape[2:])
+        shape = (N, C) + (1,) * (x.dim() - 2)
+        at, before = (rows == t[:, None]).view(shape), (rows < t[:, None]).view(shape)
+        return torch.where(before, x, torch.where(at, new, zero))
+
+    Q, K = lanes(state.buf_q, cpr_chunk._expand(q, H)), lanes(state.buf_k, cpr_chunk._expand(k, H))
+    V, gN, bN = lanes(state.buf_v, v), lanes(state.buf_g, g), lanes(state.buf_beta, beta)
+    G = block_cumsum_reference(gN)
+    Kr = r(K)
+    # block-row a of the inverse (t's 16-row block, or the whole chunk when C is not a multiple of
+    # 16, as ``blocked_inverse_reference`` blocks it): A's rows of that block, the rows after t made
+    # from the zero rows as the prefill makes them, so that T's nesting below sums the same terms
+    BL = 16 if C % 16 == 0 else C
+    a, i = t // BL, t % BL
+    R = a[:, None] * BL + torch.arange(BL, device=dev)                          # [N, BL] chunk rows
+    GR = G.gather(1, R)
+    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise
+    ex = _exp(torch.cat([torch.where(rows <= R[:, :, None], GR[:, :, None] - G[:, None, :], zero).view(N, -1), G], 1))
+    eGR, eG = ex[:, :BL * C].view(N, BL, C), ex[:, BL * C:]
+    AR = torch.where(rows < R[:, :, None],
+                     (bN.gather(1, R)[:, :, None] * _mm(Kr[n[:, None], R], Kr.transpose(1, 2))) * eGR, zero)
+    Tk = state.buf_T[sl].movedim(2, 1).reshape(N, C, C)                         # kept rows of T
+    # the diagonal block's substitution at its row i: the kept rows above it, identity rows from i on
+    # (the rows the substitution has not reached yet)
+    eye = torch.eye(BL, dtype=torch.float32, device=dev)
+    blk = torch.arange(BL, device=dev)
+    Ta = torch.where((blk[None, :] < i[:, None])[:, :, None], Tk[n[:, None, None], R[:, :, None], R[:, None, :]], eye)
+    Ta_i = eye[i] - _sum_dim(AR[n, i].gather(1, R)[:, :, None] * Ta, 1)          # [N, BL]
+    Tt = torch.zeros(N, C, dtype=torch.float32, device=dev)
+    Tt.scatter_(1, R, Ta_i)
+    # the blocks left of the diagonal: T_ab = -T_aa (A_ab T_bb + A_a,b+1 T_b+1,b + ... + A_a,a-1 T_a-1,b),
+    # from block a's 16 rows of the sum and row i of T_aa. Every lane computes every product
+    # A_ac T_cb (b <= c < nb - 1) in one batch; a lane adds those with c < a, in the prefill's order,
+    # and keeps the blocks b < a (a term it does not add is selected away, not added as a zero)
+    nb = C // BL
+    if nb > 1:
+        pairs = [(c, b) for b in range(nb - 1) for c in range(b, nb - 1)]
+        Ab = AR.view(N, BL, nb, BL)
+        Tb = Tk.view(N, nb, BL, nb, BL)
+        terms = _mm(torch.stack([Ab[:, :, c] for c, _ in pairs], 1).view(-1, BL, BL),
+                    torch.stack([Tb[:, c, :, b] for c, b in pairs], 1).view(-1, BL, BL)).view(N, len(pairs), BL, BL)
+        accs = []
+        for b in range(nb - 1):
+            acc = terms[:, pairs.index((b, b))]
+            for c in range(b + 1, nb - 1):
+                acc = torch.where((c < a)[:, None, None], acc + terms[:, pairs.index((c, b))], acc)
+            accs.append(acc)
+        off = -_mm(Ta_i[:, None, None, :].expand(N, nb - 1, 1, BL).reshape(-1, 1, BL),
+                   torch.stack(accs, 1).view(-1, BL, BL)).view(N, nb - 1, BL)
+        left = torch.arange(nb - 1, device=dev)[None, :] < a[:, None]
+        head = Tt[:, :(nb - 1) * BL].view(N, nb - 1, BL)
+        Tt[:, :(nb - 1) * BL] = torch.where(left[:, :, None], off, head).view(N, -1)
+    # row t of W and U (one product: the same dots over the chunk's C rows, zeros after t), of Vn, and
+    # the output's q dots with S and with k (one product over Dk)
+    Tm = r(Tt)[:, None, :]
+    WU = r(_mm(Tm, torch.cat([r(K * (bN * eG)[:, :, None]), r(V * bN[:, :, None])], 2)))
+    W, U = WU[:, :, :Dk], WU[:, :, Dk:]
+    S = state.boundary[sl].float().reshape(N, Dk, Dv)
+    Sr = r(S)
+    Vn = U - _mm(W, Sr)                                                           # [N, 1, Dv]
+    VN = torch.where((rows < t[:, None])[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
+                     torch.where((rows == t[:, None])[:, :, None], Vn, zero))
+    Qt = r(Q[n, t])[:, None, :]
+    qSK = _mm(Qt, torch.cat([Sr, Kr.transpose(1, 2)], 2))[:, 0]
+    M = torch.where(rows <= t[:, None], qSK[:, Dv:] * eGR[n, i], zero)
+    o = qSK[:, None, :Dv] * eG[n, t][:, None, None] + _mm(r(M)[:, None, :], r(VN))
+    # the state as the prefill of one token leaves it: where the chunk completes, the boundary carried
+    # across it from all C unrounded Vn rows (buffers untouched); else row t of every buffer
+    done = (tb == C - 1).nonzero().flatten()
+    if len(done):
+        Lc = (done[:, None] * H + torch.arange(H, device=dev)).flatten()           # their lanes
+        gl = G[Lc, C - 1]
+        Vd = VN[Lc] * _exp(gl[:, None] - G[Lc])[:, :, None]
+        Sn = _mm(Kr[Lc].transpose(1, 2), r(Vd)) + S[Lc] * _exp(gl)[:, None, None]
+        state.boundary[sl[done]] = Sn.view(len(done), H, Dk, Dv)
+    open_ = (tb < C - 1).nonzero().flatten()
+    if len(open_):
+        s_o, t_o = sl[open_], tb[open_]
+        for buf, new in ((state.buf_q, cpr_chunk._expand(q, H)), (state.buf_k, cpr_chunk._expand(k, H)),
+                         (state.buf_v, v), (state.buf_g, g), (state.buf_beta, beta)):
+            buf[s_o, t_o] = new[open_].float().to(buf.dtype)
+        vn_o = Vn.view(B, H, Dv)[open_]
+        state.buf_vn[s_o, t_o] = vn_o
+        if state.buf_vn_op is not None:
+            state.buf_vn_op[s_o, t_o] = vn_o.to(state.buf_vn_op.dtype)
+        state.buf_T[s_o, t_o] = Tt.view(B, H, C)[open_]
+    cpr_chunk.refresh_boundary_op(state, sl)
+    state.fill[sl] = ((tb + 1) % C).to(state.fill.dtype)
+    return o.view(B, H, Dv)

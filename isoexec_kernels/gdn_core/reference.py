@@ -80,19 +80,26 @@ def _chunk_state_reference(S, W, U, Kd, e_last):
 
 def block_cumsum_reference(g: torch.Tensor, block: int = 16) -> torch.Tensor:
     """G [N, C] of the WY form: running sums inside each ``block``-row block plus the sums of the
-    blocks before it (a chunk that is not a multiple of ``block`` rows is one block)."""
+    blocks before it (a chunk that is not a multiple of ``block`` rows is one block). Each block's
+    running sum goes row by row from its first row, the blocks side by side (one loop over the rows
+    of a block, not of the chunk: the same additions in the same order); the sum of the blocks
+    before block a is chained block by block, ((s_0 + s_1) + s_2) ..., and added last."""
     N, C = g.shape
     if C % block:
         block = C
-    G = torch.empty_like(g)
-    before = g.new_zeros(N)
-    for a in range(C // block):
-        acc = g.new_zeros(N)
-        for t in range(a * block, (a + 1) * block):
-            acc = acc + g[:, t]
-            G[:, t] = acc + before if a else acc
-        before = before + acc if a else acc
-    return G
+    nb = C // block
+    gb = g.reshape(N, nb, block)
+    run = torch.empty_like(gb)
+    acc = g.new_zeros(N, nb)
+    for p in range(block):
+        acc = acc + gb[:, :, p]
+        run[:, :, p] = acc
+    G = run.clone()
+    before = acc[:, 0]
+    for a in range(1, nb):
+        G[:, a] = run[:, a] + before[:, None]
+        before = before + acc[:, a]
+    return G.view(N, C)
 
 
 def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from gdn_inputs import make_inputs
 from isoexec_kernels.gdn_core import GDNState
 from isoexec_kernels.gdn_core.chunk_form import torch_recurrence
-from test_gdn_core import random_plan, run_engine
+from test_gdn_core import random_plan, run_engine, take
 
 
 def _cpr4():
@@ -43,6 +43,88 @@ def test_cpr4_reference_trainer_engine_split_and_decode_give_the_same_bits(kb, C
         slots = list(range(len(lens) + 1, 0, -1))[:len(lens)]
         o = run_engine(inp, lens, plan, slots, st, R.cpr4_engine_reference, R.cpr4_decode_reference, C)
         kb.assert_bitwise(o, trainer, f"engine split + decode == trainer, C={C} plan {plan_seed}")
+
+
+def test_block_cumsum_reference_takes_its_blocks_side_by_side_with_the_row_by_row_bits(kb):
+    # the twin's G sums the blocks side by side; the same additions in the same order as one running
+    # sum per block, row by row, and the blocks before it chained and added last
+    from isoexec_kernels.gdn_core.reference import block_cumsum_reference
+
+    gen = torch.Generator().manual_seed(7)
+    for C in (64, 48, 24, 16, 1):
+        g = -torch.rand(9, C, generator=gen) * 3
+        g[0] = -0.0
+        block = 16 if C % 16 == 0 else C
+        want = torch.empty_like(g)
+        before = None
+        for a in range(C // block):
+            acc = g.new_zeros(9)
+            for t in range(a * block, (a + 1) * block):
+                acc = acc + g[:, t]
+                want[:, t] = acc if before is None else acc + before
+            before = acc if before is None else before + acc
+        kb.assert_bitwise(block_cumsum_reference(g), want, f"C={C}")
+
+
+def _rows_vs_prefix(kb, inp, lens, plan, slots, C, state_kw):
+    """Drive two states through ``plan`` (prefills by the reference prefill on both; decodes by rows
+    on one, by prefix on the other), comparing each call's output and every state tensor bitwise;
+    returns the in-chunk rows the decodes were at."""
+    from dataclasses import fields
+
+    R = _ref4()
+    q, k, v, g, beta, cu = inp
+    H, Dk, Dv = v.shape[1], k.shape[2], v.shape[2]
+    sts = [GDNState.allocate(max(slots) + 2, H, Dk, Dv, "cpu", chunk=C, with_q=True, **state_kw) for _ in range(2)]
+    pos, seen = [0] * len(lens), set()
+    for step, (kind, arg) in enumerate(plan):
+        if kind == "prefill":
+            rows, cus = [], [0]
+            for b, n in arg.items():
+                rows += range(int(cu[b]) + pos[b], int(cu[b]) + pos[b] + n)
+                cus.append(cus[-1] + n)
+                pos[b] += n
+            sl = torch.tensor([slots[b] for b in arg])
+            outs = [R.cpr4_engine_reference(*(take(x, rows) for x in (q, k, v, g, beta)),
+                                            torch.tensor(cus, dtype=torch.int32), sl, st, chunk=C) for st in sts]
+        else:
+            rows = [int(cu[b]) + pos[b] for b in arg]
+            for b in arg:
+                pos[b] += 1
+            sl = torch.tensor([slots[b] for b in arg])
+            seen.update(sts[0].fill[sl].tolist())
+            outs = [dec(*(take(x, rows) for x in (q, k, v, g, beta)), sl, st, chunk=C)
+                    for dec, st in zip((R.cpr4_decode_reference, R._decode_prefix_reference), sts)]
+        kb.assert_bitwise(outs[0], outs[1], f"call {step} ({kind}): output")
+        for f in fields(GDNState):
+            a, b = getattr(sts[0], f.name), getattr(sts[1], f.name)
+            if a is None:
+                assert b is None, f.name
+            elif a.is_floating_point():
+                kb.assert_bitwise(a, b, f"call {step} ({kind}): state.{f.name}")
+            else:
+                assert torch.equal(a, b), f"call {step} ({kind}): state.{f.name}"
+    assert pos == list(lens)
+    return seen
+
+
+@pytest.mark.parametrize("C,lens,Hk,H,Dk,Dv,vdt,buf_dt,seed", [
+    (64, [150, 3, 130], 2, 4, 16, 16, torch.bfloat16, torch.bfloat16, 50),   # 4 blocks, GQA, bf16 copies
+    (64, [140, 70], 1, 2, 8, 16, torch.float32, torch.float32, 51),         # fp32 values: fp32 dots
+    (48, [100, 12, 61], 1, 2, 16, 8, torch.bfloat16, torch.float32, 52),    # 3 blocks, bf16 values kept in fp32
+    (24, [60, 9], 1, 2, 16, 16, torch.bfloat16, torch.bfloat16, 53),        # not a multiple of 16: one block
+])
+def test_cpr4_reference_decode_by_rows_gives_the_prefix_decode_s_bits_in_outputs_and_state(
+        kb, C, lens, Hk, H, Dk, Dv, vdt, buf_dt, seed):
+    inp = make_inputs(lens, Hk=Hk, H=H, Dk=Dk, Dv=Dv, seed=seed, v_dtype=vdt)
+    seen = set()
+    for plan_seed in (1, 2):
+        plan = random_plan(lens, plan_seed + 10 * seed, max_decode=2 * C + 8)
+        seen |= _rows_vs_prefix(kb, inp, lens, plan, [4, 1, 2][:len(lens)], C, dict(value_dtype=buf_dt))
+    # the plans reach what the row decode does differently by position: a chunk's first row, rows in
+    # every 16-row block (the blocks left of the diagonal), the step that completes the chunk
+    blocks = {t // 16 for t in seen} if C % 16 == 0 else {0}
+    assert {0, C - 1} <= seen and blocks == set(range(max(1, C // 16))), sorted(seen)
 
 
 def test_the_trainer_backward_is_version_3s_and_the_forward_takes_the_accuracy_of_the_values_dtype():
@@ -143,10 +225,8 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
         slots = list(range(len(lens) + 1, 0, -1))[:len(lens)]
         o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
         kb.assert_bitwise(o, trainer, f"engine split + decode by rows == trainer, C={C}")
-        if C == 16:   # the prefix decode (the row decode's yardstick on the GPU) too
-            st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True)
-            o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, C4.cpr4_decode_prefix_triton, C)
-            kb.assert_bitwise(o, trainer, "engine split + decode by prefix == trainer, C=16")
+        # (the prefix decode, the row decode's yardstick on the GPU, gives the trainer's bits in the
+        # next two cases: fp32 values, and bf16 values in a bf16 value buffer)
 
 
 def interp_case_cpr4_fp32_values_take_fp32_dots_and_keep_the_trainer_bits(kb):
