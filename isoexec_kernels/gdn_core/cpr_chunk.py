@@ -191,7 +191,10 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
             pieces.append(piece)
         pq, pk, pv, pg, pb = pieces
     if getattr(forward, "slot_state", False):
-        # the slots' boundaries read and (for pieces ending on a chunk boundary) written in place
+        # the slots' boundaries read and (for pieces ending on a chunk boundary) written in place:
+        # one kernel reads and writes them, which is race-free only with a slot per sequence
+        if len(set(sl)) != len(sl):
+            raise ValueError(f"gdn_cpr4_engine: each sequence needs a state slot of its own; got slots {list(sl)}")
         ends = [bool(L) and L % C == 0 for L in lens]
         o_all, states, _, vn, tm = forward(pq, pk, pv, pg, pb, starts, lens, None, C, slot_state=(state, sl, ends))
         if st_i:

@@ -210,6 +210,18 @@ def test_cpr4_reference_refuses_a_state_without_the_query_buffer():
         R.cpr4_engine_reference(*inp[:5], inp[5], torch.tensor([1]), st, chunk=16)
 
 
+def test_the_triton_engine_prefill_refuses_two_sequences_on_one_slot_before_any_launch():
+    # its state kernel reads and writes the slots' boundaries in place, race-free only with a slot
+    # per sequence; the refusal comes before any kernel, so it holds on any machine
+    C4 = _cpr4()
+    inp = make_inputs([5, 3], Hk=1, H=2, Dk=16, Dv=16, seed=44, v_dtype=torch.bfloat16)
+    st = GDNState.allocate(3, 2, 16, 16, "cpu", chunk=16, with_q=True, value_dtype=torch.bfloat16)
+    before = [t.clone() for t in st.tensors()]
+    with pytest.raises(ValueError, match="each sequence needs a state slot of its own"):
+        C4.cpr4_engine_triton(*inp[:5], inp[5], torch.tensor([1, 1]), st, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(before, st.tensors())), "the refused call changed the state"
+
+
 def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
     C4 = _cpr4()
     # C = 16: decode across two chunk boundaries; C = 64: pieces off the grid, a few decode steps
