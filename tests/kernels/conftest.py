@@ -82,23 +82,7 @@ def needle_batch(row: torch.Tensor, m: int, gen: torch.Generator, scale: float =
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-INTERP_SHARDS = 2
-"""The ``interp_case_*`` files run in this many TRITON_INTERPRET=1 subprocesses side by side (each
-file in one): when the other tests are done, the workers wait for these runs, and two of them keep
-both cores of a 2-core CI machine busy where one kept one."""
-_INTERP_SHARD_1 = ("test_gdn_core.py", "test_gdn_cpr4.py")
-"""The files of the second subprocess: about half of the cases' interpretation time (measured per
-case on the 2-core CI VM, one core each: these two about 115 s, the others about 110 s, most of it
-test_gdn_native_wy.py's 55 s and test_gdn_chunk_backward.py's 18 s)."""
-
-
-def _interp_shard(fname: str) -> int:
-    return 1 if fname in _INTERP_SHARD_1 else 0
-
-
-def _run_interpreter_cases(shard: int | None = None) -> dict:
-    """Every ``interp_case_*`` of this folder's test files (of one shard's files when ``shard`` is
-    given): {"module::case": "ok" or the failure}."""
+def _run_interpreter_cases() -> dict:
     import importlib.util
     import traceback
 
@@ -136,8 +120,6 @@ def _run_interpreter_cases(shard: int | None = None) -> dict:
     for fname in sorted(os.listdir(_HERE)):
         if not (fname.startswith("test_") and fname.endswith(".py")):
             continue
-        if shard is not None and _interp_shard(fname) != shard:
-            continue
         path = os.path.join(_HERE, fname)
         with open(path) as f:
             if "def interp_case_" not in f.read():
@@ -156,9 +138,8 @@ def _run_interpreter_cases(shard: int | None = None) -> dict:
     return results
 
 
-# The interpreter subprocesses (this folder's ``interp_case_*``, in ``INTERP_SHARDS`` runs of about
-# two minutes of one core each, and test_attention.py's interpreter gates, about 80 s) are
-# pure-Python Triton interpretation.
+# The interpreter subprocesses (this file's ``interp_case_*`` run, about a minute on 2 cores, and
+# test_attention.py's interpreter gates, about as long) are pure-Python Triton interpretation.
 # They start as soon as collection shows that a selected test needs them, so they run beside the
 # other tests instead of in front of the first test that uses them; the fixtures wait for them.
 # Output goes to files (a full pipe would stop a child that nobody reads yet).
@@ -171,15 +152,10 @@ _ATTENTION_CODE = ("import importlib.util, json, sys; "
                    "spec = importlib.util.spec_from_file_location('attention_gates', {path!r}); "
                    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
                    "print('RESULTS ' + json.dumps(m._run_interp_gates()))")
-INTERP_RUNS = {  # run name -> argv of its TRITON_INTERPRET=1 subprocess
-    **{f"interp_results.{i}": (lambda i=i: [sys.executable, os.path.join(_HERE, "conftest.py"), str(i)])
-       for i in range(INTERP_SHARDS)},
+INTERP_RUNS = {  # fixture name -> argv of its TRITON_INTERPRET=1 subprocess
+    "interp_results": lambda: [sys.executable, os.path.join(_HERE, "conftest.py")],
     "attention_interp": lambda: [sys.executable, "-c", _ATTENTION_CODE.format(
         path=os.path.join(_HERE, "test_attention.py"))],
-}
-FIXTURE_RUNS = {  # fixture name -> the runs it reads
-    "interp_results": [f"interp_results.{i}" for i in range(INTERP_SHARDS)],
-    "attention_interp": ["attention_interp"],
 }
 # the run's output files are <folder>/<name>.out and .err; <name>.rc appears (atomically) when it ends
 _RUN_TO_FILES = '"$@" > "$0.out" 2> "$0.err"; echo $? > "$0.rc.tmp"; mv "$0.rc.tmp" "$0.rc"'
@@ -252,7 +228,7 @@ def pytest_collection_modifyitems(config, items):
     started as collection ends, finish beside the other tests instead of holding a worker at the
     first file that waits for them (the interpreter cases take about 4 minutes of one core; under
     ``--dist loadfile`` each file is one unit of work)."""
-    names = set(FIXTURE_RUNS)
+    names = set(INTERP_RUNS)
     waiting = {it.path for it in items if names & set(getattr(it, "fixturenames", ()))}
     if waiting and len(waiting) < len({it.path for it in items}):
         items[:] = [it for it in items if it.path not in waiting] + [it for it in items if it.path in waiting]
@@ -261,8 +237,7 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     if not _has_triton():
         return
-    _needed.update(run for item in session.items for n in getattr(item, "fixturenames", ())
-                   for run in FIXTURE_RUNS.get(n, ()))
+    _needed.update(n for item in session.items for n in getattr(item, "fixturenames", ()) if n in INTERP_RUNS)
     for name in sorted(_needed):
         start_interp(name)
 
@@ -295,15 +270,12 @@ def interp_results():
     """Results of every ``interp_case_*`` run in a TRITON_INTERPRET=1 subprocess."""
     if not _has_triton():
         pytest.skip("triton not installed: interpreter checks skipped")
-    res = {}
-    for run in FIXTURE_RUNS["interp_results"]:
-        proc = wait_interp(run, timeout=900)
-        if proc.returncode != 0:
-            pytest.fail(f"interpreter subprocess {run} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-        part = json.loads(proc.stdout.strip().splitlines()[-1])
-        if "__skip__" in part:
-            pytest.skip(part["__skip__"])
-        res.update(part)
+    proc = wait_interp("interp_results", timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"interpreter subprocess failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "__skip__" in res:
+        pytest.skip(res["__skip__"])
     return res
 
 
@@ -327,5 +299,5 @@ def kb():
     return _helpers()
 
 
-if __name__ == "__main__":   # argument: the shard (none: every file)
-    print(json.dumps(_run_interpreter_cases(int(sys.argv[1]) if len(sys.argv) > 1 else None)))
+if __name__ == "__main__":
+    print(json.dumps(_run_interpreter_cases()))
