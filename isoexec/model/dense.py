@@ -41,6 +41,11 @@ from .batch import ForwardBatch
 
 
 @functools.lru_cache(maxsize=64)
+def impl_choices(impl: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The impls a ``tp_impls`` entry accepts: one impl id, or a tuple of them (preferred first)."""
+    return (impl,) if isinstance(impl, str) else tuple(impl)
+
+
 def _takes(fn, parameter: str) -> bool:
     """Whether a bound kernel (or a partial of one) accepts the keyword ``parameter``."""
     try:
@@ -203,7 +208,7 @@ class DenseModel(nn.Module):
                                f"{leafs}, not their heads' {mine}: each rank's heads must span whole K leaves")
         out += self.tp_vocab_problems(tp)
         for o, (impl, arch) in self.tp_impls().items():
-            allowed = (impl,) if isinstance(impl, str) else tuple(impl)
+            allowed = impl_choices(impl)
             for got_impl, got_arch in sorted(impls.get(o, ())):
                 if got_impl not in allowed or (arch is not None and got_arch != arch):
                     out.append(f"region of {o} runs {got_impl} ({got_arch}); at tp > 1 it must be "

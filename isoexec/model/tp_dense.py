@@ -75,7 +75,7 @@ from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
 from .batch import ForwardBatch
-from .dense import DenseModel
+from .dense import DenseModel, impl_choices
 
 TRAINER_CASES = ("trainer_fwd", "trainer_score")
 ENGINE_CASES = ("engine_prefill", "engine_decode")
@@ -120,7 +120,7 @@ def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str
             for o in e.region:
                 runs.setdefault(o, set()).add((e.impl.id, e.impl.arch))
     for o, (impl, arch) in model.tp_impls().items():
-        allowed = (impl,) if isinstance(impl, str) else tuple(impl)
+        allowed = impl_choices(impl)
         twin = STOCK_TWINS.get(allowed[0])   # keyed by the first (preferred) impl of each op
         for got, got_arch in sorted(runs.get(o, ())):
             if got == twin or (got in allowed and arch in (None, got_arch)):

@@ -35,7 +35,7 @@ import torch
 
 from .native_wy import (NativeWYChoice, WYParts, _dtypes, launch_inverse_wu, launch_wy_out, launch_wy_state,
                         next_pow2, state_tile, wy_chunk_triton, wy_forward_parts)
-from .cpr_row_decode import append_token, check_value_dtype, cpr4_decode_rows_triton
+from .cpr_row_decode import append_token, check_chunk_form_state, cpr4_decode_rows_triton
 from .._triton_util import int32_segments, interpreting
 from .plan import HostPlan, _virtual_rows, engine_layout
 from .reference import _expand_heads
@@ -95,21 +95,21 @@ def _forward_triton(pq, pk, pv, pg, pb, starts, lens, init, C, *, slot_state=Non
     then None."""
     H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
     B = len(lens)
+    fp32 = dict(states_dtype=torch.float32, vn_dtype=torch.float32, t_dtype=torch.float32)
     if slot_state is None:
         fin = torch.empty(B, H, Dk, Dv, dtype=torch.float32, device=pv.device)
-        ends = dict(init=init, fin=fin, fin_idx=list(range(B)))
+        f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, init, fin, list(range(B)), C,
+                             cpr4_choice(pv.dtype), **fp32)
     else:
         state, slots, at_end = slot_state
         fin = None
         fin_idx = [s if e else -1 for s, e in zip(slots, at_end)]
         # the operand copy by the state kernel's store (a GPU's conversion rounds to nearest even,
         # as torch's does; the interpreter's truncates, so there ``refresh_boundary_op`` makes it)
-        op = state.boundary_op if state.boundary_op is not None and not interpreting() else None
-        ends = dict(init=state.boundary, init_idx=list(slots), fin=state.boundary, fin_idx=fin_idx,
-                    fin2=op, fin2_idx=fin_idx if op is not None else None)
-    f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, ends.pop("init"), ends.pop("fin"), ends.pop("fin_idx"), C,
-                         cpr4_choice(pv.dtype), states_dtype=torch.float32, vn_dtype=torch.float32,
-                         t_dtype=torch.float32, **ends)
+        op = state.boundary_op if not interpreting() else None
+        f = wy_forward_parts(pq, pk, pv, pg, pb, starts, lens, state.boundary, state.boundary, fin_idx, C,
+                             cpr4_choice(pv.dtype), **fp32, init_idx=list(slots), fin2=op,
+                             fin2_idx=fin_idx if op is not None else None)
     o = torch.empty(pk.shape[0], H, Dv, dtype=torch.float32, device=pv.device)
     if f is None:
         return o, None, fin, None, None
@@ -128,11 +128,7 @@ def engine_step(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk: i
     for the new rows. Host-side planning: the prefill path, not the captured decode. ``host``: the
     layout as the engine knows it (``plan.HostPlan``); without it the layout is read back from the
     device. Either way a fixed number of tensor operations, whatever the number of sequences."""
-    if state.buf_q is None:
-        raise ValueError("CPR version 4 needs the open chunk's queries: GDNState.allocate(..., with_q=True)")
-    if state.buf_T is None or state.buf_vn is None:
-        raise ValueError("CPR version 4 needs the open chunk's rows of Vn and T: GDNState.allocate(..., with_q=True)")
-    check_value_dtype(state, v)
+    check_chunk_form_state(state, v)
     C = chunk
     H, Dv = v.shape[1], v.shape[2]
     dev = v.device

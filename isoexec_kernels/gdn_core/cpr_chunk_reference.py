@@ -55,7 +55,7 @@ import torch
 
 from . import cpr_chunk, native_wy
 from .plan import chunk_plan
-from .cpr_row_decode import check_value_dtype
+from .cpr_row_decode import check_chunk_form_state
 from .reference import _exp, _mm, _sum_dim, block_cumsum_reference, blocked_inverse_reference
 from .state import CHUNK, GDNState
 
@@ -150,10 +150,7 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     """Engine decode, one token per lane: row t = ``fill`` of the chunk form alone (module
     docstring, "Decode by rows"), with the prefix decode's bits; updates ``state`` as that prefill of
     one token does and returns o [B, H, Dv] fp32."""
-    if state.buf_q is None or state.buf_T is None or state.buf_vn is None:
-        raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
-                         "GDNState.allocate(..., with_q=True)")
-    check_value_dtype(state, v)
+    check_chunk_form_state(state, v)
     C = chunk
     B, H, Dv = q.shape[0], v.shape[1], v.shape[2]
     Dk = state.buf_k.shape[3]
@@ -249,6 +246,7 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
         Vd = VN[Lc] * _exp(gl[:, None] - G[Lc])[:, :, None]
         Sn = _mm(Kr[Lc].transpose(1, 2), r(Vd)) + S[Lc] * _exp(gl)[:, None, None]
         state.boundary[sl[done]] = Sn.view(len(done), H, Dk, Dv)
+        cpr_chunk.refresh_boundary_op(state, sl[done])   # the other slots' boundaries did not move
     open_ = (tb < C - 1).nonzero().flatten()
     if len(open_):
         s_o, t_o = sl[open_], tb[open_]
@@ -260,6 +258,5 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
         if state.buf_vn_op is not None:
             state.buf_vn_op[s_o, t_o] = vn_o.to(state.buf_vn_op.dtype)
         state.buf_T[s_o, t_o] = Tt.view(B, H, C)[open_]
-    cpr_chunk.refresh_boundary_op(state, sl)
     state.fill[sl] = ((tb + 1) % C).to(state.fill.dtype)
     return o.view(B, H, Dv)

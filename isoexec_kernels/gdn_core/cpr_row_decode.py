@@ -493,6 +493,15 @@ tiles): 0.4491 ms at 1, 0.4483 at 2, 0.4441 at 4, the same bits. The row-inverse
 one launch (``FUSED_PREP``) took 0.5193 ms, the same bits."""
 
 
+def check_chunk_form_state(state: GDNState, v: torch.Tensor) -> None:
+    """A state version 4 can run on: the open chunk's queries and rows of Vn and T allocated, and
+    values of the dtype its buffer keeps (``check_value_dtype``)."""
+    if state.buf_q is None or state.buf_vn is None or state.buf_T is None:
+        raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
+                         "GDNState.allocate(..., with_q=True)")
+    check_value_dtype(state, v)
+
+
 def check_value_dtype(state: GDNState, v: torch.Tensor) -> None:
     """The open chunk's value rows hold v exactly: in fp32, or in v's own dtype where the state keeps
     that (``GDNState.allocate(..., value_dtype=)``); anything else would round v on the way in."""
@@ -520,10 +529,7 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     at most the choice's BK).
     Appends the token to the slot's open chunk and returns o [B, H, Dv] fp32. No host sync (a CUDA
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
-    if state.buf_vn is None or state.buf_T is None:
-        raise ValueError("CPR version 4 needs the open chunk's queries and rows of Vn and T: "
-                         "GDNState.allocate(..., with_q=True)")
-    check_value_dtype(state, v)
+    check_chunk_form_state(state, v)
     C = chunk
     B = q.shape[0]
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
@@ -587,5 +593,6 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     return o
 
 
-__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_BV", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_value_dtype",
+__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_BV", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_chunk_form_state",
+           "check_value_dtype",
            "cpr4_decode_rows_triton"]
