@@ -147,9 +147,13 @@ OCC_CANDIDATES = [dict(_cfg("tma", bm, bn, w, s), programs_per_sm=k)
 # both accumulators (64 x 256 over 8 warps), against the 128 x 128 walk and the one-leaf table
 WALK_SHAPES = [("0.6b.o", 2048, 1024), ("0.6b.down", 3072, 1024), ("8b.o", 4096, 4096), ("8b.down", 12288, 4096)]
 WALK_M = [2048, 8192]
-WALK_COUNTS = (1, 2, 4)
+WALK_COUNTS = (1, 4)   # one leaf (the plain table) and the K_LEAVES isoexec_tp4 pins
 WALK_LARGE = [_cfg("tma", 64, 256, 8, 3), _cfg("tma", 64, 256, 8, 4), _cfg("tma", 128, 128, 8, 3, True),
               _cfg("tma", 128, 128, 8, 4, True), _cfg("tma", 256, 64, 8, 3)]
+# K tiles of 128 in the walk (one tl.dot over two blocks: half the loop trips, the pipeline refilled
+# half as often at each leaf start; k_tile_for keeps them only where the leaves start on a K tile)
+WALK_K_TILE = [dict(_cfg("tma", 128, 128, 8, s, ws), K_TILE=128) for s in (2, 3) for ws in (False, True)] + [
+    dict(_cfg("tma", 64, 256, 8, 2), K_TILE=128), dict(_cfg("tma", 128, 128, 4, 2), K_TILE=128)]
 
 
 def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
@@ -184,9 +188,25 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
     for name, K, N in shapes:
         for leaves in counts:
             r = [o["best"]["ratio"] for o in out if o["shape"] == name and o["leaves"] == leaves and o["best"]]
-            summary[f"{name} leaves={leaves}"] = {"worst": min(r), "by_M": r} if r else None
-            log(f"summary {name:<10} leaves={leaves}: worst {min(r) if r else float('nan'):.3f} by M {r}")
+            # against the one-leaf table entry of the same (shape, M): the plain invariant GEMM
+            vs = [round(_table_ms(out, name, o["M"]) / o["best"]["ms"], 4) for o in out
+                  if o["shape"] == name and o["leaves"] == leaves and o["best"] and _table_ms(out, name, o["M"])]
+            summary[f"{name} leaves={leaves}"] = {"worst": min(r), "by_M": r, "vs_one_leaf_table": vs} if r else None
+            log(f"summary {name:<10} leaves={leaves}: worst {min(r) if r else float('nan'):.3f} by M {r}; "
+                f"vs the one-leaf table {vs}")
     return out, summary
+
+
+def _table_ms(out, name, M):
+    """The time of the one-leaf row's table entry (the tile_for_m launch) at (shape, M), or None."""
+    for o in out:
+        if o["shape"] == name and o["M"] == M and o["leaves"] == 1:
+            table = tile_for_m(M, torch.bfloat16, o["N"], o["K"])
+            for c in o["candidates"]:
+                if "ms" in c and all(c.get(k) == v for k, v in table.items() if k not in ("K_TILE",)) \
+                        and c.get("K_TILE", 64) == table.get("K_TILE", 64):
+                    return c["ms"]
+    return None
 
 
 # --block-k: K tiles of 128/256 against the pinned BLOCK_K of 64 (the tile key ``K_TILE``, see
@@ -342,7 +362,8 @@ def main():
     if a.leaves:
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.leafwalk:
-        res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS, WALK_LARGE)
+        res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS,
+                                                                WALK_LARGE + WALK_K_TILE)
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:

@@ -27,6 +27,7 @@ from .common import print_rows, random_paged_kv, rotating, row, time_ms
 from .cpr import bench_cpr_rows
 from .engine import bench_engine
 from .moe import bench_moe
+from .tp_linear import bench_tp_linear
 from .train import bench_train
 
 # (name, K, N): the dense family's projections at Qwen3-0.6B and Qwen3-8B dimensions.
@@ -198,4 +199,4 @@ def _bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict
 
 BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
            "engine": _bench_engine, "cpr": _bench_cpr, "train": _bench_train,
-           "moe": bench_moe}
+           "moe": bench_moe, "tp_linear": bench_tp_linear}

@@ -19,6 +19,10 @@ at every tp) and tp must divide it:
      leaf order, and every rank adds them left to right, adds the bias and rounds once, exactly
      the single-process epilogue.
 
+At tp = 1 the one rank calls ``linear(x, w, b, leaves=L)`` itself: the Triton kernel walks the L
+leaves in one launch with the same arithmetic (``row_parallel_linear_by_partials`` keeps the
+three steps above callable at any size, to compare).
+
 So every tp dividing L gives ``linear(x, w, b, leaves=L)`` of one process, bit for bit, on every
 rank (the output is replicated, as after Megatron's all-reduce). The price is traffic: each rank
 receives L partials of [M, N] fp32 instead of one all-reduced [M, N]; a chain (rank r adds its
@@ -106,6 +110,28 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     N = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"row-parallel linear: bias must be [N]=[{N}], got shape {tuple(bias.shape)}")
+    if tp == 1:
+        # one rank holds every leaf: the invariant linear's own walk of the L leaves is this
+        # schedule in one launch (each leaf from +0, the sums left to right, the bias, one
+        # rounding), without L fp32 partials written, stacked and read back
+        return linear(x, weight, bias, leaves=leaves)
+    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+
+
+def row_parallel_linear_by_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                                    in_features: int, leaves: int, group=None) -> torch.Tensor:
+    """:func:`row_parallel_linear` the way a group of more than one rank computes it, at any size:
+    each leaf's fp32 partial alone, the partials gathered in leaf order and added left to right.
+    At tp = 1 it gives the bits of the one-launch walk that ``row_parallel_linear`` runs there
+    (the tests and ``isoexec bench tp_linear`` compare the two)."""
+    tp, rank = group_size_rank(group)
+    mine = row_shard_leaves(in_features, leaves, tp, rank)
+    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+
+
+def _by_leaf_partials(x, weight, bias, mine, group, tp):
+    k0, k1 = mine[0][0], mine[-1][1]
+    N = weight.shape[0]
     x2 = x.reshape(-1, k1 - k0)
     # one leaf at a time, fp32 out: the leaf's accumulator as the whole K loop holds it
     partials = torch.stack([linear(x2[:, a - k0:b - k0], weight[:, a - k0:b - k0], None,

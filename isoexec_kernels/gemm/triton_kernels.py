@@ -369,14 +369,20 @@ def k_tile_for(cfg: dict, bk: int, K: int, leaves: int, dtype: torch.dtype) -> i
     """K columns one ``tl.dot`` of the launch takes: the tile's ``K_TILE`` (default BLOCK_K), used
     only where it is sure to keep the schedule of BLOCK_K blocks: 16-bit inputs (the tensor cores
     chain a dot's k16 steps into the fp32 accumulator in K order, so one dot over 128 columns is the
-    two dots over 64 in turn; fp32's ``ieee`` dot keeps BLOCK_K), one K leaf (leaf bounds are
-    counted in BLOCK_K blocks) and a K that K_TILE divides (no wider zero padding). On the H200
+    two dots over 64 in turn; fp32's ``ieee`` dot keeps BLOCK_K), a K that K_TILE divides (no
+    wider zero padding) and, with several K leaves, leaf bounds that fall on K_TILE boundaries
+    (the kernels count a leaf's bounds in K tiles, :func:`leaf_bounds` in BLOCK_K blocks: both
+    must name the same columns). On the H200
     every K_TILE of 128 and 256 gave the bits of 64 at every tile and M tried
     (``scripts/gemm_tile_sweep.py --block-k``), and the per-bucket GPU gates re-check it. Under the
     interpreter ``tl.dot`` is the host BLAS's matmul, whose bits depend on the tile's K width: the
     interpreter makes no invariance claim (see the tests)."""
     kt = int(cfg.get("K_TILE", bk))
-    if kt == bk or dtype == torch.float32 or leaves != 1 or kt % bk or K % kt:
+    if kt == bk or dtype == torch.float32 or kt % bk or K % kt:
+        return bk
+    per, tiles = kt // bk, K // kt
+    # the kernels' leaf j starts at K tile j * tiles // leaves: the same column as leaf_bounds' block?
+    if any(j * tiles // leaves * per != b0 for j, (b0, _) in enumerate(leaf_bounds(K, leaves))):
         return bk
     return kt
 

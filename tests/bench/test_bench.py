@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from isoexec.bench.report import write_bench_report
+from isoexec.bench.tp_linear import pinned_leaves
 
 REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 
@@ -18,7 +19,7 @@ REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 SMALLER = ("import isoexec.bench.engine as e; "
            "e.SIZES['cpu'].update(requests=4, prompt_len=16, max_tokens=4); "
            "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4)")
-NAMES = ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe"]
+NAMES = ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe", "tp_linear"]
 # One child runs the CLI's main() for every benchmark, one after the other, as `isoexec bench NAME
 # --quick --device cpu --out FILE` would: a child per benchmark spent most of its time starting
 # (torch, the package) rather than benchmarking. Each call's exit code and stderr are kept apart.
@@ -70,6 +71,9 @@ def test_bench_cli_writes_result_format(bench_runs, name, ratio_of_rounded):
         assert all(r["requests"] == 4 for r in obj["rows"])
         # the decode-lookahead runs: one batch and one staggered row (same tokens, tested in tests/engine)
         assert sorted(r["workload"] for r in obj["rows"] if r.get("overlap_decode")) == ["batch", "staggered"]
+    if name == "tp_linear":  # the composition's pinned leaves, and the walk gave the partials' bits
+        assert {r["leaves"] for r in obj["rows"]} == {pinned_leaves()} and all(r["same_bits"] for r in obj["rows"])
+        assert all(r["baseline"] == "invariant_gemm" and r["by_partials_ms"] > 0 for r in obj["rows"])
     if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size; then MLA
         moe = [r for r in obj["rows"] if r["stage"].startswith("moe.")]
         mla = [r for r in obj["rows"] if r["stage"].startswith("mla.")]

@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import dist_workers as dw  # noqa: E402
+from isoexec.dist.row_parallel import row_parallel_linear_by_partials  # noqa: E402
 from isoexec_kernels.gemm import linear  # noqa: E402
 from isoexec_kernels.logprob import token_logprobs, token_logprobs_reference  # noqa: E402
 
@@ -216,6 +217,35 @@ def test_one_process_without_a_group_runs_the_single_process_kernels_bit_for_bit
     z, t, _ = dw.vocab_inputs(1)
     got = dw.vocab_parallel_token_logprobs(z, t, vocab_size=z.shape[-1])
     assert dw.bit_report(got, token_logprobs_reference(z, t))["differing"] == 0
+
+
+@pytest.mark.parametrize("i", range(len(dw.ROW_CASES)), ids=[c[0] for c in dw.ROW_CASES])
+def test_one_process_walk_of_the_leaves_equals_the_gathered_leaf_partials_bitwise(i):
+    # at tp = 1 row_parallel_linear is the invariant linear's own L-leaf walk (one launch); the
+    # tp > 1 arithmetic, leaf partials alone then added in leaf order, run in the same process
+    x, w, b, _ = dw.row_inputs(i)
+    K, L = dw.ROW_CASES[i][1], dw.ROW_CASES[i][2]
+    walk = dw.row_parallel_linear(x, w, b, in_features=K, leaves=L)
+    by_partials = row_parallel_linear_by_partials(x, w, b, in_features=K, leaves=L)
+    assert dw.bit_report(walk, by_partials)["differing"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("K,N,L", [(2048, 1024, 4), (3072, 1024, 4), (4096, 4096, 2), (12288, 4096, 4)])
+def test_row_parallel_linear_cuda_walk_equals_the_gathered_leaf_partials_bitwise(K, N, L):
+    # the Triton walk (split-K programs at small M, the leaf loop of one program at large M, the
+    # table's K tile) against each leaf's one-leaf fp32 GEMM added in leaf order
+    g = torch.Generator().manual_seed(71)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda()
+    for m in (1, 16, 64, 256, 1000, 2048, 8192):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        for bias in (None, b):
+            walk = dw.row_parallel_linear(x, w, bias, in_features=K, leaves=L)
+            by_partials = row_parallel_linear_by_partials(x, w, bias, in_features=K, leaves=L)
+            rep = dw.bit_report(walk, by_partials)
+            assert rep["differing"] == 0, (K, N, L, m, bias is not None, rep)
 
 
 def _raises(call, *words, kind=ValueError):

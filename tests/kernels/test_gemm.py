@@ -616,6 +616,25 @@ def test_linear_cuda_k_tile_never_changes_bits(kb, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K,L", [(1024, 2048, 4), (1024, 3072, 4), (4096, 12288, 4), (4096, 4096, 2)])
+def test_linear_cuda_k_tile_keeps_the_leaf_walk_bits(kb, N, K, L):
+    # with several K leaves a K tile of 128 is kept where every leaf starts on one (k_tile_for):
+    # the walk's leaves then hold the same blocks, chained in the same order, as with 64
+    g = torch.Generator().manual_seed(68)
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16().cuda()
+    b = torch.randn(N, generator=g).bfloat16().cuda()
+    for m in (300, 2048):
+        x = torch.randn(m, K, generator=g).bfloat16().cuda()
+        for impl, tile in (("tma", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)),
+                           ("tma", dict(BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=2)),
+                           ("pointer", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2))):
+            at64 = gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, K_TILE=64), leaves=L)
+            at128 = gemm.linear_triton(x, w, b, impl=impl, tile=dict(tile, K_TILE=128), leaves=L)
+            kb.assert_bitwise(at128, at64, f"N={N} K={K} L={L} M={m} {impl}: K tile 128 vs 64")
+        kb.assert_bitwise(gemm.linear(x, w, b, leaves=L), at64, f"N={N} K={K} L={L} M={m}: the table vs K tile 64")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(1024, 2048), (6144, 1024), (151936, 1024)])
 def test_linear_cuda_host_descriptors_give_the_device_descriptors_bits(kb, N, K):
     # where the TMA descriptors are made (host: kernel parameters, the default; device: written by

@@ -43,10 +43,14 @@ def test_a_candidates_k_tile_reaches_the_launch_only_where_k_tile_for_allows_it(
     tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 256})
     tk.linear_triton(x.float(), w.float(), impl="pointer", tile={"K_TILE": 256})   # fp32: BLOCK_K
     tk.linear_triton(x[:, :448], w[:, :448], impl="pointer", tile={"K_TILE": 128})   # 448 % 128: BLOCK_K
-    tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 128}, leaves=2)   # two leaves: BLOCK_K
+    tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 128}, leaves=2)   # leaves at blocks 0, 4: 128
+    tk.linear_triton(x, w, impl="pointer", tile={"K_TILE": 128}, leaves=3)   # blocks 0, 2, 5: BLOCK_K
+    x10, w10 = torch.zeros(4, 640, dtype=torch.float16), torch.zeros(32, 640, dtype=torch.float16)
+    tk.linear_triton(x10, w10, impl="pointer", tile={"K_TILE": 128}, leaves=4)   # blocks 0, 2, 5, 7: BLOCK_K
+    tk.linear_triton(x10, w10, impl="pointer", tile={"K_TILE": 128}, leaves=5)   # blocks 0, 2, 4, 6, 8: 128
     tk.linear_triton(x, w, impl="pointer")   # the table's own K tile
     table = tk.tile_for_m(4, torch.float16, 32, 512)["K_TILE"]
-    assert launches.block_k == [128, 256, 64, 64, 64, table]
+    assert launches.block_k == [128, 256, 64, 64, 128, 64, 64, 128, table]
 
 
 def test_every_row_has_a_candidate_to_time_at_every_block_k():

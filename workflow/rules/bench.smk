@@ -15,7 +15,7 @@ rule bench:
         device="cpu" if ARCH == "cpu" else "cuda",
         quick=BENCH_QUICK,
     wildcard_constraints:
-        name="gemm|attention|rmsnorm|logprob|engine|cpr|train|moe",
+        name="gemm|attention|rmsnorm|logprob|engine|cpr|train|moe|tp_linear",
     resources:
         gpu=JOB_GPUS,
         runtime=30,
