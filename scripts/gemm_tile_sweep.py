@@ -152,8 +152,11 @@ WALK_LARGE = [_cfg("tma", 64, 256, 8, 3), _cfg("tma", 64, 256, 8, 4), _cfg("tma"
               _cfg("tma", 128, 128, 8, 4, True), _cfg("tma", 256, 64, 8, 3)]
 # K tiles of 128 in the walk (one tl.dot over two blocks: half the loop trips, the pipeline refilled
 # half as often at each leaf start; k_tile_for keeps them only where the leaves start on a K tile)
-WALK_K_TILE = [dict(_cfg("tma", 128, 128, 8, s, ws), K_TILE=128) for s in (2, 3) for ws in (False, True)] + [
-    dict(_cfg("tma", 64, 256, 8, 2), K_TILE=128), dict(_cfg("tma", 128, 128, 4, 2), K_TILE=128)]
+WALK_K_TILE = [dict(_cfg("tma", 128, 128, 8, 3), K_TILE=128), dict(_cfg("tma", 64, 256, 8, 2), K_TILE=128)]
+# the TMA kernel walks (tile, leaf) items by default where the leaves are even (LEAF_MAJOR, one
+# flattened pipelined loop); the loop per leaf (leaf_major False) and deeper pipelines against it
+WALK_LEAF_MAJOR = [dict(_cfg("tma", 128, 128, 8, 4), leaf_major=False), _cfg("tma", 128, 128, 8, 5),
+                   _cfg("tma", 128, 128, 4, 5), _cfg("tma", 64, 256, 8, 5)]
 
 
 def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
@@ -363,7 +366,7 @@ def main():
         res["leaves"], res["leaves_summary"] = sweep_leaves(print)
     if a.leafwalk:
         res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS,
-                                                                WALK_LARGE + WALK_K_TILE)
+                                                                WALK_LARGE + WALK_K_TILE + WALK_LEAF_MAJOR)
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:

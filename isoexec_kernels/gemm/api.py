@@ -5,8 +5,8 @@ Public API
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
-  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``k_leaves_for(N, K)``, ``tile_for_m(M, dtype, N, K)``,
-  ``gemm_path(N, K, dtype, device, M)``
+  ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``k_leaves_for(N, K)``, ``tile_for_m(M, dtype, N, K, leaves)``,
+  ``gemm_path(N, K, dtype, device, M, leaves)``
 
 Rounding schedule (every output element, whatever M, the row's position or its neighbours)
   inputs bf16/fp16/fp32; products and accumulation in fp32; K is cut into fixed blocks of

@@ -17,8 +17,10 @@ M_BUCKET_BOUNDS = (16, 64, 256, 1024, 2048)
 that meets both sides of each bound compiles every variant (isoexec.train.precompile)."""
 
 
-def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096) -> dict:
-    """Triton launch for a batch of M rows against a weight [N, K]:
+def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: int = 4096,
+               leaves: int | None = None) -> dict:
+    """Triton launch for a batch of M rows against a weight [N, K] cut into ``leaves`` K leaves
+    (default :func:`k_leaves_for`; a row-parallel linear's caller passes the contract's count):
     ``{path, BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, K_TILE}``.
 
     Only scheduling changes between entries (kernel, tile, warps, stages, and the K tile
@@ -45,7 +47,7 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         return dict(path=path, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
                     warp_specialize=ws, K_TILE=kt)
 
-    leaves = k_leaves_for(N, K)
+    leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
     if leaves > 1:
         # K cut into leaves (small N): small M splits K over (tile, leaf) programs so about one
         # program per SM reads each weight tile once; large M walks the leaves in one program,
@@ -114,14 +116,15 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
 
 
-def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20) -> str:
+def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20,
+              leaves: int | None = None) -> str:
     """Which Triton kernel serves (M, N, K): the bucket's ``path`` from :func:`tile_for_m`
     when it is ``"tma"`` and the GPU has TMA and the row strides of x, weight and out are
     16-byte multiples (a function of (N, K) only), else ``"pointer"``. x is copied to an
     aligned contiguous buffer when needed, so its layout never picks the path. The two kernels
     run the same K loop and gave identical bits on the H200 (see :func:`tile_for_m`)."""
     es = dtype.itemsize
-    path = tile_for_m(M, dtype, N, K)["path"]
+    path = tile_for_m(M, dtype, N, K, leaves)["path"]
     if path == "split":   # tile_for_m splits only shapes with more than one K leaf
         return "split"
     if path != "tma":
@@ -137,12 +140,18 @@ def _gemm_tma_persistent_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, FLATTEN: tl.constexpr, LEAVES: tl.constexpr,
-    PRECISION: tl.constexpr = "ieee", HOST_DESC: tl.constexpr = False,
+    PRECISION: tl.constexpr = "ieee", HOST_DESC: tl.constexpr = False, LEAF_MAJOR: tl.constexpr = False,
 ):
     # Persistent: NUM_PROGRAMS programs walk the output tiles; each tile is computed wholly by
     # one program with the K loop below, so persistence never changes an element's order.
     # (One K loop over all leaves, adding each into the sum at its last block, gave the same bits
     # and ran slower on the H200: results/h200/bench/gemm_leafflat_sweep.json, commit 5e63404.)
+    # LEAF_MAJOR (several leaves of equal length, k_steps % LEAVES == 0): the persistent loop walks
+    # (tile, leaf) items, one K loop of k_steps / LEAVES blocks each, the sum so far carried from
+    # item to item and stored after the tile's last leaf. The leaves are then what tiles are to the
+    # one-leaf kernel: the compiler flattens the item loop and its K loop into one pipelined loop,
+    # so the loads run on across a leaf's end instead of draining and refilling at every leaf
+    # (the loop per leaf below). Same dots, same order, same sums: the same bits.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -162,43 +171,80 @@ def _gemm_tma_persistent_kernel(
         o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
     group_span = GROUP_M_ * tiles_n
-    for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
-        group = tile // group_span
-        first_m = group * GROUP_M_
-        rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
-        tm = first_m + (tile % rows_in_group)
-        tn = (tile % group_span) // rows_in_group
+    if LEAF_MAJOR:
+        per_leaf = k_steps // LEAVES
+        my_tiles = tl.cdiv(tl.maximum(n_tiles - pid, 0), NUM_PROGRAMS)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for leaf in tl.static_range(LEAVES):
-            # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
-            # as the split-K kernels below compute them
+        for item in tl.range(0, my_tiles * LEAVES, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+            tile = pid + (item // LEAVES) * NUM_PROGRAMS
+            leaf = item % LEAVES
+            group = tile // group_span
+            first_m = group * GROUP_M_
+            rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
+            tm = first_m + (tile % rows_in_group)
+            tn = (tile % group_span) // rows_in_group
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
-                # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
-                # last block.
+            for kk in range(0, per_leaf):
+                ks = leaf * per_leaf + kk
                 a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
                 b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
                 part = tl.dot(a, b.T, part, input_precision=PRECISION)
-            if leaf == 0:
-                acc = part
-            else:
-                acc = acc + part
-        if HAS_BIAS:
-            offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-            acc = acc + bias[None, :]
-        y = acc.to(o_desc.dtype)
-        if HAS_RES:
-            # the residual stream's ``r + y`` in the epilogue: y rounded to the output dtype
-            # first, the two added in fp32 and rounded once more, as torch's elementwise add of
-            # two tensors of that dtype does -- the bits of the unfused pair
-            rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
-            rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
-            r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :],
-                        mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
-            y = (y.to(tl.float32) + r.to(tl.float32)).to(o_desc.dtype)
-        o_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
+            # leaf 0 as it is (a select, not +0 + part: -0 stays -0), later leaves added in order
+            acc = tl.where(leaf == 0, part, acc + part)
+            if leaf == LEAVES - 1:
+                # the epilogue of the loop per leaf below, written twice (lazily jitted kernels
+                # cannot call a shared helper)
+                y = acc
+                if HAS_BIAS:
+                    offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                    y = y + bias[None, :]
+                y = y.to(o_desc.dtype)
+                if HAS_RES:
+                    rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+                    rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                    r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :],
+                                mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+                    y = (y.to(tl.float32) + r.to(tl.float32)).to(o_desc.dtype)
+                o_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
+    else:
+        for tile in tl.range(pid, n_tiles, NUM_PROGRAMS, flatten=FLATTEN,
+                             warp_specialize=WARP_SPECIALIZE):
+            group = tile // group_span
+            first_m = group * GROUP_M_
+            rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M_)
+            tm = first_m + (tile % rows_in_group)
+            tn = (tile % group_span) // rows_in_group
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for leaf in tl.static_range(LEAVES):
+                # each K leaf from +0 in K order; the leaves summed left to right (leaf 0 as it is),
+                # as the split-K kernels below compute them
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
+                    # Out-of-range K columns are zero-filled by the descriptor: same as a zero-padded
+                    # last block.
+                    a = x_desc.load([tm * BLOCK_M, ks * BLOCK_K_])
+                    b = w_desc.load([tn * BLOCK_N, ks * BLOCK_K_])
+                    part = tl.dot(a, b.T, part, input_precision=PRECISION)
+                if leaf == 0:
+                    acc = part
+                else:
+                    acc = acc + part
+            if HAS_BIAS:
+                offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                acc = acc + bias[None, :]
+            y = acc.to(o_desc.dtype)
+            if HAS_RES:
+                # the residual stream's ``r + y`` in the epilogue: y rounded to the output dtype
+                # first, the two added in fp32 and rounded once more, as torch's elementwise add of
+                # two tensors of that dtype does -- the bits of the unfused pair
+                rm = tm * BLOCK_M + tl.arange(0, BLOCK_M)
+                rn = tn * BLOCK_N + tl.arange(0, BLOCK_N)
+                r = tl.load(res_ptr + rm[:, None].to(tl.int64) * stride_rm + rn[None, :],
+                            mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+                y = (y.to(tl.float32) + r.to(tl.float32)).to(o_desc.dtype)
+            o_desc.store([tm * BLOCK_M, tn * BLOCK_N], y)
 
 
 @jit
@@ -328,7 +374,7 @@ def _aligned_contiguous(t: torch.Tensor) -> torch.Tensor:
 _SUM_BLOCK = 1024
 
 
-def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -> int | None:
+def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int, leaves: int = 1) -> int | None:
     """Scheduling only: the number of leading rows to run with the bucket's tiles when its last
     wave of output tiles would leave most SMs idle, the remaining rows then taking the 2048-row
     bucket's smaller tiles (same K loop, same bits: every tile of the tile table gives identical
@@ -336,8 +382,9 @@ def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int) -
     (N <= 2048) qualifies: Qwen3-0.6B o_proj / down_proj at M = 10240 are 320 tiles of 128 x 256
     on 132 SMs, 2.4 waves whose third is 42% busy (0.87-0.89x cuBLAS); cutting at 8448 rows
     (two full waves) leaves 1792 rows as 112 tiles of 128 x 128, half a wave's time. A function
-    of (M, N, K, the device's SM count), never of the data."""
-    if M <= M_BUCKET_BOUNDS[-1] or N > 2048:
+    of (M, N, K, the device's SM count), never of the data. Several K leaves: None (their walk
+    has one tile at every M)."""
+    if M <= M_BUCKET_BOUNDS[-1] or N > 2048 or leaves > 1:
         return None
     cfg = tile_for_m(M, dtype, N, K)
     if cfg["path"] != "tma":
@@ -416,8 +463,16 @@ def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs,
         HAS_BIAS=has_bias, HAS_RES=res is not None, BLOCK_M=bm, BLOCK_N=bn,
         BLOCK_K_=kt, GROUP_M_=GROUP_M,
         NUM_PROGRAMS=programs, WARP_SPECIALIZE=ws, FLATTEN=flatten, LEAVES=leaves, PRECISION=prec,
-        HOST_DESC=host_desc, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HOST_DESC=host_desc, LEAF_MAJOR=leaf_major(cfg, K, kt, leaves),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def leaf_major(cfg: dict, K: int, kt: int, leaves: int) -> bool:
+    """Whether the TMA kernel walks (tile, leaf) items (``LEAF_MAJOR``): several leaves of equal
+    length in K tiles, unless the tile key ``leaf_major`` says otherwise (the sweep). Scheduling
+    only: the same bits either way."""
+    return leaves > 1 and -(-K // kt) % leaves == 0 and bool(cfg.get("leaf_major", True))
 
 
 def _residual_rows(residual, M: int, N: int):
@@ -450,11 +505,11 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         if res is not None:
             out.add_(res)
         return out
-    cfg = dict(tile_for_m(M, x2.dtype, N, K), **(tile or {}))
-    path = impl or gemm_path(N, K, x2.dtype, x2.device, M)
+    leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
+    cfg = dict(tile_for_m(M, x2.dtype, N, K, leaves), **(tile or {}))
+    path = impl or gemm_path(N, K, x2.dtype, x2.device, M, leaves)
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
     bk = block_k_for(N, K)
-    leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
     # "ieee": an fp32 FMA chain for fp32 inputs (tensor cores, exact products, for 16-bit ones);
     # other precisions are a tuning probe only (scripts/router_gemm_probe.py), never the default
     prec = precision or "ieee"
@@ -476,7 +531,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # ``programs_per_sm`` > 1 lets small tiles share an SM (scheduling only: each tile is still
         # one program's K loop)
         programs = num_sms(x2.device) * int(cfg.get("programs_per_sm", 1))
-        head = tail_rows_split(M, N, K, x2.dtype, programs) if tile is None else None
+        head = tail_rows_split(M, N, K, x2.dtype, programs, leaves) if tile is None else None
         if head is None:
             _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res)
         else:

@@ -443,14 +443,17 @@ def interp_case_linear_split_k_equals_one_program_leaf_walk_fp32(kb):
     g = torch.Generator().manual_seed(54)
     w = torch.randn(40, 5 * 64 + 20, generator=g) / 10
     b = torch.randn(40, generator=g)
-    x = torch.randn(20, 5 * 64 + 20, generator=g)
+    # 40 rows: 3 x 2 tiles on the interpreter's 4 persistent programs, so a program carries its
+    # sum from one tile's last leaf to the next tile's first (TMA kernel, LEAF_MAJOR)
+    x = torch.randn(40, 5 * 64 + 20, generator=g)
     tile = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)
-    for leaves in (2, 3, 6):
+    for leaves in (2, 3, 4, 6):   # 6 K blocks: 4 leaves are uneven (the loop per leaf), the rest (tile, leaf) items
         split = gemm.linear_triton(x, w, b, impl="split", tile=tile, leaves=leaves)
         kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="pointer", tile=tile, leaves=leaves), split,
                           f"split vs pointer, {leaves} leaves")
-        kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=tile, leaves=leaves), split,
-                          f"split vs tma, {leaves} leaves")
+        for major in (True, False):
+            kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=dict(tile, leaf_major=major), leaves=leaves),
+                              split, f"split vs tma (leaf_major={major}), {leaves} leaves")
         assert kb.rel_l2(split, x.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
 
 
