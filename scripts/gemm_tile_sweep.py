@@ -159,6 +159,15 @@ WALK_LEAF_MAJOR = [dict(_cfg("tma", 128, 128, 8, 4), leaf_major=False), _cfg("tm
                    _cfg("tma", 128, 128, 4, 5), _cfg("tma", 64, 256, 8, 5)]
 
 
+# --leaves-small: the walk of the pinned leaves at the M of decode and prefill batches (the split-K
+# programs, the leaf-major TMA walk with small tiles, pointer walks) against the one-leaf table
+SMALL_WALK_M = [64, 256, 1024]
+SMALL_WALK = [_cfg("tma", 64, 128, 4, 4), dict(_cfg("tma", 64, 128, 4, 3), K_TILE=128), _cfg("tma", 64, 64, 4, 4),
+              dict(_cfg("tma", 128, 128, 8, 3), K_TILE=128), _cfg("tma", 64, 256, 8, 4),
+              dict(_cfg("pointer", 64, 64, 4, 4), K_TILE=128), dict(_cfg("pointer", 64, 32, 4, 4), K_TILE=128),
+              _cfg("split", 64, 128, 4, 3), _cfg("split", 128, 128, 8, 3)]
+
+
 def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_large=()):
     out = []
     for name, K, N in shapes:
@@ -173,7 +182,7 @@ def sweep_leaves(log, shapes=LEAF_SHAPES, ms=LEAF_M, counts=LEAF_COUNTS, extra_l
                     walk = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4)
                     ref = linear_triton(xs[0], w, impl="tma", tile=walk, leaves=leaves)
                     cands = (LEAF_SMALL if M <= 256 and leaves > 1 else []) + LEAF_LARGE + list(extra_large)
-                    if M > 256 and leaves == 1:   # the shape's own entry of the tile table
+                    if leaves == 1:   # the shape's own entry of the tile table (the plain invariant GEMM)
                         cands = cands + [tile_for_m(M, torch.bfloat16, N, K)]
                     if M <= 256:
                         cands = cands + [dict(tile_for_m(M, torch.bfloat16, 1, 1), path="pointer")]
@@ -343,6 +352,7 @@ def main():
     ap.add_argument("--leaves", action="store_true")
     ap.add_argument("--occupancy", action="store_true")
     ap.add_argument("--leafwalk", action="store_true")
+    ap.add_argument("--leaves-small", action="store_true", help="the pinned leaves' walk at M 64..1024 (~3 min)")
     ap.add_argument("--block-k", action="store_true", help="K tiles 64/128/256 at the small-M rows (~1 min)")
     ap.add_argument("--block-k-all", action="store_true",
                     help="K tiles 64/128/256 at every small-M row of the eight shapes (~4 min)")
@@ -350,7 +360,8 @@ def main():
                                                 "e.g. 0.6b.gate_up:256,8b.down:64 or 0.6b.o:2048")
     ap.add_argument("--wide", action="store_true", help="with --block-k(-all): more tiles at M <= 256")
     a = ap.parse_args()
-    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k or a.block_k_all)
+    both = not (a.small or a.large or a.leaves or a.occupancy or a.leafwalk or a.block_k or a.block_k_all
+                or a.leaves_small)
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
     if a.block_k or a.block_k_all:
@@ -367,6 +378,10 @@ def main():
     if a.leafwalk:
         res["leafwalk"], res["leafwalk_summary"] = sweep_leaves(print, WALK_SHAPES, WALK_M, WALK_COUNTS,
                                                                 WALK_LARGE + WALK_K_TILE + WALK_LEAF_MAJOR)
+    if a.leaves_small:
+        res["commit"] = git_commit()
+        res["leaves_small"], res["leaves_small_summary"] = sweep_leaves(print, WALK_SHAPES, SMALL_WALK_M, WALK_COUNTS,
+                                                                        SMALL_WALK)
     if a.occupancy:
         res["occupancy"] = sweep(OCC_SHAPES, OCC_M, OCC_CANDIDATES, print)
     if a.large or both:

@@ -60,7 +60,11 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
             return cfg("split", 64, 64 if N <= 2048 else 128, 4, 4)
         if M <= 1024:
             return cfg("tma", 64, 128, 4, 4)
-        return cfg("tma", 128, 128, 8, 4)
+        # the leaf-major walk (LEAF_MAJOR) with K tiles of 128: 4 leaves at M 2048 / 8192 ran at
+        # 0.86-0.96x the one-leaf 128 x 128 launch and 0.85-0.90x the one-leaf table (0.6B and 8B
+        # o/down; the loop per leaf at 128 x 128 / 4 stages: 0.80-0.89x; gemm_tile_sweep.py
+        # --leafwalk at 61fb392)
+        return cfg("tma", 128, 128, 8, 3, kt=128)
 
     # M <= 256: K tiles of 128/256 (``kt``, see k_tile_for: the bits of BLOCK_K 64) halve or quarter
     # the K loop's trips, which is what these latency-bound sizes pay for. Comments: the worst ratio
