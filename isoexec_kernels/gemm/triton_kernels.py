@@ -56,10 +56,14 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
             return cfg("split", 16, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
         if M <= 64:
             return cfg("split", 64, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
+        # M 256 and 1024 (gemm_tile_sweep.py --leaves-small at 17f8e04, 4 leaves, against the
+        # one-leaf table): split-K 0.83-0.92x at 0.6B o/down M = 256, where the leaf-major walk of
+        # 64 x 128 tiles with K tiles of 128 gave 8B o/down 0.83-0.85x (split-K 64 x 128: 0.61-0.72x);
+        # at M = 1024 that walk 0.97-1.09x (0.6B), the 128 x 128 one 0.94-0.97x (8B)
         if M <= 256:
-            return cfg("split", 64, 64 if N <= 2048 else 128, 4, 4)
+            return cfg("split", 64, 64, 4, 4) if N <= 2048 else cfg("tma", 64, 128, 4, 3, kt=128)
         if M <= 1024:
-            return cfg("tma", 64, 128, 4, 4)
+            return cfg("tma", 64, 128, 4, 3, kt=128) if N <= 2048 else cfg("tma", 128, 128, 8, 3, kt=128)
         # the leaf-major walk (LEAF_MAJOR) with K tiles of 128: 4 leaves at M 2048 / 8192 ran at
         # 0.86-0.96x the one-leaf 128 x 128 launch and 0.85-0.90x the one-leaf table (0.6B and 8B
         # o/down; the loop per leaf at 128 x 128 / 4 stages: 0.80-0.89x; gemm_tile_sweep.py
@@ -403,17 +407,26 @@ def tail_rows_split(M: int, N: int, K: int, dtype: torch.dtype, programs: int, l
     return head if 0 < head < M else None
 
 
-def tma_takes_residual(cfg: dict) -> bool:
-    """Whether a TMA launch of tile ``cfg`` adds the residual in its epilogue. Not a 128 x 256
-    tile without warp specialisation at 3 or more stages: its epilogue then needs 245,784 bytes
-    of shared memory, more than the H200's 232,448; every other tile of the H200 probe gave 0
-    differing elements against the separate add (scripts/gemm_residual_probe.py,
-    results/h200/bench/gemm_residual_probe_ae6aab3.log). That tile adds after its launch (same
-    bits). The tile key ``tma_residual`` forces either way (the probe)."""
+_SM90_SHARED_MEMORY = 232448   # bytes a block may opt in to on sm90 (H100 / H200)
+
+
+def tma_takes_residual(cfg: dict, kt: int = BLOCK_K) -> bool:
+    """Whether a TMA launch of tile ``cfg`` with K tiles of ``kt`` adds the residual in its
+    epilogue: with warp specialisation always; without it where the stages, the output tile and
+    the residual's conversion scratch (the output tile's size, at most 32 KiB) fit in shared
+    memory together. Calibrated on the H200: 128 x 256 at 3 stages (K tile 64) asked 245,784 bytes
+    and 128 x 128 at 3 stages with K tiles of 128 asked 262,168, more than its 232,448; every
+    tile of the H200 probe gave 0 differing elements against the separate add
+    (scripts/gemm_residual_probe.py, results/h200/bench/gemm_residual_probe_ae6aab3.log). Those
+    tiles add after their launch (same bits). The tile key ``tma_residual`` forces either way
+    (the probe)."""
     if "tma_residual" in cfg:
         return bool(cfg["tma_residual"])
-    big = cfg["BLOCK_M"] * cfg["BLOCK_N"] >= 128 * 256
-    return not (big and not cfg.get("warp_specialize", False) and cfg["num_stages"] >= 3)
+    if cfg.get("warp_specialize", False):
+        return True
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    need = cfg["num_stages"] * (bm + bn) * kt * 2 + bm * bn * 2 + min(bm * bn * 2, 32768)
+    return need <= _SM90_SHARED_MEMORY
 
 
 def k_tile_for(cfg: dict, bk: int, K: int, leaves: int, dtype: torch.dtype) -> int:
@@ -439,16 +452,16 @@ def k_tile_for(cfg: dict, bk: int, K: int, leaves: int, dtype: torch.dtype) -> i
 
 
 def _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs, res=None):
-    if res is not None and not tma_takes_residual(cfg):
+    M, K = x2.shape
+    N = w.shape[0]
+    bm, bn, kt = cfg["BLOCK_M"], cfg["BLOCK_N"], k_tile_for(cfg, bk, K, leaves, x2.dtype)
+    if res is not None and not tma_takes_residual(cfg, kt):
         _launch_tma(x2, w, out, bias_arg, has_bias, cfg, bk, leaves, prec, programs)
         out.add_(res)   # the separate add: the epilogue's bits (out rounded, then torch's add)
         return
-    M, K = x2.shape
-    N = w.shape[0]
     ws = bool(cfg.get("warp_specialize", False)) and x2.is_cuda and not interpreting()
     flatten = cfg.get("flatten", not ws)
     res_arg, res_stride = _residual_args(res, out)
-    bm, bn, kt = cfg["BLOCK_M"], cfg["BLOCK_N"], k_tile_for(cfg, bk, K, leaves, x2.dtype)
     # descriptors made on the host by default: on the H200 the device-side ones cost 3-35% at the
     # 8-45 us kernels (0.6B o_proj at M = 2048: 0.90x cuBLAS with them, 1.04x without; every row
     # gave the same bits either way, scripts/gemm_host_desc_probe.py at ddfa0d3). The tile key

@@ -309,6 +309,10 @@ def test_tma_residual_epilogue_is_skipped_only_where_it_overflows_shared_memory(
     assert tma_takes_residual(tile(128, 256, 3, True)) and tma_takes_residual(tile(128, 256, 2, False))
     assert tma_takes_residual(tile(128, 128, 4, False)) and tma_takes_residual(tile(64, 128, 4, True))
     assert tma_takes_residual(dict(tile(128, 256, 3, False), tma_residual=True))
+    # K tiles of 128 (the leaf walk's): 3 stages of 128 x 128 do not leave room for it, 2 do;
+    # every entry of the table with a K tile of 128 and a TMA path is one of these or fits
+    assert not tma_takes_residual(tile(128, 128, 3, False), 128) and tma_takes_residual(tile(128, 128, 2, False), 128)
+    assert tma_takes_residual(tile(64, 128, 4, False), 128) and tma_takes_residual(tile(64, 128, 3, False), 128)
 
 
 def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
@@ -321,6 +325,9 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
             seen.add((n, tuple(sorted(cfg.items()))))
     # a shape with K leaves splits K at small M and walks the leaves at large M
     leafy = (1024, 3072)
+    # ... whether the table pins them or the caller passes them (a row-parallel linear's L)
+    assert [gemm.tile_for_m(m, torch.bfloat16, *leafy, leaves=4)["path"] for m in (64, 4096)] == ["split", "tma"]
+    assert gemm.tile_for_m(4096, torch.bfloat16, *leafy, leaves=4) != gemm.tile_for_m(4096, torch.bfloat16, *leafy)
     saved = dict(gemm.K_LEAVES)
     try:
         gemm.K_LEAVES[leafy] = 4
