@@ -30,7 +30,9 @@ leaves to rank r-1's running sum and passes it on) would keep the order with one
 at tp serial hops. Not built.
 
 Device: on CPU the leaf partials are the reference twin's. On CUDA they are the Triton kernel's
-one-leaf K loop, the same arithmetic its split-K path uses for each leaf; no GPU gate has run yet.
+one-leaf K loop, the same arithmetic its split-K path and its leaf walk use for each leaf (on the
+H200 the walk equals the partials at M 1 to 8192, a GPU test, and the world-size-1 NCCL topology
+gates pass; ``isoexec bench tp_linear`` times the walk against the plain invariant GEMM).
 
 Autograd: the backward is correct and deterministic, not tp-invariant (only forward bits must match
 between trainer and engine). The output is replicated, so each rank's gradient of it is the same
