@@ -350,6 +350,9 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
 def test_tail_rows_split_leaves_whole_waves_then_less_than_a_wave_of_smaller_tiles():
     from isoexec_kernels.gemm.triton_kernels import tail_rows_split
     sms = 132
+    # a caller's K leaves walk one tile at every M: no second launch
+    assert tail_rows_split(10240, 1024, 2048, torch.bfloat16, sms) is not None
+    assert tail_rows_split(10240, 1024, 2048, torch.bfloat16, sms, leaves=4) is None
     split_seen = False
     for n, k in ((1024, 2048), (1024, 3072), (2048, 1024), (4096, 1024), (151936, 1024)):
         for m in (1, 256, 2048, 2049, 4097, 6000, 8192, 10240, 12345, 20000):
