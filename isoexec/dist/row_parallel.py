@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec_kernels import _ref
-from isoexec_kernels.gemm import linear
+from isoexec_kernels.gemm import leaf_sum, linear
 from isoexec_kernels.gemm.reference import _GRAD_BIAS_LEAF
 
 from .collectives import gather_in_rank_order, group_size_rank
@@ -67,14 +67,10 @@ class _LeafSumFn(torch.autograd.Function):
     def forward(ctx, partials, bias, group, tp, out_dtype):
         per, M, N = partials.shape
         every = gather_in_rank_order(partials, group, tp).reshape(tp * per, M, N)  # leaf order
-        total = every[0].clone()  # the first leaf as it is: no +0 start
-        for j in range(1, every.shape[0]):
-            total.add_(every[j])
-        if bias is not None:
-            total = total + bias.float()
         ctx.per = per
         ctx.bias_dtype = None if bias is None else bias.dtype
-        return total.to(out_dtype)
+        # left to right from the first leaf as it is, the bias, one rounding (one launch on CUDA)
+        return leaf_sum(every, bias, out_dtype)
 
     @staticmethod
     def backward(ctx, grad):

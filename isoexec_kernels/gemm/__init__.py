@@ -1,7 +1,7 @@
 """The batch-invariant linear layer ``out = x @ weight.T (+ bias)``, forward and backward."""
 
 from ..impl import Constant, Impl
-from .api import linear
+from .api import leaf_sum, linear
 from .reference import BLOCK_K, K_LEAVES, block_k_for, k_leaves_for, leaf_bounds, linear_reference
 from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
 from .native import linear_native

@@ -4,6 +4,8 @@ Public API
   ``linear(x, weight, bias=None, out_dtype=None, leaves=None, residual=None)``  dispatcher (CUDA -> Triton, else reference),
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
+  ``leaf_sum(partials, bias=None, out_dtype=fp32)``  K-leaf partials -> the rounded output (the
+                                               epilogue of a row-parallel linear's gathered leaves)
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
   ``BLOCK_K``, ``GROUP_M``, ``block_k_for(N, K)``, ``k_leaves_for(N, K)``, ``tile_for_m(M, dtype, N, K, leaves)``,
   ``gemm_path(N, K, dtype, device, M, leaves)``
@@ -57,8 +59,8 @@ import torch
 
 from .. import _ref
 from .._triton_util import want_triton
-from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d
-from .triton_kernels import _triton_2d
+from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d, leaf_sum_reference
+from .triton_kernels import _triton_2d, leaf_sum_triton
 
 
 def _linear_2d(x2, w, bias, out_dtype=None, leaves=None, residual=None):
@@ -144,3 +146,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     K = x.shape[-1]
     return _linear_2d(x.reshape(-1, K), weight, bias, out_dtype, leaves,
                       residual).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def leaf_sum(partials: torch.Tensor, bias: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[L, M, N] fp32 K-leaf partials (each leaf's accumulator, from +0 in K order) -> the
+    rounded [M, N] output: leaves left to right in fp32 (the first as it is), the bias in fp32,
+    one rounding to ``out_dtype`` -- what ``linear(..., leaves=L)`` does after its leaves. Triton on
+    CUDA (one launch), the reference twin elsewhere; not differentiable (a row-parallel linear's
+    autograd function passes the gradient through)."""
+    if partials.dim() != 3 or partials.dtype != torch.float32:
+        raise ValueError(f"leaf_sum: partials must be [L, M, N] float32, got {tuple(partials.shape)} {partials.dtype}")
+    if bias is not None and tuple(bias.shape) != (partials.shape[2],):
+        raise ValueError(f"leaf_sum: bias must be [N]=[{partials.shape[2]}], got shape {tuple(bias.shape)}")
+    if want_triton(partials):
+        return leaf_sum_triton(partials, bias, out_dtype)
+    return leaf_sum_reference(partials, bias, out_dtype)

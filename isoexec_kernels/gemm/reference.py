@@ -139,3 +139,16 @@ def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     K = x.shape[-1]
     out = _reference_2d(x.reshape(-1, K), weight, bias, leaves, out_dtype, residual)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def leaf_sum_reference(partials: torch.Tensor, bias: torch.Tensor | None = None,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[L, M, N] fp32 leaf partials -> [M, N]: the leaves added left to right in fp32 (the first
+    as it is, no +0 start), then the bias in fp32, then one rounding to ``out_dtype``: the
+    invariant linear's epilogue after its leaves (``_reference_2d_acc``, the Triton kernels)."""
+    total = partials[0].clone()
+    for j in range(1, partials.shape[0]):
+        total.add_(partials[j])
+    if bias is not None:
+        total = total + bias.float()
+    return total.to(out_dtype)

@@ -589,6 +589,25 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
     return out
 
 
+def leaf_sum_triton(partials: torch.Tensor, bias: torch.Tensor | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`leaf_sum_reference` in one launch: the split-K path's second pass (the leaves left
+    to right, the bias, one rounding) on partials made elsewhere, e.g. gathered from the ranks of
+    a row-parallel linear. Rounding schedule: the reference's."""
+    L, M, N = partials.shape
+    part = partials.contiguous()
+    out = torch.empty((M, N), dtype=out_dtype, device=part.device)
+    if M * N == 0:
+        return out
+    has_bias = bias is not None
+    res_arg, res_stride = _residual_args(None, out)
+    _gemm_leaf_sum_kernel[(triton.cdiv(M * N, _SUM_BLOCK),)](
+        part, out, bias if has_bias else out, res_arg, M * N, N, out.stride(0), out.stride(1), res_stride,
+        HAS_BIAS=has_bias, HAS_RES=False, LEAVES=L, BLOCK=_SUM_BLOCK, num_warps=4,
+    )
+    return out
+
+
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   impl: str | None = None, tile: dict | None = None, leaves: int | None = None,
                   precision: str | None = None, out_dtype: torch.dtype | None = None,

@@ -139,6 +139,21 @@ def test_linear_leaves_argument_runs_that_schedule_and_leaves_the_backward_alone
         gemm.linear(x, w, b, leaves=7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_leaf_sum_of_one_leaf_partials_is_the_linear_with_those_leaves(kb, dtype):
+    # each leaf alone (one leaf, fp32 out: its accumulator), then leaf_sum: linear(..., leaves=L)
+    w, b, g = _weights(24, 330, dtype, seed=90)
+    x = torch.randn(7, 330, generator=g).to(dtype)
+    for leaves in (2, 3, 5):
+        parts = torch.stack([gemm.linear(x[:, a * 64:c * 64], w[:, a * 64:c * 64], out_dtype=torch.float32, leaves=1)
+                             for a, c in gemm.leaf_bounds(330, leaves)])
+        kb.assert_bitwise(gemm.leaf_sum(parts, b, dtype), gemm.linear(x, w, b, leaves=leaves), f"{leaves} leaves")
+    with pytest.raises(ValueError, match=r"\[L, M, N\] float32"):
+        gemm.leaf_sum(parts.bfloat16(), b)
+    with pytest.raises(ValueError, match=r"bias must be \[N\]=\[24\]"):
+        gemm.leaf_sum(parts, b[:5])
+
+
 def test_k_leaves_depend_on_the_weight_shape_only_and_bad_counts_are_refused(monkeypatch):
     for (n, k), leaves in gemm.K_LEAVES.items():
         assert gemm.k_leaves_for(n, k) == leaves and 1 <= leaves <= k // gemm.BLOCK_K
@@ -465,6 +480,19 @@ def interp_case_linear_split_k_equals_one_program_leaf_walk_fp32(kb):
             kb.assert_bitwise(gemm.linear_triton(x, w, b, impl="tma", tile=dict(tile, leaf_major=major), leaves=leaves),
                               split, f"split vs tma (leaf_major={major}), {leaves} leaves")
         assert kb.rel_l2(split, x.double() @ w.double().T + b.double()) < kb.TOL[torch.float32]
+
+
+def interp_case_leaf_sum_equals_its_reference(kb):
+    # the split-K path's second pass on partials made elsewhere: left to right, bias, one rounding
+    from isoexec_kernels.gemm.reference import leaf_sum_reference
+    from isoexec_kernels.gemm.triton_kernels import leaf_sum_triton
+    g = torch.Generator().manual_seed(57)
+    parts = torch.randn(4, 37, 45, generator=g) * torch.logspace(-3, 3, 45)
+    b = torch.randn(45, generator=g).half()
+    for out_dtype in (torch.float32, torch.float16):
+        for bias in (None, b):
+            kb.assert_bitwise(leaf_sum_triton(parts, bias, out_dtype), leaf_sum_reference(parts, bias, out_dtype),
+                              f"{out_dtype} bias={bias is not None}")
 
 
 def interp_case_linear_residual_in_the_epilogue_equals_the_separate_add(kb):
