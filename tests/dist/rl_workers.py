@@ -185,8 +185,20 @@ def _plan_engine_tp(job, ws, rank, out_dir) -> dict:
     return res
 
 
+def _plan_engine_tp_runs(job, ws, rank, out_dir) -> dict:
+    """:func:`_plan_engine_tp` for each run of ``job["runs"]`` ({name: job}), one after the other in
+    the same world, each in a folder of its own: one start-up of the ranks (torch, the package, the
+    rendezvous: several seconds a rank) for all of them instead of one per run. ``{name: results}``."""
+    res = {"times": {"start": time.monotonic()}}
+    for name, sub in job["runs"].items():
+        res[name] = _plan_engine_tp(sub, ws, rank, str(Path(out_dir) / name))
+        res["times"][name] = time.monotonic()
+    return res
+
+
 def _any_plan(job: dict, world_size: int, rank: int, out_dir: str) -> dict:
-    plan = _plan_engine_tp if job.get("engine_tp") else _plan_run_only if job.get("run_only") else _plan
+    plan = (_plan_engine_tp_runs if "runs" in job else _plan_engine_tp if job.get("engine_tp")
+            else _plan_run_only if job.get("run_only") else _plan)
     return plan(job, world_size, rank, out_dir)
 
 

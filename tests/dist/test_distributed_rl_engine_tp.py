@@ -1,7 +1,8 @@
 """The synchronous DAPO run on two gloo ranks with ONE engine sharded over both (``engine_tp: 2``,
 isoexec/rl/distributed.py) against the same run in one process with a whole engine: two steps of
 ``dense_tp_tiny``, of ``hybrid_tp_tiny`` and of ``mla_moe_tp_tiny`` under ``isoexec_tp4``, each
-from one warm-up checkpoint (rl_workers.py).
+from one warm-up checkpoint (rl_workers.py). The three sharded runs go one after the other in one
+spawned world (each in its own folder): its ranks start once instead of once per family.
 
 - every generation round gives the same tokens and bitwise the same engine logprobs, every metric
   but the timings (and the gradient norm, within 1e-6 relative) is equal, and the live check finds
@@ -40,13 +41,36 @@ CONFIGS = {"dense": (rw.TP_CFG, rw.TP_WARM), "hybrid": (rw.TP_HYBRID_CFG, rw.TP_
            "mla_moe": (TP_MLA_MOE_CFG, TP_MLA_MOE_WARM)}
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """Each family's run configuration, started from a warm-up checkpoint made here once."""
+    out = {}
+    for family, (cfg, warm) in sorted(CONFIGS.items()):
+        folder = tmp_path_factory.mktemp(f"warm_tp_{family}")
+        warm_up(RLConfig.from_dict(warm), folder, log=lambda s: None)
+        os.remove(folder / "warmup.json")
+        out[family] = {"cfg": dict(cfg, checkpoint=str(folder)), "engine_tp": WS}
+    return out
+
+
+@pytest.fixture(scope="module")
+def worlds(jobs, tmp_path_factory):
+    """Every family's sharded run, one after the other in ONE spawned world of two ranks (the ranks
+    start once, not once per family): {family: [rank results]}."""
+    ranks = rw.run_world(WS, tmp_path_factory.mktemp("dist_tp"), {"runs": jobs})
+    errors = [r["__error__"] for r in ranks if "__error__" in r]
+    assert not errors, f"a rank failed:\n{errors[0]}"
+    return {family: [r[family] for r in ranks] for family in jobs}
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
-def job(request, tmp_path_factory):
-    cfg, warm = CONFIGS[request.param]
-    folder = tmp_path_factory.mktemp(f"warm_tp_{request.param}")
-    warm_up(RLConfig.from_dict(warm), folder, log=lambda s: None)
-    os.remove(folder / "warmup.json")
-    return {"cfg": dict(cfg, checkpoint=str(folder)), "engine_tp": WS}
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def job(jobs, family):
+    return jobs[family]
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +80,8 @@ def single(job, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world(job, tmp_path_factory):
-    ranks = rw.run_world(WS, tmp_path_factory.mktemp("dist_tp"), job)
-    errors = [r["__error__"] for r in ranks if "__error__" in r]
-    assert not errors, f"a rank failed:\n{errors[0]}"
-    return ranks
+def world(worlds, family):
+    return worlds[family]
 
 
 def test_the_sharded_engine_serves_every_prompt_on_both_ranks_with_half_the_kv_heads(world, single):
