@@ -40,12 +40,12 @@ from ..model_config import DenseConfig
 from .batch import ForwardBatch
 
 
-@functools.lru_cache(maxsize=64)
 def impl_choices(impl: str | tuple[str, ...]) -> tuple[str, ...]:
     """The impls a ``tp_impls`` entry accepts: one impl id, or a tuple of them (preferred first)."""
     return (impl,) if isinstance(impl, str) else tuple(impl)
 
 
+@functools.lru_cache(maxsize=64)
 def _takes(fn, parameter: str) -> bool:
     """Whether a bound kernel (or a partial of one) accepts the keyword ``parameter``."""
     try:
