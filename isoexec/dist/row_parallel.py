@@ -96,18 +96,7 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     group: the tensor-parallel process group (None: the default group, or one process if none is
     initialised). Returns ``[..., N]`` in x's dtype, replicated. Differentiable (deterministic,
     not tp-invariant backward)."""
-    tp, rank = group_size_rank(group)
-    mine = row_shard_leaves(in_features, leaves, tp, rank)
-    k0, k1 = mine[0][0], mine[-1][1]
-    if x.dim() < 1 or x.shape[-1] != k1 - k0:
-        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} holds input columns [{k0}, {k1}) "
-                         f"of {in_features} ({k1 - k0} wide), but x has shape {tuple(x.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != k1 - k0:
-        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} needs the weight's columns "
-                         f"[{k0}, {k1}) as [N, {k1 - k0}], got shape {tuple(weight.shape)}")
-    N = weight.shape[0]
-    if bias is not None and tuple(bias.shape) != (N,):
-        raise ValueError(f"row-parallel linear: bias must be [N]=[{N}], got shape {tuple(bias.shape)}")
+    tp, mine = _rank_leaves(x, weight, bias, in_features, leaves, group)
     if tp == 1:
         # one rank holds every leaf: the invariant linear's own walk of the L leaves is this
         # schedule in one launch (each leaf from +0, the sums left to right, the bias, one
@@ -122,9 +111,25 @@ def row_parallel_linear_by_partials(x: torch.Tensor, weight: torch.Tensor, bias:
     each leaf's fp32 partial alone, the partials gathered in leaf order and added left to right.
     At tp = 1 it gives the bits of the one-launch walk that ``row_parallel_linear`` runs there
     (the tests and ``isoexec bench tp_linear`` compare the two)."""
+    tp, mine = _rank_leaves(x, weight, bias, in_features, leaves, group)
+    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+
+
+def _rank_leaves(x, weight, bias, in_features, leaves, group):
+    """(tp, this rank's leaves as K ranges) after checking that x, weight and bias are its shard."""
     tp, rank = group_size_rank(group)
     mine = row_shard_leaves(in_features, leaves, tp, rank)
-    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+    k0, k1 = mine[0][0], mine[-1][1]
+    if x.dim() < 1 or x.shape[-1] != k1 - k0:
+        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} holds input columns [{k0}, {k1}) "
+                         f"of {in_features} ({k1 - k0} wide), but x has shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != k1 - k0:
+        raise ValueError(f"row-parallel linear: rank {rank} of tp={tp} needs the weight's columns "
+                         f"[{k0}, {k1}) as [N, {k1 - k0}], got shape {tuple(weight.shape)}")
+    N = weight.shape[0]
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"row-parallel linear: bias must be [N]=[{N}], got shape {tuple(bias.shape)}")
+    return tp, mine
 
 
 def _by_leaf_partials(x, weight, bias, mine, group, tp):
