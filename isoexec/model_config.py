@@ -1,7 +1,8 @@
 """Model configuration of the unified model, read from a transformers config.
 
-A leaf module (it imports only ``errors``, and transformers when a config is read), so that
-``compose`` can check a model YAML before any work starts without importing the model package."""
+A leaf module (it imports only ``errors`` and ``hf_config_store``, and transformers when a config is
+built), so that ``compose`` can check a model YAML before any work starts without importing the
+model package."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
+from .hf_config_store import stored_config
 
 
 def hf_config_from_dict(d: dict) -> Any:
-    """A transformers config object for ``d`` (by its ``model_type``)."""
+    """The transformers config for ``d`` (by its ``model_type``), as its attributes: built by
+    transformers once per machine and read back after that (``hf_config_store``)."""
+    return stored_config(dict(d), _build_hf_config)
+
+
+def _build_hf_config(d: dict) -> Any:
     sys.modules.setdefault("fla", None)  # keep transformers off FLA's GPU kernels (docs/gpu_notes.md)
     from transformers import AutoConfig
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # row are side by side and never import each other. docs/architecture.md draws the same list.
 LAYERS = (
     ("isoexec_kernels",),
-    ("isoexec.errors",),
+    ("isoexec.errors", "isoexec.hf_config_store"),
     ("isoexec.bits", "isoexec.dist", "isoexec.envinfo", "isoexec.kernel_compiles", "isoexec.model_config",
      "isoexec.paths", "isoexec.yamlio"),
     ("isoexec.report",),
