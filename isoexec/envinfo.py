@@ -7,6 +7,8 @@ import functools
 import os
 import platform
 import subprocess
+import sys
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -32,10 +34,15 @@ def git_commit() -> str:
 
 
 def _version(mod: str) -> str:
-    try:
-        m = __import__(mod)
+    """The version of package ``mod``: the imported module's own when the process has imported it,
+    else the installed distribution's. Reading the metadata instead of importing keeps a gate run or
+    a benchmark from importing transformers (about a second of CPU) only to write its version."""
+    m = sys.modules.get(mod)
+    if m is not None:
         return str(getattr(m, "__version__", "unknown"))
-    except Exception:  # noqa: BLE001 - an absent or broken optional package is just "absent"
+    try:
+        return metadata.version(mod)
+    except metadata.PackageNotFoundError:
         return "absent"
 
 
