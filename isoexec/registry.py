@@ -154,6 +154,7 @@ DEPLOYMENT_IMPLS: tuple[ImplSpec, ...] = (
              half="deployment", doc="page geometry changes memory layout only; attention walks absolute positions"),
 )
 
+
 def _check_table(impls: tuple[ImplSpec, ...]) -> None:
     kinds = {o.kind for o in OPS.values()}
     seen: set = set()

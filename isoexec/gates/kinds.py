@@ -8,7 +8,7 @@ or ``gdn_gates`` (sequence regions); a kind without a row has no gate and cannot
 
 A row names its runner as ``"<module of isoexec.gates>.<function>"``, imported when the gate runs:
 the gate modules import torch, and ``contract verify`` (through ``gate_families_for``) reads only
-the families, so it starts without torch. ``tests/gates`` resolves every row's runner.
+the families, so it starts without torch. ``tests/gates/test_kinds.py`` resolves every row's runner.
 """
 
 from __future__ import annotations
