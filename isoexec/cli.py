@@ -15,6 +15,12 @@ topology refusal, a run that does not fit in the GPU's memory);
 2 bad input (usage, missing file, invalid JSON/YAML, unknown family/impl/region, invalid contract).
 Errors print one line ``isoexec: error: ...`` on stderr; outputs are written atomically, so a
 refused command never leaves a partial file.
+
+Start-up: this module imports only what reads and checks contracts, gate artifacts and data
+files; the modules that import torch (benchmarks, gate runners, the RL loop, the memory plan) are
+imported inside the commands that run them. So ``--help``, ``contract show``, ``verify``, ``diff``
+and ``data synthetic`` start without torch (``tests/cli/test_light_commands.py``); ``contract
+build`` imports it through the registry's kernel callables.
 """
 
 from __future__ import annotations
@@ -25,22 +31,21 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import registry
-from .bench.common import default_device, write_result
-from .bench.kernels import BENCHES
+from .bench import BENCHES
 from .compose import build_contract, required_ops
 from .contract import check, decode, diff, encode, format_diff
 from .contract.codec import entry_obj
-from .envinfo import runtime_arch
 from .errors import IsoExecError
 from .gates.artifacts import PENDING, resolve_discharges, verify_contract
-from .gates.runner import gate_names, run_gates
 from .paths import atomic_write, check_output_path
-from .plan import memory_plan, render_markdown, render_text
 from .rl.data import synthetic_arithmetic, write_parquet
-from .rl.loop import RLConfig, run_rl, warm_up
 from .yamlio import load_yaml
+
+if TYPE_CHECKING:
+    from .rl.loop import RLConfig
 
 EXIT_OK, EXIT_CHECK_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -148,6 +153,10 @@ def cmd_contract_diff(args) -> int:
 
 # ------------------------------------------------------------------------------------ gates
 def cmd_gates_run(args) -> int:
+    # the gate runners, and envinfo, import torch: local, so the other commands start without it
+    from .envinfo import runtime_arch
+    from .gates.runner import gate_names, run_gates
+
     only = None
     if args.only:
         only = frozenset(x.strip() for x in args.only.split(",") if x.strip())
@@ -176,10 +185,13 @@ def cmd_gates_run(args) -> int:
 
 # ------------------------------------------------------------------------------------ bench
 def cmd_bench(args) -> int:
+    from .bench import bench_function   # the benchmarks import torch (isoexec/bench/__init__.py)
+    from .bench.common import default_device, write_result
+
     device = args.device or default_device()
     arch = "cpu" if device == "cpu" else "sm90"
     print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
-    res = BENCHES[args.name](device, quick=args.quick)
+    res = bench_function(args.name)(device, quick=args.quick)
     # a benchmark returns its rows, or (rows, extra fields of the result such as a profile)
     rows, extra = res if isinstance(res, tuple) else (res, None)
     path = write_result(args.name, rows, args.out, arch, extra)
@@ -199,6 +211,8 @@ def _load_mapping(path: str) -> dict:
 
 
 def cmd_run(args) -> int:
+    from .rl.loop import run_rl   # the RL loop imports torch (and the whole model stack)
+
     cfg = _rl_config(args, ("family", "composition", "model", "arch", "contract", "seed", "steps", "dataset",
                             "checkpoint"))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
@@ -213,6 +227,8 @@ def cmd_run(args) -> int:
 
 def _rl_config(args, keys) -> RLConfig:
     """The RL settings of ``--config`` with the command-line overrides ``keys``, checked."""
+    from .rl.loop import RLConfig   # imports torch; only run and warmup read RL settings
+
     d = _load_mapping(args.config)
     if "rl" in d:   # a workflow-style file: the settings sit under `rl:`
         d = d["rl"]
@@ -227,6 +243,8 @@ def _rl_config(args, keys) -> RLConfig:
 
 
 def cmd_warmup(args) -> int:
+    from .rl.loop import warm_up   # imports torch
+
     cfg = _rl_config(args, ("family", "model", "arch", "seed", "dataset"))
     log = (lambda s: print(s, file=sys.stderr, flush=True))
     rec = warm_up(cfg, args.out, log=log)
@@ -255,6 +273,9 @@ def cmd_data_synthetic(args) -> int:
 
 # ------------------------------------------------------------------------------------ memory plan
 def cmd_plan(args) -> int:
+    # the plan sizes the engine's pools with its own allocators on the meta device: it imports torch
+    from .plan import memory_plan, render_markdown, render_text
+
     if args.markdown:
         check_output_path(args.markdown)
     plan = memory_plan(args.config, args.gpu_memory_gib)

@@ -13,10 +13,16 @@
 
 Nothing here runs arithmetic; ``isoexec.enforce`` binds the callables and ``isoexec.compose``
 turns a composition YAML plus this table into a contract.
+
+``OPS`` and ``FAMILIES`` are plain data; ``IMPLS`` holds the kernels' real callables, so the op
+folders (and torch) are imported the first time ``IMPLS`` or a function that reads it (``impl``,
+``native_counterpart``) is used, not when this module is: checking a contract's ops against its
+family (``isoexec contract show``/``verify``/``diff``) then starts without torch.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -148,13 +154,11 @@ DEPLOYMENT_IMPLS: tuple[ImplSpec, ...] = (
              half="deployment", doc="page geometry changes memory layout only; attention walks absolute positions"),
 )
 
-IMPLS: tuple[ImplSpec, ...] = _kernel_impls() + DEPLOYMENT_IMPLS
 
-
-def _check_table() -> None:
+def _check_table(impls: tuple[ImplSpec, ...]) -> None:
     kinds = {o.kind for o in OPS.values()}
     seen: set = set()
-    for i in IMPLS:
+    for i in impls:
         if i.kind not in kinds:
             raise CompositionError(f"impl {i.id!r} implements kind {i.kind!r}, which no op in OPS has")
         for a in i.archs:
@@ -163,9 +167,24 @@ def _check_table() -> None:
             seen.add((i.id, a))
 
 
-_check_table()
+@functools.cache
+def _impls() -> tuple[ImplSpec, ...]:
+    """``IMPLS``, collected and checked once, on first use (importing the op folders imports torch)."""
+    impls = _kernel_impls() + DEPLOYMENT_IMPLS
+    _check_table(impls)
+    return impls
 
-_BY_KEY = {(i.id, a): i for i in IMPLS for a in i.archs}
+
+@functools.cache
+def _by_key() -> dict[tuple[str, str], ImplSpec]:
+    return {(i.id, a): i for i in _impls() for a in i.archs}
+
+
+def __getattr__(name: str):
+    # ``registry.IMPLS``: the module attribute, computed when first read (PEP 562)
+    if name == "IMPLS":
+        return _impls()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def family(name: str) -> FamilySpec:
@@ -199,11 +218,11 @@ def op(name: str) -> OpSpec:
 def impl(impl_id: str, arch: str) -> ImplSpec:
     if arch not in ARCHES:
         raise CompositionError(f"unknown arch {arch!r}; known: {', '.join(ARCHES)}")
-    spec = _BY_KEY.get((impl_id, arch))
+    spec = _by_key().get((impl_id, arch))
     if spec is None:
-        if any(i.id == impl_id for i in IMPLS):
+        if any(i.id == impl_id for i in _impls()):
             raise CompositionError(f"impl {impl_id!r} has no variant for arch {arch!r}")
-        raise CompositionError(f"unknown impl {impl_id!r}; known: {', '.join(sorted({i.id for i in IMPLS}))}")
+        raise CompositionError(f"unknown impl {impl_id!r}; known: {', '.join(sorted({i.id for i in _impls()}))}")
     return spec
 
 
@@ -225,7 +244,7 @@ def entry_for(spec: ImplSpec, case: str) -> Callable:
 
 def native_counterpart(kind: str, arch: str) -> ImplSpec | None:
     """The stock implementation of an op kind (the negative-control side of a gate)."""
-    for i in IMPLS:
+    for i in _impls():
         if i.native and i.kind == kind and arch in i.archs:
             return i
     return None

@@ -12,9 +12,19 @@ schedule; ``reference.py`` is the fixed-order torch twin; ``triton_kernels.py`` 
 Shared by the ops: ``_ref.py`` (fixed-order sums and float64 exp/log/sin/cos from basic
 operations) and ``_triton_util.py`` (optional triton import, lazy jit, allocator, and ``upload``:
 host tensors to the device without a host sync, re-exported here for the engine's batches).
+Importing the package itself loads no torch: ``impl.py`` (what an op folder declares, as data) is
+read by ``isoexec.registry`` in commands that never run a kernel (``isoexec contract show``), so
+``upload`` is looked up on first use rather than imported here.
 
 The import name is ``isoexec_kernels``, not ``kernels``: transformers treats an importable
 top-level ``kernels`` module as the Hugging Face kernel hub and changes its behaviour.
 """
 
-from ._triton_util import upload  # noqa: E402,F401
+
+def __getattr__(name: str):
+    # ``from isoexec_kernels import upload``: _triton_util imports torch, so only when asked for
+    if name == "upload":
+        from ._triton_util import upload
+
+        return upload
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,11 +24,6 @@ from isoexec_kernels.logprob import token_logprobs, token_logprobs_native
 from isoexec_kernels.rmsnorm import rms_norm, rms_norm_native
 
 from .common import print_rows, random_paged_kv, rotating, row, time_ms
-from .cpr import bench_cpr_rows
-from .engine import bench_engine
-from .moe import bench_moe
-from .tp_linear import bench_tp_linear
-from .train import bench_train
 
 # (name, K, N): the dense family's projections at Qwen3-0.6B and Qwen3-8B dimensions.
 GEMM_SHAPES = [
@@ -184,19 +179,3 @@ def bench_logprob(device: str, quick: bool = False, log=print) -> list[dict]:
         print_rows([r], ["T", "V"], log)
     return rows
 
-
-def _bench_engine(device: str, quick: bool = False, log=print) -> list[dict]:
-    return bench_engine(device, quick, log)
-
-
-def _bench_cpr(device: str, quick: bool = False, log=print) -> list[dict]:
-    return bench_cpr_rows(device, quick, log)
-
-
-def _bench_train(device: str, quick: bool = False, log=print) -> tuple[list[dict], dict]:
-    return bench_train(device, quick, log)
-
-
-BENCHES = {"gemm": bench_gemm, "attention": bench_attention, "rmsnorm": bench_rmsnorm, "logprob": bench_logprob,
-           "engine": _bench_engine, "cpr": _bench_cpr, "train": _bench_train,
-           "moe": bench_moe, "tp_linear": bench_tp_linear}

@@ -5,34 +5,35 @@ A kind's gate families are what ``gates run`` produces for every region of that 
 the stateful Gated DeltaNet regions) has its runner given every case's bound callable
 (``binds``). A new op kind gets its row here and a runner in ``kernel_gates`` (row-wise regions)
 or ``gdn_gates`` (sequence regions); a kind without a row has no gate and cannot be discharged.
+
+A row names its runner as ``"<module of isoexec.gates>.<function>"``, imported when the gate runs:
+the gate modules import torch, and ``contract verify`` (through ``gate_families_for``) reads only
+the families, so it starts without torch. ``tests/gates/test_kinds.py`` resolves every row's runner.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .. import registry
 from ..contract import Entry
-from .moe_gates import gate_combine, gate_dispatch, gate_experts, gate_router
-from .gdn_gates import gate_gated_norm, gate_gdn_conv, gate_gdn_core, gate_gdn_prep, gate_sigmoid_gate
-from .kernel_gates import (
-    GateOutcome,
-    gate_activation,
-    gate_attention,
-    gate_embed,
-    gate_linear,
-    gate_logprob,
-    gate_norm,
-    gate_rope,
-)
+
+if TYPE_CHECKING:
+    from .kernel_gates import GateOutcome
 
 
 @dataclass(frozen=True)
 class KindGates:
     families: tuple[str, ...]
-    run: Callable[..., GateOutcome]
+    runner: str   # "kernel_gates.gate_linear": the function of isoexec.gates that runs them
     across_cases: bool = False   # bind every case of the entry and pass them as ``binds``
+
+    @property
+    def run(self) -> Callable[..., GateOutcome]:
+        module, _, name = self.runner.rpartition(".")
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 
 _ROW = ("batch_invariance",)
@@ -40,22 +41,22 @@ _ROW_HAZARDS = ("batch_invariance", "hazards")
 _CASES = ("batch_invariance", "case_parity")
 
 KINDS: dict[str, KindGates] = {
-    "linear": KindGates(_ROW_HAZARDS, gate_linear),
-    "norm": KindGates(_ROW_HAZARDS, gate_norm),
-    "embed": KindGates(_ROW, gate_embed),
-    "activation": KindGates(_ROW, gate_activation),
-    "rope": KindGates(_ROW, gate_rope),
-    "logprob": KindGates(_ROW_HAZARDS, gate_logprob),
-    "attention": KindGates(_CASES, gate_attention, across_cases=True),
-    "gdn_core": KindGates(_CASES, gate_gdn_core, across_cases=True),
-    "gdn_conv": KindGates(_CASES, gate_gdn_conv, across_cases=True),
-    "gdn_prep": KindGates(_ROW, gate_gdn_prep),
-    "gated_norm": KindGates(_ROW, gate_gated_norm),
-    "gate": KindGates(_ROW, gate_sigmoid_gate),
-    "router": KindGates(_ROW_HAZARDS, gate_router),
-    "dispatch": KindGates(_ROW, gate_dispatch),
-    "experts": KindGates(_ROW_HAZARDS, gate_experts),
-    "combine": KindGates(_ROW, gate_combine),
+    "linear": KindGates(_ROW_HAZARDS, "kernel_gates.gate_linear"),
+    "norm": KindGates(_ROW_HAZARDS, "kernel_gates.gate_norm"),
+    "embed": KindGates(_ROW, "kernel_gates.gate_embed"),
+    "activation": KindGates(_ROW, "kernel_gates.gate_activation"),
+    "rope": KindGates(_ROW, "kernel_gates.gate_rope"),
+    "logprob": KindGates(_ROW_HAZARDS, "kernel_gates.gate_logprob"),
+    "attention": KindGates(_CASES, "kernel_gates.gate_attention", across_cases=True),
+    "gdn_core": KindGates(_CASES, "gdn_gates.gate_gdn_core", across_cases=True),
+    "gdn_conv": KindGates(_CASES, "gdn_gates.gate_gdn_conv", across_cases=True),
+    "gdn_prep": KindGates(_ROW, "gdn_gates.gate_gdn_prep"),
+    "gated_norm": KindGates(_ROW, "gdn_gates.gate_gated_norm"),
+    "gate": KindGates(_ROW, "gdn_gates.gate_sigmoid_gate"),
+    "router": KindGates(_ROW_HAZARDS, "moe_gates.gate_router"),
+    "dispatch": KindGates(_ROW, "moe_gates.gate_dispatch"),
+    "experts": KindGates(_ROW_HAZARDS, "moe_gates.gate_experts"),
+    "combine": KindGates(_ROW, "moe_gates.gate_combine"),
 }
 
 # Kinds whose stock kernel is known to be batch-variant on an arch (measured; docs/gpu_notes.md): the

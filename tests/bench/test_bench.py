@@ -43,6 +43,17 @@ print("RESULTS " + json.dumps(out))
 """
 
 
+def test_every_benchmark_names_a_function_the_cli_can_call():
+    """``BENCHES`` names each benchmark's function as a string (the CLI lists the names without
+    importing torch): each must exist and take the CLI's call, ``fn(device, quick=...)``."""
+    import inspect
+
+    from isoexec.bench import BENCHES, bench_function
+
+    for name in BENCHES:
+        inspect.signature(bench_function(name)).bind("cpu", quick=True)
+
+
 @pytest.fixture(scope="module")
 def bench_runs(tmp_path_factory):
     """{name: (exit code, stderr, result file)} of every benchmark, from one child process."""
