@@ -21,16 +21,44 @@ def _sum_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Batched ``a [N, M, K] @ b [N, K, P]`` with each dot product by the halves tree over K.
-    Rows of N are processed in groups to bound the [n, M, K, P] temporary; groups never mix
+    """Batched ``a [N, M, K] @ b [N, K, P]`` with each dot product by the halves tree over K
+    (``_ref.tree_sum0``: zero-pad K to a power of two ``p``, then ``t = t[:h] + t[h:]``).
+
+    The products are laid out K-first and contiguous, ``prod[k, n, m, p] = a[n, m, k] * b[n, k, p]``
+    with zero rows for the padding, and summed in place by ``_ref.tree_sum0_``: the same products
+    and the same additions on the same operands as the tree over a [n, M, K, P] product (each
+    level adds row k + h to row k), but every level is one contiguous add into memory already
+    allocated, where the [n, M, K, P] layout made each level a strided add into a new tensor.
+    The last level writes into ``out``. Rows of N are processed in groups that keep the temporary
+    near 2 MiB, so that the products and the levels of the tree stay in the caches (1.5-2x faster
+    on the chunk form's [47, 64, 64, 16] and [47, 64, 16, 64] than 16 MiB groups); groups never mix
     rows, so the grouping does not change bits."""
     N, M, K = a.shape
     P = b.shape[2]
     out = a.new_empty((N, M, P))
-    step = _ref.rows_per_chunk(M * K * P, 1 << 22)
+    if K == 0:   # tree_sum0 of an empty dim: +0
+        return out.zero_()
+    if out.numel() == 0:
+        return out
+    aT = a.permute(2, 0, 1)[:, :, :, None]           # [K, N, M, 1]
+    bT = b.permute(1, 0, 2)[:, :, None, :]           # [K, N, 1, P]
+    if K == 1:   # a one-term tree is the product itself (no addition, -0 stays -0)
+        torch.mul(aT[0], bT[0], out=out)
+        return out
+    p = 1 << (K - 1).bit_length()
+    step = min(N, _ref.rows_per_chunk(M * p * P, 1 << 19))
+    buf = a.new_empty((p, step, M, P))
     for n0 in range(0, N, step):
-        prod = a[n0:n0 + step, :, :, None] * b[n0:n0 + step, None, :, :]
-        out[n0:n0 + step] = _sum_dim(prod, 2)
+        n = min(step, N - n0)
+        prod = buf[:, :n] if n < step else buf
+        torch.mul(aT[:, n0:n0 + n], bT[:, n0:n0 + n], out=prod[:K])
+        if p > K:
+            prod[K:].zero_()
+        h = p // 2
+        while h > 1:   # the halves tree of _ref.tree_sum0_, in place, its last level into out
+            prod[:h].add_(prod[h:2 * h])
+            h //= 2
+        torch.add(prod[0], prod[1], out=out[n0:n0 + n])
     return out
 
 

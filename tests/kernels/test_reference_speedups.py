@@ -1,0 +1,99 @@
+"""The CPU reference twins after their speedups give the bits of their earlier formulations.
+
+Each speedup in the references (``isoexec_kernels/gdn_core``, ``_ref.py``) is an exact
+reformulation: the same IEEE operations on the same operands in the same order, laid out or
+batched differently. Each test here keeps the earlier formulation as a small private helper (or
+spells the computation out) and compares the two bitwise through integer views (int32 for fp32,
+int64 for fp64) on random shapes, non-powers of two, K = 1, empty dims, signed zeros, infinities
+and NaN. Both sides run on the same machine: nothing here depends on stored bit patterns.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from isoexec_kernels import _ref
+from isoexec_kernels.gdn_core import reference as R
+
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(INT_VIEW[t.dtype])
+
+
+def assert_same_bits(new: torch.Tensor, old: torch.Tensor, what: str) -> None:
+    assert new.shape == old.shape and new.dtype == old.dtype, (what, new.shape, old.shape, new.dtype, old.dtype)
+    diff = bits(new) != bits(old)
+    assert not bool(diff.any()), f"{what}: {int(diff.sum())} of {diff.numel()} elements differ"
+
+
+def specials(shape, dtype, gen, frac: float = 0.08) -> torch.Tensor:
+    """Random normals with a fraction of +0, -0, +inf, -inf and NaN, and whole rows of -0 (so that
+    some dot products are sums of -0 terms only, whose sign the padding and the tree decide)."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if x.numel() == 0:
+        return x
+    pick = torch.rand(shape, generator=gen, dtype=torch.float64)
+    vals = [0.0, -0.0, float("inf"), -float("inf"), float("nan")]
+    for j, v in enumerate(vals):
+        lo = j * frac / len(vals)
+        x = torch.where((pick >= lo) & (pick < lo + frac / len(vals)), torch.tensor(v, dtype=dtype), x)
+    if x.dim() >= 2 and x.shape[-2] > 1:
+        x[..., 0, :] = -0.0
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_core.reference._mm
+# ---------------------------------------------------------------------------------------------
+
+def _mm_nmkp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_mm`` before it went K-first: the [n, M, K, P] product summed over K by ``_ref.tree_sum0``
+    (zero-pad K to a power of two, ``t = t[:h] + t[h:]``), 2^22-element row groups."""
+    N, M, K = a.shape
+    P = b.shape[2]
+    out = a.new_empty((N, M, P))
+    step = _ref.rows_per_chunk(M * K * P, 1 << 22)
+    for n0 in range(0, N, step):
+        prod = a[n0:n0 + step, :, :, None] * b[n0:n0 + step, None, :, :]
+        out[n0:n0 + step] = _ref.tree_sum0(prod.movedim(2, 0))
+    return out
+
+
+MM_SHAPES = [  # N, M, K, P
+    (3, 4, 1, 5), (2, 3, 2, 4), (3, 5, 3, 2), (4, 2, 5, 3), (2, 7, 12, 6), (3, 4, 16, 4), (2, 3, 17, 5),
+    (2, 5, 33, 3), (4, 64, 16, 64), (3, 64, 64, 16), (5, 1, 64, 32), (6, 16, 16, 16), (1, 1, 1, 1),
+    (70, 64, 64, 16),   # several row groups, the last one partial
+    (0, 3, 4, 5), (3, 0, 4, 5), (3, 4, 0, 5), (3, 4, 5, 0), (0, 0, 0, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mm_k_first_layout_gives_the_halves_tree_bits(dtype):
+    gen = torch.Generator().manual_seed(7)
+    for N, M, K, P in MM_SHAPES:
+        a = specials((N, M, K), dtype, gen)
+        b = specials((N, K, P), dtype, gen)
+        assert_same_bits(R._mm(a, b), _mm_nmkp(a, b), f"_mm {N, M, K, P} {dtype}")
+
+
+def test_mm_takes_strided_operands():
+    """The chunk form passes transposes and slices (``Kr.transpose(1, 2)``, ``blk(A, a, c)``)."""
+    gen = torch.Generator().manual_seed(8)
+    a = specials((5, 24, 40), torch.float32, gen)[:, 3:20, 5:30]          # [5, 17, 25], strided
+    b = specials((5, 30, 25), torch.float32, gen).transpose(1, 2)[:, :, 2:9]  # [5, 25, 7]
+    assert_same_bits(R._mm(a, b), _mm_nmkp(a, b), "_mm strided")
+
+
+def test_mm_keeps_the_sign_of_zero_sums():
+    """-0 terms only: the sum is -0 for a power-of-two K (and K = 1), +0 where the padding's +0
+    rows enter; the old and new layouts agree on every one."""
+    for K in (1, 2, 3, 4, 5, 8, 13):
+        a = torch.full((2, 3, K), -0.0)
+        b = torch.ones(2, K, 4)
+        got = R._mm(a, b)
+        assert_same_bits(got, _mm_nmkp(a, b), f"-0 sums, K={K}")
+        want_neg = K & (K - 1) == 0
+        assert bool(torch.signbit(got).all()) == want_neg, (K, got)
