@@ -97,3 +97,45 @@ def test_mm_keeps_the_sign_of_zero_sums():
         assert_same_bits(got, _mm_nmkp(a, b), f"-0 sums, K={K}")
         want_neg = K & (K - 1) == 0
         assert bool(torch.signbit(got).all()) == want_neg, (K, got)
+
+
+# ---------------------------------------------------------------------------------------------
+# _ref.exp64
+# ---------------------------------------------------------------------------------------------
+
+def _exp64_div_pow2(x: torch.Tensor) -> torch.Tensor:
+    """``_ref.exp64`` before its speedup: Horner from a filled tensor, n1 = floor(n / 2) by a float
+    floor division, each power of two from the float exponent."""
+    def pow2(n):
+        return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+    xc = x.clamp(-800.0, 800.0)
+    n = torch.round(xc * _ref._INV_LN2)
+    r = (xc - n * _ref._LN2_HI).sub_(n * _ref._LN2_LO)
+    p = torch.full_like(r, _ref._EXP_COEF[-1])
+    for c in reversed(_ref._EXP_COEF[:-1]):
+        p.mul_(r).add_(c)
+    n1 = torch.div(n, 2, rounding_mode="floor")
+    out = p.mul_(pow2(n1)).mul_(pow2(n - n1))
+    return torch.where(torch.isnan(x), x, out)
+
+
+def test_exp64_shift_exponents_give_the_floor_division_bits():
+    gen = torch.Generator().manual_seed(11)
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 800.0, -800.0, 801.0, -801.0,
+                          709.782712893384, 709.7827128933841, -708.39641853226408, -708.3964185322642,
+                          -744.4400719213812, -745.1332191019411, -745.1332191019412, -746.0, 1e-300, -1e-300,
+                          5e-324, -5e-324, 0.5 * 0.6931471805599453, -0.5 * 0.6931471805599453, 1e308, -1e308])
+    wide = torch.empty(200_000, dtype=torch.float64).uniform_(-820.0, 820.0, generator=gen)
+    small = torch.randn(100_000, generator=gen, dtype=torch.float64)
+    # every rounding boundary of n = round(x / ln 2) in the range, and its neighbours
+    k = torch.arange(-1160, 1161, dtype=torch.float64) + 0.5
+    half = k * 0.6931471805599453
+    near = torch.cat([half, torch.nextafter(half, half + 1), torch.nextafter(half, half - 1)])
+    x = torch.cat([edges, wide, small, near, -near])
+    assert_same_bits(_ref.exp64(x), _exp64_div_pow2(x), "exp64")
+    xs = x[:300_000].view(3, -1)[:, ::2]
+    assert_same_bits(_ref.exp64(xs), _exp64_div_pow2(xs), "exp64 strided")
+    assert _ref.exp64(torch.zeros(0, dtype=torch.float64)).shape == (0,)
+    assert_same_bits(_ref.exp64(torch.tensor([0.0, -0.0], dtype=torch.float64)), torch.ones(2, dtype=torch.float64),
+                     "exp64(+-0) = 1 exactly")
