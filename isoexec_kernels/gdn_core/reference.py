@@ -47,10 +47,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return out
     p = 1 << (K - 1).bit_length()
     step = min(N, _ref.rows_per_chunk(M * p * P, 1 << 19))
-    buf = a.new_empty((p, step, M, P))
+    buf = a.new_empty(p * step * M * P)
     for n0 in range(0, N, step):
         n = min(step, N - n0)
-        prod = buf[:, :n] if n < step else buf
+        prod = buf[:p * n * M * P].view(p, n, M, P)
         torch.mul(aT[:, n0:n0 + n], bT[:, n0:n0 + n], out=prod[:K])
         if p > K:
             prod[K:].zero_()
@@ -133,25 +133,40 @@ def block_cumsum_reference(g: torch.Tensor, block: int = 16) -> torch.Tensor:
 def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
     """(I + A)^-1 for strictly lower triangular A [N, C, C]: each diagonal ``block``-row block by
     forward substitution, the blocks below it by T_ab = -T_aa (sum_{c=b}^{a-1} A_ac T_cb), the sum
-    from the innermost dot A_ab T_bb on, as the kernel nests its dots (A's dtype, fixed order)."""
+    from the innermost dot A_ab T_bb on, as the kernel nests its dots (A's dtype, fixed order).
+
+    Independent blocks are computed side by side (lanes of one batch never mix: the dots are
+    row-wise, so the batching changes no bits): the diagonal blocks' substitutions all at once,
+    row i of each from ``eye[i] - (row i of A_aa) @ T_aa`` (the halves-tree dot over the block's
+    rows, ``_mm``); then the blocks below the diagonal by their distance d = a - b from it, since
+    T_ab needs only the T_cb with b <= c < a, which are nearer: at each distance one ``_mm`` makes
+    every term A_ac T_cb of every block, the terms are added in the order c = b, b + 1, ..., and
+    one more ``_mm`` multiplies by T_aa."""
     N, C, _ = A.shape
     if C % block:
         block = C
+    nb = C // block
     eye = torch.eye(block, dtype=A.dtype, device=A.device)
-    blk = lambda x, a, b: x[:, a * block:(a + 1) * block, b * block:(b + 1) * block]  # noqa: E731
+    Ab = A.reshape(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)               # [a, c, N, i, j]
+    diag = torch.arange(nb, device=A.device)
+    Ad = Ab[diag, diag].reshape(nb * N, block, block)                             # blocks A_aa
+    Ta = eye.expand(nb * N, block, block).clone()
+    for i in range(1, block):
+        Ta[:, i] = eye[i] - _mm(Ad[:, i:i + 1], Ta)[:, 0]
     Tm = torch.zeros_like(A)
-    for a in range(C // block):
-        Ta = eye.expand(N, block, block).clone()
-        Aa = blk(A, a, a)
-        for i in range(1, block):
-            Ta[:, i] = eye[i] - _sum_dim(Aa[:, i, :, None] * Ta, 1)
-        blk(Tm, a, a).copy_(Ta)
-        for b in range(a - 1, -1, -1):
-            acc = None
-            for c in range(b, a):   # innermost dot first: A_ab T_bb, then + A_a,b+1 T_b+1,b, ...
-                term = _mm(blk(A, a, c), blk(Tm, c, b))
-                acc = term if acc is None else acc + term
-            blk(Tm, a, b).copy_(-_mm(Ta, acc))
+    Tb = Tm.view(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)                  # a view of Tm
+    Ta = Ta.view(nb, N, block, block)
+    Tb[diag, diag] = Ta
+    for d in range(1, nb):
+        b = torch.arange(nb - d, device=A.device)                                 # blocks (b + d, b)
+        j = torch.arange(d, device=A.device)[:, None]                              # term c = b + j
+        terms = _mm(Ab[b + d, b + j].reshape(-1, block, block),
+                    Tb[b + j, b].reshape(-1, block, block)).view(d, nb - d, N, block, block)
+        acc = terms[0]
+        for t in range(1, d):
+            acc = acc + terms[t]
+        Tb[b + d, b] = -_mm(Ta[b + d].reshape(-1, block, block), acc.reshape(-1, block, block)).view(
+            nb - d, N, block, block)
     return Tm
 
 

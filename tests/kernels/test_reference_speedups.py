@@ -139,3 +139,49 @@ def test_exp64_shift_exponents_give_the_floor_division_bits():
     assert _ref.exp64(torch.zeros(0, dtype=torch.float64)).shape == (0,)
     assert_same_bits(_ref.exp64(torch.tensor([0.0, -0.0], dtype=torch.float64)), torch.ones(2, dtype=torch.float64),
                      "exp64(+-0) = 1 exactly")
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_core.reference.blocked_inverse_reference
+# ---------------------------------------------------------------------------------------------
+
+def _blocked_inverse_block_by_block(A: torch.Tensor, block: int = 16, mm=_mm_nmkp) -> torch.Tensor:
+    """``blocked_inverse_reference`` before it batched its blocks: one diagonal block after the
+    other, row i of it from ``eye[i] - tree_sum0 over j of A_aa[i, j] * T_aa[j, :]``, then the blocks
+    left of it, b = a - 1 down to 0, each sum from c = b up."""
+    N, C, _ = A.shape
+    if C % block:
+        block = C
+    eye = torch.eye(block, dtype=A.dtype, device=A.device)
+    blk = lambda x, a, b: x[:, a * block:(a + 1) * block, b * block:(b + 1) * block]  # noqa: E731
+    Tm = torch.zeros_like(A)
+    for a in range(C // block):
+        Ta = eye.expand(N, block, block).clone()
+        Aa = blk(A, a, a)
+        for i in range(1, block):
+            Ta[:, i] = eye[i] - _ref.tree_sum0((Aa[:, i, :, None] * Ta).movedim(1, 0))
+        blk(Tm, a, a).copy_(Ta)
+        for b in range(a - 1, -1, -1):
+            acc = None
+            for c in range(b, a):
+                term = mm(blk(A, a, c), blk(Tm, c, b))
+                acc = term if acc is None else acc + term
+            blk(Tm, a, b).copy_(-mm(Ta, acc))
+    return Tm
+
+
+@pytest.mark.parametrize("C,block", [(64, 16), (48, 16), (32, 16), (16, 16), (40, 16), (24, 8), (5, 16), (64, 32)])
+def test_blocked_inverse_batched_blocks_give_the_block_by_block_bits(C, block):
+    gen = torch.Generator().manual_seed(C * 100 + block)
+    for dtype in (torch.float32, torch.float64):
+        for N in (0, 1, 5):
+            A = (torch.randn(N, C, C, generator=gen, dtype=torch.float64) * 0.3).to(dtype).tril(-1)
+            if N:
+                A[0] = specials((C, C), dtype, gen, frac=0.02).tril(-1)   # inf / NaN spread through T
+                A[-1, :, 0] = -0.0
+            got = R.blocked_inverse_reference(A, block)
+            assert_same_bits(got, _blocked_inverse_block_by_block(A, block), f"inverse C={C} block={block} N={N}")
+    # and it is an inverse (a guard on the reference itself, not only on the reformulation)
+    A = (torch.randn(3, C, C, generator=gen, dtype=torch.float64) * 0.1).tril(-1)
+    eye = torch.eye(C, dtype=torch.float64)
+    assert torch.allclose(R.blocked_inverse_reference(A, block) @ (eye + A), eye.expand(3, C, C), atol=1e-12)
