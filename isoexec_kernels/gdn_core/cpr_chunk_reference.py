@@ -89,35 +89,55 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     strict = t[None, :] < t[:, None]
     incl = t[None, :] <= t[:, None]
     zero = torch.zeros((), dtype=torch.float32, device=dev)
-    dG = G[:, :, None] - G[:, None, :]
     # exp(G_i - G_j) for j <= i, exp(0) = 1 elsewhere: A's strict mask and M's inclusive one take the
-    # same values (on the diagonal G_i - G_i is +0 either way), so one exp serves both
-    eG = _exp(torch.where(incl, dG, zero))
+    # same values (on the diagonal G_i - G_i is +0 either way), so one exp serves both. The exp is
+    # taken on the C (C + 1) / 2 pairs j <= i only (the same subtraction G_i - G_j, elementwise), the
+    # others set to exp(+0) = 1, which it is exactly: half the exps of the whole [C, C] grid
+    ti, tj = torch.tril_indices(C, C, device=dev)
+    eG = torch.ones(P * H, C, C, dtype=torch.float32, device=dev)
+    eG[:, ti, tj] = _exp(G[:, ti] - G[:, tj])
     Kr = r(K)
     A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * eG, zero)
     T_raw = blocked_inverse_reference(A)
     Tm = r(T_raw)
-    W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
+    eGv = _exp(G)                                                                 # e^G [P * H, C]
+    W = r(_mm(Tm, r(K * (beta * eGv)[:, :, None])))
     U = r(_mm(Tm, r(V * beta[:, :, None])))
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
     vn = torch.empty(P * H, C, Dv, dtype=torch.float32, device=dev)
     vn_raw = torch.empty_like(vn)   # unrounded, as the engine keeps the open chunk's
     okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
-    for b in range(B):
-        S = (init[b].float() if init is not None else torch.zeros(H, Dk, Dv, device=dev))
-        for c in range(chunk0[b], chunk0[b] + nchunk[b]):
-            lanes = slice(c * H, (c + 1) * H)
-            states[c] = S
-            Vn = U[lanes] - _mm(W[lanes], r(S))
-            vn[lanes] = r(Vn)
-            vn_raw[lanes] = Vn
-            gl = G[lanes, nrow[c] - 1]
-            Vd = Vn * torch.where(okl[lanes], _exp(gl[:, None] - G[lanes]), zero)[:, :, None]
-            S = _mm(Kr[lanes].transpose(1, 2), r(Vd)) + S * _exp(gl)[:, None, None]
-        fin[b] = S
+    # the state chain, chunk after chunk inside each piece. What a chunk's step needs besides the
+    # state is taken for all chunks at once: e^(G_l - G_j) (l = its last row) for its rows j <= l,
+    # 0 after them, is row l of eG (the same subtraction G_l - G_j, the same exp), and e^G_l an
+    # element of e^G. The pieces run side by side, step j taking the j-th chunk of every piece
+    # that has one: lanes never mix in a step (row-wise dots, elementwise operations), so the
+    # batching changes no bits, and a call of many short pieces takes as many steps as its
+    # longest piece has chunks, not as many as all pieces have
+    lane = torch.arange(P * H, device=dev)
+    last = (torch.tensor(nrow, device=dev) - 1).repeat_interleave(H)
+    tail = torch.where(okl, eG[lane, last], zero)[:, :, None]                     # [P * H, C, 1]
+    e_last = eGv[lane, last][:, None, None]                                       # [P * H, 1, 1]
+    KrT = Kr.transpose(1, 2)
+    if init is not None:
+        fin.copy_(init[:B].float())
+    heads = torch.arange(H, device=dev)
+    for j in range(max(nchunk)):
+        bs = [b for b in range(B) if nchunk[b] > j]
+        cs = torch.tensor([chunk0[b] + j for b in bs], device=dev)
+        lanes = (cs[:, None] * H + heads).view(-1)
+        bi = torch.tensor(bs, device=dev)
+        S = fin[bi]                                                               # [n, H, Dk, Dv]
+        states[cs] = S
+        S = S.view(-1, Dk, Dv)
+        Vn = U[lanes] - _mm(W[lanes], r(S))
+        vn[lanes] = r(Vn)
+        vn_raw[lanes] = Vn
+        Vd = Vn * tail[lanes]
+        fin[bi] = (_mm(KrT[lanes], r(Vd)) + S * e_last[lanes]).view(-1, H, Dk, Dv)
     Sr = r(states).view(P * H, Dk, Dv)
     M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * eG, zero)
-    out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
+    out = _mm(r(Q), Sr) * eGv[:, :, None] + _mm(r(M), vn)                        # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
     return o, states, fin, vn_raw.view(P, H, C, Dv), T_raw.view(P, H, C, C)

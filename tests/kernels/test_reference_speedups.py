@@ -185,3 +185,116 @@ def test_blocked_inverse_batched_blocks_give_the_block_by_block_bits(C, block):
     A = (torch.randn(3, C, C, generator=gen, dtype=torch.float64) * 0.1).tril(-1)
     eye = torch.eye(C, dtype=torch.float64)
     assert torch.allclose(R.blocked_inverse_reference(A, block) @ (eye + A), eye.expand(3, C, C), atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_core.cpr_chunk_reference._forward_reference (and through it _mm, exp64, the inverse)
+# ---------------------------------------------------------------------------------------------
+
+def _exp_div_pow2(x: torch.Tensor) -> torch.Tensor:
+    return _exp64_div_pow2(x.double()).to(x.dtype)
+
+
+def _forward_piece_by_piece(pq, pk, pv, pg, pb, starts, lens, init, C):
+    """``_forward_reference`` before its speedups, with the earlier ``_mm``, exp64 and inverse
+    above: exp over the whole [C, C] grid, the state chain one piece after the other, each chunk's
+    tail decay and e^G_last made inside the chain."""
+    from isoexec_kernels.gdn_core import cpr_chunk, native_wy
+    from isoexec_kernels.gdn_core.plan import chunk_plan
+
+    _mm, _exp = _mm_nmkp, _exp_div_pow2
+    H, Dk, Dv = pv.shape[1], pk.shape[2], pv.shape[2]
+    pq, pk = cpr_chunk._expand(pq, H), cpr_chunk._expand(pk, H)
+    dev = pv.device
+    B = len(lens)
+    row0, nrow, _sidx, chunk0, nchunk, _s0, _ns = chunk_plan(starts, lens, C)
+    P = len(row0)
+    o = torch.zeros(pk.shape[0], H, Dv, dtype=torch.float32, device=dev)
+    fin = torch.zeros(B, H, Dk, Dv, dtype=torch.float32, device=dev)
+    if P == 0:
+        return o, None, fin, None, None
+    r = (lambda x: x) if pv.dtype == torch.float32 else native_wy.round_bf16
+    t = torch.arange(C, device=dev)
+    src = torch.tensor(row0, device=dev)[:, None] + t[None, :]
+    ok = t[None, :] < torch.tensor(nrow, device=dev)[:, None]
+
+    def chunks(x):
+        y = torch.where(ok.view(P, C, *([1] * (x.dim() - 1))), x.float()[src.clamp(max=x.shape[0] - 1)], 0.0)
+        return y.movedim(2, 1).reshape(P * H, C, *x.shape[2:])
+
+    Q, K, V, g, beta = chunks(pq), chunks(pk), chunks(pv), chunks(pg), chunks(pb)
+    G = R.block_cumsum_reference(g)
+    strict = t[None, :] < t[:, None]
+    incl = t[None, :] <= t[:, None]
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+    dG = G[:, :, None] - G[:, None, :]
+    eG = _exp(torch.where(incl, dG, zero))
+    Kr = r(K)
+    A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * eG, zero)
+    T_raw = _blocked_inverse_block_by_block(A)
+    Tm = r(T_raw)
+    W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
+    U = r(_mm(Tm, r(V * beta[:, :, None])))
+    states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
+    vn = torch.empty(P * H, C, Dv, dtype=torch.float32, device=dev)
+    vn_raw = torch.empty_like(vn)
+    okl = ok.repeat_interleave(H, 0)
+    for b in range(B):
+        S = (init[b].float() if init is not None else torch.zeros(H, Dk, Dv, device=dev))
+        for c in range(chunk0[b], chunk0[b] + nchunk[b]):
+            lanes = slice(c * H, (c + 1) * H)
+            states[c] = S
+            Vn = U[lanes] - _mm(W[lanes], r(S))
+            vn[lanes] = r(Vn)
+            vn_raw[lanes] = Vn
+            gl = G[lanes, nrow[c] - 1]
+            Vd = Vn * torch.where(okl[lanes], _exp(gl[:, None] - G[lanes]), zero)[:, :, None]
+            S = _mm(Kr[lanes].transpose(1, 2), r(Vd)) + S * _exp(gl)[:, None, None]
+        fin[b] = S
+    Sr = r(states).view(P * H, Dk, Dv)
+    M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * eG, zero)
+    out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)
+    out = out.view(P, H, C, Dv).movedim(1, 2)
+    o[src[ok]] = out[ok]
+    return o, states, fin, vn_raw.view(P, H, C, Dv), T_raw.view(P, H, C, C)
+
+
+def _pieces(lens, Hk, H, Dk, Dv, v_dtype, seed):
+    from gdn_inputs import make_inputs
+
+    q, k, v, g, beta, cu = make_inputs(lens, Hk, H, Dk, Dv, seed, v_dtype=v_dtype)
+    starts = cu[:-1].tolist()
+    return q, k, v, g, beta, starts, list(lens)
+
+
+FORWARD_CASES = [  # lens, C, with init
+    ([70], 64, False), ([1, 64, 0, 130, 17, 63, 65], 64, True), ([5, 200, 3, 3, 40], 64, False),
+    ([33, 16, 1, 50], 16, True), ([100, 7, 49], 48, True), ([90, 2, 41], 40, False), ([0, 0], 64, True),
+    ([12, 3, 25], 5, True),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FORWARD_CASES)))
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_chunk_form_forward_batched_state_chain_gives_the_piece_by_piece_bits(case, v_dtype):
+    from isoexec_kernels.gdn_core import cpr_chunk_reference as CR
+
+    lens, C, with_init = FORWARD_CASES[case]
+    Hk, H, Dk, Dv = 2, 4, 16, 8
+    q, k, v, g, beta, starts, lens = _pieces(lens, Hk, H, Dk, Dv, v_dtype, seed=case)
+    gen = torch.Generator().manual_seed(100 + case)
+    T = v.shape[0]
+    if T > 10:   # a NaN value, -0 keys, a decay that underflows e^G, a huge beta: every piece sees some
+        v[3, 1, 2] = float("nan")
+        k[5:9, 0] = -0.0
+        g[T // 2, 2] = -300.0
+        beta[T - 1, 3] = 1e30
+    init = torch.randn(len(lens), H, Dk, Dv, generator=gen) if with_init else None
+    new = CR._forward_reference(q, k, v, g, beta, starts, lens, init, C)
+    old = _forward_piece_by_piece(q, k, v, g, beta, starts, lens, init, C)
+    names = ("o", "states", "fin", "vn_raw", "T_raw")
+    for name, a, b in zip(names, new, old):
+        if b is None:
+            assert a is None, name
+        else:
+            assert_same_bits(a, b, f"forward {name} lens={lens} C={C} {v_dtype}")
