@@ -97,7 +97,23 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     eG = torch.ones(P * H, C, C, dtype=torch.float32, device=dev)
     eG[:, ti, tj] = _exp(G[:, ti] - G[:, tj])
     Kr = r(K)
-    A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * eG, zero)
+    KrT = Kr.transpose(1, 2)
+    Qr = r(Q)
+    # A (strict lower) and M's q.k dots (inclusive lower) only where the masks can keep them: rows
+    # of 16-row block a (the whole chunk when C is not a multiple of 16) against the columns
+    # j < 16 (a + 1), k's rows and q's rows in one product. The dots that are made are made as
+    # the whole [C, C] products made them (_mm: row-wise, each dot its own halves tree over Dk);
+    # the others were masked to 0, as they are left here (62.5% of the dots at C = 64)
+    BL = 16 if C % 16 == 0 else C
+    A = torch.zeros(P * H, C, C, dtype=torch.float32, device=dev)
+    M = torch.zeros(P * H, C, C, dtype=torch.float32, device=dev)
+    okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
+    mask_m = incl & okl[:, :, None]
+    for a0 in range(0, C, BL):
+        a1 = a0 + BL
+        kq = _mm(torch.cat([Kr[:, a0:a1], Qr[:, a0:a1]], 1), KrT[:, :, :a1])     # [P * H, 2 BL, a1]
+        A[:, a0:a1, :a1] = torch.where(strict[a0:a1, :a1], (beta[:, a0:a1, None] * kq[:, :BL]) * eG[:, a0:a1, :a1], zero)
+        M[:, a0:a1, :a1] = torch.where(mask_m[:, a0:a1, :a1], kq[:, BL:] * eG[:, a0:a1, :a1], zero)
     T_raw = blocked_inverse_reference(A)
     Tm = r(T_raw)
     eGv = _exp(G)                                                                 # e^G [P * H, C]
@@ -106,7 +122,6 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
     vn = torch.empty(P * H, C, Dv, dtype=torch.float32, device=dev)
     vn_raw = torch.empty_like(vn)   # unrounded, as the engine keeps the open chunk's
-    okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
     # the state chain, chunk after chunk inside each piece. What a chunk's step needs besides the
     # state is taken for all chunks at once: e^(G_l - G_j) (l = its last row) for its rows j <= l,
     # 0 after them, is row l of eG (the same subtraction G_l - G_j, the same exp), and e^G_l an
@@ -118,7 +133,6 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     last = (torch.tensor(nrow, device=dev) - 1).repeat_interleave(H)
     tail = torch.where(okl, eG[lane, last], zero)[:, :, None]                     # [P * H, C, 1]
     e_last = eGv[lane, last][:, None, None]                                       # [P * H, 1, 1]
-    KrT = Kr.transpose(1, 2)
     if init is not None:
         fin.copy_(init[:B].float())
     heads = torch.arange(H, device=dev)
@@ -136,8 +150,7 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
         Vd = Vn * tail[lanes]
         fin[bi] = (_mm(KrT[lanes], r(Vd)) + S * e_last[lanes]).view(-1, H, Dk, Dv)
     Sr = r(states).view(P * H, Dk, Dv)
-    M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * eG, zero)
-    out = _mm(r(Q), Sr) * eGv[:, :, None] + _mm(r(M), vn)                        # [P * H, C, Dv]
+    out = _mm(Qr, Sr) * eGv[:, :, None] + _mm(r(M), vn)                          # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
     return o, states, fin, vn_raw.view(P, H, C, Dv), T_raw.view(P, H, C, C)

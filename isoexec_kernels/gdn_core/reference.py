@@ -138,7 +138,7 @@ def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
     Independent blocks are computed side by side (lanes of one batch never mix: the dots are
     row-wise, so the batching changes no bits): the diagonal blocks' substitutions all at once,
     row i of each from ``eye[i] - (row i of A_aa) @ T_aa`` (the halves-tree dot over the block's
-    rows, ``_mm``); then the blocks below the diagonal by their distance d = a - b from it, since
+    rows, laid out K-first and summed in place as in ``_mm``, without its per-call set-up); then the blocks below the diagonal by their distance d = a - b from it, since
     T_ab needs only the T_cb with b <= c < a, which are nearer: at each distance one ``_mm`` makes
     every term A_ac T_cb of every block, the terms are added in the order c = b, b + 1, ..., and
     one more ``_mm`` multiplies by T_aa."""
@@ -149,13 +149,25 @@ def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
     eye = torch.eye(block, dtype=A.dtype, device=A.device)
     Ab = A.reshape(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)               # [a, c, N, i, j]
     diag = torch.arange(nb, device=A.device)
-    Ad = Ab[diag, diag].reshape(nb * N, block, block)                             # blocks A_aa
-    Ta = eye.expand(nb * N, block, block).clone()
+    # the substitution K-first: TaT[j] is row j of every lane's T_aa (identity rows until reached),
+    # AdT[i, j] the lanes' A_aa[i, j]; prod[j] = A_aa[i, j] * T_aa[j, :] summed over j in place by
+    # the halves tree (zero rows pad j to a power of two: only read, never written, so zeroed once)
+    L = nb * N
+    AdT = Ab[diag, diag].permute(2, 3, 0, 1).reshape(block, block, L)             # [i, j, lanes]
+    TaT = eye[:, None, :].repeat(1, L, 1)                                         # [j, lanes, q]
+    p = 1 << (block - 1).bit_length()
+    prod = A.new_empty((p, L, block))
+    prod[block:].zero_()
     for i in range(1, block):
-        Ta[:, i] = eye[i] - _mm(Ad[:, i:i + 1], Ta)[:, 0]
+        torch.mul(AdT[i][:, :, None], TaT, out=prod[:block])
+        h = p // 2
+        while h > 1:
+            prod[:h].add_(prod[h:2 * h])
+            h //= 2
+        torch.sub(eye[i], prod[0] + prod[1], out=TaT[i])          # block >= 2 here, so p >= 2
     Tm = torch.zeros_like(A)
     Tb = Tm.view(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)                  # a view of Tm
-    Ta = Ta.view(nb, N, block, block)
+    Ta = TaT.permute(1, 0, 2).reshape(nb, N, block, block)
     Tb[diag, diag] = Ta
     for d in range(1, nb):
         b = torch.arange(nb - d, device=A.device)                                 # blocks (b + d, b)
