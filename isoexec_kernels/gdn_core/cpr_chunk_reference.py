@@ -200,14 +200,15 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     rows = torch.arange(C, device=dev)
     zero = torch.zeros((), dtype=torch.float32, device=dev)
 
+    at_t, before_t = rows == t[:, None], rows < t[:, None]                       # [N, C]
+
     def lanes(buf, new):
         # [S, C, H, ...] buffer and [B, H, ...] token -> [N, C, ...] in fp32: the kept rows before t,
         # the token at t, zeros after it, as the prefill's padded chunk holds them
         x = buf[sl].float().movedim(2, 1).reshape(N, C, *buf.shape[3:])
         new = new.float().reshape(N, 1, *new.shape[2:])
         shape = (N, C) + (1,) * (x.dim() - 2)
-        at, before = (rows == t[:, None]).view(shape), (rows < t[:, None]).view(shape)
-        return torch.where(before, x, torch.where(at, new, zero))
+        return torch.where(before_t.view(shape), x, torch.where(at_t.view(shape), new, zero))
 
     Q, K = lanes(state.buf_q, cpr_chunk._expand(q, H)), lanes(state.buf_k, cpr_chunk._expand(k, H))
     V, gN, bN = lanes(state.buf_v, v), lanes(state.buf_g, g), lanes(state.buf_beta, beta)
@@ -220,9 +221,15 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     a, i = t // BL, t % BL
     R = a[:, None] * BL + torch.arange(BL, device=dev)                          # [N, BL] chunk rows
     GR = G.gather(1, R)
-    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise
-    ex = _exp(torch.cat([torch.where(rows <= R[:, :, None], GR[:, :, None] - G[:, None, :], zero).view(N, -1), G], 1))
-    eGR, eG = ex[:, :BL * C].view(N, BL, C), ex[:, BL * C:]
+    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise, taken
+    # only on the pairs j <= m (the same subtraction G_m - G_j) and on G; the other pairs are
+    # exp(+0) = 1, which they are exactly
+    low = rows <= R[:, :, None]                                                  # [N, BL, C]
+    d = (GR[:, :, None] - G[:, None, :])[low]
+    ex = _exp(torch.cat([d, G.view(-1)]))
+    eGR = torch.ones(N, BL, C, dtype=torch.float32, device=dev)
+    eGR[low] = ex[:d.numel()]
+    eG = ex[d.numel():].view(N, C)
     AR = torch.where(rows < R[:, :, None],
                      (bN.gather(1, R)[:, :, None] * _mm(Kr[n[:, None], R], Kr.transpose(1, 2))) * eGR, zero)
     Tk = state.buf_T[sl].movedim(2, 1).reshape(N, C, C)                         # kept rows of T
@@ -264,8 +271,8 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     S = state.boundary[sl].float().reshape(N, Dk, Dv)
     Sr = r(S)
     Vn = U - _mm(W, Sr)                                                           # [N, 1, Dv]
-    VN = torch.where((rows < t[:, None])[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
-                     torch.where((rows == t[:, None])[:, :, None], Vn, zero))
+    VN = torch.where(before_t[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
+                     torch.where(at_t[:, :, None], Vn, zero))
     Qt = r(Q[n, t])[:, None, :]
     qSK = _mm(Qt, torch.cat([Sr, Kr.transpose(1, 2)], 2))[:, 0]
     M = torch.where(rows <= t[:, None], qSK[:, Dv:] * eGR[n, i], zero)

@@ -111,23 +111,26 @@ def block_cumsum_reference(g: torch.Tensor, block: int = 16) -> torch.Tensor:
     blocks before it (a chunk that is not a multiple of ``block`` rows is one block). Each block's
     running sum goes row by row from its first row, the blocks side by side (one loop over the rows
     of a block, not of the chunk: the same additions in the same order); the sum of the blocks
-    before block a is chained block by block, ((s_0 + s_1) + s_2) ..., and added last."""
+    before block a is chained block by block, ((s_0 + s_1) + s_2) ..., and added last.
+    Returns a contiguous [N, C]."""
     N, C = g.shape
     if C % block:
         block = C
     nb = C // block
-    gb = g.reshape(N, nb, block)
-    run = torch.empty_like(gb)
-    acc = g.new_zeros(N, nb)
-    for p in range(block):
-        acc = acc + gb[:, :, p]
-        run[:, :, p] = acc
-    G = run.clone()
-    before = acc[:, 0]
-    for a in range(1, nb):
-        G[:, a] = run[:, a] + before[:, None]
-        before = before + acc[:, a]
-    return G.view(N, C)
+    # the rows of the blocks K-first (run[p] = row p of every block of every lane), the running
+    # sums written in place: the additions of acc = ((+0 + g_0) + g_1) + ... with fewer torch calls
+    gT = g.reshape(N, nb, block).permute(2, 0, 1)                                # [p, N, nb]
+    run = g.new_empty((block, N, nb))
+    torch.add(g.new_zeros(()), gT[0], out=run[0])
+    for p in range(1, block):
+        torch.add(run[p - 1], gT[p], out=run[p])
+    if nb > 1:
+        acc = run[block - 1].clone()                                              # the block sums
+        before = acc[:, 0]
+        for a in range(1, nb):
+            run[:, :, a].add_(before)
+            before = before + acc[:, a]
+    return run.permute(1, 2, 0).contiguous().view(N, C)
 
 
 def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:

@@ -298,3 +298,218 @@ def test_chunk_form_forward_batched_state_chain_gives_the_piece_by_piece_bits(ca
             assert a is None, name
         else:
             assert_same_bits(a, b, f"forward {name} lens={lens} C={C} {v_dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_core.reference.block_cumsum_reference
+# ---------------------------------------------------------------------------------------------
+
+def _block_cumsum_row_loop(g: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """``block_cumsum_reference`` before it went K-first: acc = acc + g[:, :, p] from +0, stored
+    row by row, then the sums of the blocks before each block chained and added."""
+    N, C = g.shape
+    if C % block:
+        block = C
+    nb = C // block
+    gb = g.reshape(N, nb, block)
+    run = torch.empty_like(gb)
+    acc = g.new_zeros(N, nb)
+    for p in range(block):
+        acc = acc + gb[:, :, p]
+        run[:, :, p] = acc
+    G = run.clone()
+    before = acc[:, 0]
+    for a in range(1, nb):
+        G[:, a] = run[:, a] + before[:, None]
+        before = before + acc[:, a]
+    return G.view(N, C)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_block_cumsum_k_first_gives_the_row_loop_bits(dtype):
+    gen = torch.Generator().manual_seed(5)
+    for C in (64, 48, 40, 32, 16, 5, 1):
+        for N in (0, 1, 7):
+            g = specials((N, C), dtype, gen, frac=0.1) * 3
+            if N and C:
+                g[-1] = -0.0          # -0 rows: +0 + -0 starts every running sum at +0
+            got = R.block_cumsum_reference(g)
+            assert got.is_contiguous()
+            assert_same_bits(got, _block_cumsum_row_loop(g), f"block_cumsum C={C} N={N} {dtype}")
+
+
+# ---------------------------------------------------------------------------------------------
+# gdn_core.cpr_chunk_reference.cpr4_decode_reference
+# ---------------------------------------------------------------------------------------------
+
+def _decode_rows_before(q, k, v, g, beta, slots, state, *, chunk):
+    """``cpr4_decode_reference`` before its speedups (with the earlier _mm, exp64 and block cumsum
+    above): masks made per buffer, exp on the whole [BL, C] block of pairs."""
+    from isoexec_kernels.gdn_core import cpr_chunk, native_wy
+    from isoexec_kernels.gdn_core.cpr_row_decode import check_chunk_form_state
+
+    _mm, _exp, block_cumsum_reference = _mm_nmkp, _exp_div_pow2, _block_cumsum_row_loop
+    _sum_dim = lambda t, dim: _ref.tree_sum0(t.movedim(dim, 0))  # noqa: E731
+    check_chunk_form_state(state, v)
+    C = chunk
+    B, H, Dv = q.shape[0], v.shape[1], v.shape[2]
+    Dk = state.buf_k.shape[3]
+    dev = v.device
+    if B == 0:
+        return torch.zeros(0, H, Dv, dtype=torch.float32, device=dev)
+    # the prefill's operand rounding (``_forward_reference``), looked up per call for the same reason
+    r = (lambda x: x) if v.dtype == torch.float32 else native_wy.round_bf16
+    N = B * H                                        # lanes (sequence b, value head h) = b * H + h
+    sl = slots.to(device=dev, dtype=torch.long)
+    tb = state.fill[sl].long()                       # each token's row in its open chunk
+    t = tb.repeat_interleave(H)
+    n = torch.arange(N, device=dev)
+    rows = torch.arange(C, device=dev)
+    zero = torch.zeros((), dtype=torch.float32, device=dev)
+
+    def lanes(buf, new):
+        # [S, C, H, ...] buffer and [B, H, ...] token -> [N, C, ...] in fp32: the kept rows before t,
+        # the token at t, zeros after it, as the prefill's padded chunk holds them
+        x = buf[sl].float().movedim(2, 1).reshape(N, C, *buf.shape[3:])
+        new = new.float().reshape(N, 1, *new.shape[2:])
+        shape = (N, C) + (1,) * (x.dim() - 2)
+        at, before = (rows == t[:, None]).view(shape), (rows < t[:, None]).view(shape)
+        return torch.where(before, x, torch.where(at, new, zero))
+
+    Q, K = lanes(state.buf_q, cpr_chunk._expand(q, H)), lanes(state.buf_k, cpr_chunk._expand(k, H))
+    V, gN, bN = lanes(state.buf_v, v), lanes(state.buf_g, g), lanes(state.buf_beta, beta)
+    G = block_cumsum_reference(gN)
+    Kr = r(K)
+    # block-row a of the inverse (t's 16-row block, or the whole chunk when C is not a multiple of
+    # 16, as ``blocked_inverse_reference`` blocks it): A's rows of that block, the rows after t made
+    # from the zero rows as the prefill makes them, so that T's nesting below sums the same terms
+    BL = 16 if C % 16 == 0 else C
+    a, i = t // BL, t % BL
+    R = a[:, None] * BL + torch.arange(BL, device=dev)                          # [N, BL] chunk rows
+    GR = G.gather(1, R)
+    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise
+    ex = _exp(torch.cat([torch.where(rows <= R[:, :, None], GR[:, :, None] - G[:, None, :], zero).view(N, -1), G], 1))
+    eGR, eG = ex[:, :BL * C].view(N, BL, C), ex[:, BL * C:]
+    AR = torch.where(rows < R[:, :, None],
+                     (bN.gather(1, R)[:, :, None] * _mm(Kr[n[:, None], R], Kr.transpose(1, 2))) * eGR, zero)
+    Tk = state.buf_T[sl].movedim(2, 1).reshape(N, C, C)                         # kept rows of T
+    # the diagonal block's substitution at its row i: the kept rows above it, identity rows from i on
+    # (the rows the substitution has not reached yet)
+    eye = torch.eye(BL, dtype=torch.float32, device=dev)
+    blk = torch.arange(BL, device=dev)
+    Ta = torch.where((blk[None, :] < i[:, None])[:, :, None], Tk[n[:, None, None], R[:, :, None], R[:, None, :]], eye)
+    Ta_i = eye[i] - _sum_dim(AR[n, i].gather(1, R)[:, :, None] * Ta, 1)          # [N, BL]
+    Tt = torch.zeros(N, C, dtype=torch.float32, device=dev)
+    Tt.scatter_(1, R, Ta_i)
+    # the blocks left of the diagonal: T_ab = -T_aa (A_ab T_bb + A_a,b+1 T_b+1,b + ... + A_a,a-1 T_a-1,b),
+    # from block a's 16 rows of the sum and row i of T_aa. Every lane computes every product
+    # A_ac T_cb (b <= c < nb - 1) in one batch; a lane adds those with c < a, in the prefill's order,
+    # and keeps the blocks b < a (a term it does not add is selected away, not added as a zero)
+    nb = C // BL
+    if nb > 1:
+        pairs = [(c, b) for b in range(nb - 1) for c in range(b, nb - 1)]
+        Ab = AR.view(N, BL, nb, BL)
+        Tb = Tk.view(N, nb, BL, nb, BL)
+        terms = _mm(torch.stack([Ab[:, :, c] for c, _ in pairs], 1).view(-1, BL, BL),
+                    torch.stack([Tb[:, c, :, b] for c, b in pairs], 1).view(-1, BL, BL)).view(N, len(pairs), BL, BL)
+        accs = []
+        for b in range(nb - 1):
+            acc = terms[:, pairs.index((b, b))]
+            for c in range(b + 1, nb - 1):
+                acc = torch.where((c < a)[:, None, None], acc + terms[:, pairs.index((c, b))], acc)
+            accs.append(acc)
+        off = -_mm(Ta_i[:, None, None, :].expand(N, nb - 1, 1, BL).reshape(-1, 1, BL),
+                   torch.stack(accs, 1).view(-1, BL, BL)).view(N, nb - 1, BL)
+        left = torch.arange(nb - 1, device=dev)[None, :] < a[:, None]
+        head = Tt[:, :(nb - 1) * BL].view(N, nb - 1, BL)
+        Tt[:, :(nb - 1) * BL] = torch.where(left[:, :, None], off, head).view(N, -1)
+    # row t of W and U (one product: the same dots over the chunk's C rows, zeros after t), of Vn, and
+    # the output's q dots with S and with k (one product over Dk)
+    Tm = r(Tt)[:, None, :]
+    WU = r(_mm(Tm, torch.cat([r(K * (bN * eG)[:, :, None]), r(V * bN[:, :, None])], 2)))
+    W, U = WU[:, :, :Dk], WU[:, :, Dk:]
+    S = state.boundary[sl].float().reshape(N, Dk, Dv)
+    Sr = r(S)
+    Vn = U - _mm(W, Sr)                                                           # [N, 1, Dv]
+    VN = torch.where((rows < t[:, None])[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
+                     torch.where((rows == t[:, None])[:, :, None], Vn, zero))
+    Qt = r(Q[n, t])[:, None, :]
+    qSK = _mm(Qt, torch.cat([Sr, Kr.transpose(1, 2)], 2))[:, 0]
+    M = torch.where(rows <= t[:, None], qSK[:, Dv:] * eGR[n, i], zero)
+    o = qSK[:, None, :Dv] * eG[n, t][:, None, None] + _mm(r(M)[:, None, :], r(VN))
+    # the state as the prefill of one token leaves it: where the chunk completes, the boundary carried
+    # across it from all C unrounded Vn rows (buffers untouched); else row t of every buffer
+    done = (tb == C - 1).nonzero().flatten()
+    if len(done):
+        Lc = (done[:, None] * H + torch.arange(H, device=dev)).flatten()           # their lanes
+        gl = G[Lc, C - 1]
+        Vd = VN[Lc] * _exp(gl[:, None] - G[Lc])[:, :, None]
+        Sn = _mm(Kr[Lc].transpose(1, 2), r(Vd)) + S[Lc] * _exp(gl)[:, None, None]
+        state.boundary[sl[done]] = Sn.view(len(done), H, Dk, Dv)
+        cpr_chunk.refresh_boundary_op(state, sl[done])   # the other slots' boundaries did not move
+    open_ = (tb < C - 1).nonzero().flatten()
+    if len(open_):
+        s_o, t_o = sl[open_], tb[open_]
+        for buf, new in ((state.buf_q, cpr_chunk._expand(q, H)), (state.buf_k, cpr_chunk._expand(k, H)),
+                         (state.buf_v, v), (state.buf_g, g), (state.buf_beta, beta)):
+            buf[s_o, t_o] = new[open_].float().to(buf.dtype)
+        vn_o = Vn.view(B, H, Dv)[open_]
+        state.buf_vn[s_o, t_o] = vn_o
+        if state.buf_vn_op is not None:
+            state.buf_vn_op[s_o, t_o] = vn_o.to(state.buf_vn_op.dtype)
+        state.buf_T[s_o, t_o] = Tt.view(B, H, C)[open_]
+    state.fill[sl] = ((tb + 1) % C).to(state.fill.dtype)
+    return o.view(B, H, Dv)
+
+
+def _state_copy(st):
+    import dataclasses
+
+    return type(st)(**{f.name: (None if getattr(st, f.name) is None else getattr(st, f.name).clone())
+                       for f in dataclasses.fields(st)})
+
+
+@pytest.mark.parametrize("C", [64, 48, 40, 16])
+@pytest.mark.parametrize("v_dtype", [torch.float32, torch.bfloat16])
+def test_row_decode_gives_the_bits_it_gave_before_its_speedups(C, v_dtype):
+    """Slots at different rows of their open chunks (0, inside a block, a block's last row, the
+    chunk's last row: the boundary update) decode side by side; every output and every state
+    field is compared after each step."""
+    from isoexec_kernels.gdn_core import GDNState
+    from isoexec_kernels.gdn_core import cpr_chunk_reference as CR
+    from gdn_inputs import make_inputs
+
+    Hk, H, Dk, Dv = 2, 4, 16, 8
+    prompt = [C - 3, 1, 15, 0, 2 * C - 1, 17]
+    steps = 5
+    B = len(prompt)
+    q, k, v, g, beta, cu = make_inputs(prompt, Hk, H, Dk, Dv, seed=C, v_dtype=v_dtype)
+    st = GDNState.allocate(B + 1, H, Dk, Dv, "cpu", chunk=C, with_q=True, value_dtype=v_dtype)
+    slots = torch.arange(1, B + 1)
+    nz = [b for b, n in enumerate(prompt) if n]
+    cu_nz = torch.tensor([0] + torch.tensor([prompt[b] for b in nz]).cumsum(0).tolist(), dtype=torch.int32)
+    CR.cpr4_engine_reference(q, k, v, g, beta, cu_nz, slots[nz], st, chunk=C)
+    dq, dk, dv, dg, db, _ = make_inputs([B] * steps, Hk, H, Dk, Dv, seed=C + 1, v_dtype=v_dtype)
+    dv = dv.clone()
+    dv[B + 2, 1, 3] = float("nan")     # one lane's value NaN from step 1 on
+    dk = dk.clone()
+    dk[2 * B + 4, 0] = -0.0
+    for s in range(steps):
+        rows = slice(s * B, (s + 1) * B)
+        a, b_ = _state_copy(st), _state_copy(st)
+        args = (dq[rows], dk[rows], dv[rows], dg[rows], db[rows], slots)
+        o_new = CR.cpr4_decode_reference(*args, a, chunk=C)
+        o_old = _decode_rows_before(*args, b_, chunk=C)
+        assert_same_bits(o_new, o_old, f"decode output C={C} step {s}")
+        import dataclasses
+        for f in dataclasses.fields(a):
+            x, y = getattr(a, f.name), getattr(b_, f.name)
+            if x is None:
+                assert y is None
+            elif x.is_floating_point() and x.dtype in INT_VIEW:
+                assert_same_bits(x, y, f"state.{f.name} C={C} step {s}")
+            else:
+                assert torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
+                                   y.view(torch.int16) if y.dtype == torch.bfloat16 else y), f.name
+        st = a
+    assert int(st.fill[2]) == 1 + steps and int(st.fill[1]) == (C - 3 + steps) % C   # slot 1 completed its chunk
