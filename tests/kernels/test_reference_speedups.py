@@ -29,17 +29,29 @@ def assert_same_bits(new: torch.Tensor, old: torch.Tensor, what: str) -> None:
     assert not bool(diff.any()), f"{what}: {int(diff.sum())} of {diff.numel()} elements differ"
 
 
+def nan_with_payload(dtype, payload: int, negative: bool = False) -> torch.Tensor:
+    """A quiet NaN with its own payload and sign: where two NaNs meet, the result's bits say which
+    operand it came from."""
+    if dtype == torch.float32:
+        v = 0x7FC00000 | payload | (0x80000000 if negative else 0)
+        return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v], dtype=torch.int32).view(dtype)[0]
+    v = 0x7FF8000000000000 | payload | (0x8000000000000000 if negative else 0)
+    return torch.tensor([v - (1 << 64) if v >= 1 << 63 else v], dtype=torch.int64).view(dtype)[0]
+
+
 def specials(shape, dtype, gen, frac: float = 0.08) -> torch.Tensor:
-    """Random normals with a fraction of +0, -0, +inf, -inf and NaN, and whole rows of -0 (so that
-    some dot products are sums of -0 terms only, whose sign the padding and the tree decide)."""
+    """Random normals with a fraction of +0, -0, +inf, -inf and NaNs (the default one and two with
+    other payloads and signs), and whole rows of -0 (so that some dot products are sums of -0 terms
+    only, whose sign the padding and the tree decide)."""
     x = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     if x.numel() == 0:
         return x
     pick = torch.rand(shape, generator=gen, dtype=torch.float64)
-    vals = [0.0, -0.0, float("inf"), -float("inf"), float("nan")]
+    vals = [torch.tensor(v, dtype=dtype) for v in (0.0, -0.0, float("inf"), -float("inf"), float("nan"))]
+    vals += [nan_with_payload(dtype, 0x123), nan_with_payload(dtype, 0x456, negative=True)]
     for j, v in enumerate(vals):
         lo = j * frac / len(vals)
-        x = torch.where((pick >= lo) & (pick < lo + frac / len(vals)), torch.tensor(v, dtype=dtype), x)
+        x = torch.where((pick >= lo) & (pick < lo + frac / len(vals)), v, x)
     if x.dim() >= 2 and x.shape[-2] > 1:
         x[..., 0, :] = -0.0
     return x
@@ -132,7 +144,8 @@ def test_exp64_shift_exponents_give_the_floor_division_bits():
     k = torch.arange(-1160, 1161, dtype=torch.float64) + 0.5
     half = k * 0.6931471805599453
     near = torch.cat([half, torch.nextafter(half, half + 1), torch.nextafter(half, half - 1)])
-    x = torch.cat([edges, wide, small, near, -near])
+    nans = torch.stack([nan_with_payload(torch.float64, 0x123), nan_with_payload(torch.float64, 0x456, True)])
+    x = torch.cat([edges, nans, wide, small, near, -near])
     assert_same_bits(_ref.exp64(x), _exp64_div_pow2(x), "exp64")
     xs = x[:300_000].view(3, -1)[:, ::2]
     assert_same_bits(_ref.exp64(xs), _exp64_div_pow2(xs), "exp64 strided")
@@ -513,3 +526,169 @@ def test_row_decode_gives_the_bits_it_gave_before_its_speedups(C, v_dtype):
                                    y.view(torch.int16) if y.dtype == torch.bfloat16 else y), f.name
         st = a
     assert int(st.fill[2]) == 1 + steps and int(st.fill[1]) == (C - 3 + steps) % C   # slot 1 completed its chunk
+
+
+# ---------------------------------------------------------------------------------------------
+# attention.reference: exp2_fixed, paged_attention_reference's decode rows side by side
+# ---------------------------------------------------------------------------------------------
+
+def _exp2_fixed_before(x: torch.Tensor) -> torch.Tensor:
+    """``exp2_fixed`` before its speedup: Horner from a filled tensor, out of place."""
+    from isoexec_kernels.attention.reference import _EXP2_COEFFS
+
+    x = x.float().clamp(min=-200.0, max=127.0)
+    n = torch.round(x)
+    f = x - n
+    poly = torch.full_like(f, _EXP2_COEFFS[0])
+    for c in _EXP2_COEFFS[1:]:
+        poly = poly * f
+        poly = poly + c
+    n_int = n.to(torch.int32)
+    scale = ((n_int.clamp(min=-126) + 127) << 23).view(torch.float32)
+    out = poly * scale
+    return torch.where(n_int < -126, torch.zeros_like(out), out)
+
+
+def test_exp2_fixed_in_place_horner_gives_the_out_of_place_bits():
+    from isoexec_kernels.attention.reference import exp2_fixed
+
+    gen = torch.Generator().manual_seed(13)
+    edges = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -126.0, -126.5, -125.5, -127.0,
+                          -149.0, -200.0, -201.0, 127.0, 127.5, 128.0, 0.5, -0.5, 1e-45, -1e-45, 3e38, -3e38])
+    wide = torch.empty(300_000).uniform_(-210.0, 135.0, generator=gen)
+    halves = torch.arange(-205, 131, dtype=torch.float32) + 0.5
+    near = torch.cat([halves, torch.nextafter(halves, halves + 1), torch.nextafter(halves, halves - 1)])
+    nans = torch.stack([nan_with_payload(torch.float32, 0x123), nan_with_payload(torch.float32, 0x456, True)])
+    x = torch.cat([edges, nans, wide, torch.randn(50_000, generator=gen), near])
+    assert_same_bits(exp2_fixed(x), _exp2_fixed_before(x), "exp2_fixed")
+    assert_same_bits(exp2_fixed(x.bfloat16()), _exp2_fixed_before(x.bfloat16()), "exp2_fixed of bf16")
+    xs = x[:300_000].view(3, -1)[:, ::3]
+    assert_same_bits(exp2_fixed(xs), _exp2_fixed_before(xs), "exp2_fixed strided")
+
+
+def _attend_sequence_before(q, k, v, scale: float, causal: bool):
+    """``attention.reference._attend_sequence`` before its speedups (two exp2 calls per block,
+    the earlier exp2_fixed); the paged reference ran it sequence by sequence."""
+    from isoexec_kernels.attention.reference import BLOCK_N as block_n, LOG2E, tree_sum
+
+    lq, hq, d = q.shape
+    ctx, hkv, _ = k.shape
+    group = hq // hkv
+    dtype = q.dtype
+    first_pos = ctx - lq
+    # rows laid out [Hkv, Lq, G, D]: the group heads sharing one KV head sit together
+    qf = q.float().reshape(lq, hkv, group, d).permute(1, 0, 2, 3)
+    lim = (torch.arange(lq) + first_pos) if causal else torch.full((lq,), ctx - 1)
+    m = torch.full((hkv, lq, group), float("-inf"))
+    l = torch.zeros((hkv, lq, group))
+    acc = torch.zeros((hkv, lq, group, d))
+    qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)
+    n_blocks = (int(lim.max()) // block_n + 1) if lq > 0 else 0
+    for j in range(n_blocks):
+        lo = j * block_n
+        hi = min(lo + block_n, ctx)
+        # the rows that see at least one key of this block: a suffix of the tokens when causal
+        t0 = max(0, lo - first_pos) if causal else 0
+        kb = torch.zeros((block_n, hkv, d))
+        vb = torch.zeros((block_n, hkv, d))
+        kb[: hi - lo] = k[lo:hi].float()
+        vb[: hi - lo] = v[lo:hi].float()
+        kb = kb.permute(1, 0, 2)  # [Hkv, N, D]
+        vb = vb.permute(1, 0, 2)
+        qa = qf[:, t0:]  # [Hkv, La, G, D]
+        s = tree_sum(qa.unsqueeze(3) * kb[:, None, None, :, :], -1)  # [Hkv, La, G, N]
+        s = s * qk_scale
+        keys = torch.arange(lo, lo + block_n)
+        visible = keys[None, :] <= lim[t0:, None]  # [La, N]
+        partial = not bool(visible.all())
+        s = torch.where(visible[None, :, None, :], s, float("-inf"))
+        m_old, l_old, acc_old = m[:, t0:], l[:, t0:], acc[:, t0:]
+        m_new = torch.maximum(m_old, s.amax(-1))
+        alpha = _exp2_fixed_before(m_old - m_new)
+        p = _exp2_fixed_before(s - m_new.unsqueeze(-1))
+        l_new = l_old * alpha + tree_sum(p, -1)
+        p_low = p.to(dtype).float()
+        pv = p_low.unsqueeze(-1) * vb[:, None, None, :, :]  # [Hkv, La, G, N, D]
+        if partial:  # invisible keys contribute +0 exactly, whatever the sign of their v
+            pv = torch.where(visible[None, :, None, :, None], pv, 0.0)
+        acc_new = acc_old * alpha.unsqueeze(-1) + tree_sum(pv, -2)
+        m[:, t0:], l[:, t0:], acc[:, t0:] = m_new, l_new, acc_new
+    out = (acc / l.unsqueeze(-1)).to(dtype)
+    lse2 = m + torch.log2(l)
+    return out.permute(1, 0, 2, 3).reshape(lq, hq, d), lse2.permute(1, 0, 2).reshape(lq, hq)
+
+
+def _paged_before(q, k_cache, v_cache, block_table, cu_seqlens_q, context_lens, scale, causal=True):
+    """``paged_attention_reference`` before it batched its decode rows: sequence by sequence."""
+    from isoexec_kernels.attention.reference import gather_sequence_kv
+
+    out = torch.empty_like(q)
+    lse2 = torch.empty(q.shape[:2], dtype=torch.float32)
+    cu = cu_seqlens_q.tolist()
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        if e > s:
+            k, v = gather_sequence_kv(k_cache, v_cache, block_table[b], int(context_lens[b]))
+            out[s:e], lse2[s:e] = _attend_sequence_before(q[s:e], k, v, scale, causal)
+    return out, lse2
+
+
+PAGED_CASES = [  # new tokens per sequence, context length per sequence (0 new: skipped)
+    ([1, 1, 1, 1, 1, 1], [1, 63, 64, 65, 130, 200]),      # decode rows only, 1..4 blocks
+    ([1, 5, 1, 0, 1, 3], [70, 5, 1, 9, 129, 64]),          # decode rows among prefill chunks
+    ([1], [100]), ([1, 1], [64, 64]), ([0, 0], [3, 4]), ([], []),
+]
+
+
+@pytest.mark.parametrize("case", range(len(PAGED_CASES)))
+@pytest.mark.parametrize("dtype,d,causal", [(torch.float32, 16, True), (torch.bfloat16, 16, True),
+                                            (torch.float16, 12, True), (torch.bfloat16, 12, False)])
+def test_paged_attention_decode_rows_side_by_side_give_the_sequence_by_sequence_bits(case, dtype, d, causal):
+    from isoexec_kernels.attention.reference import paged_attention_reference
+
+    new, ctx = PAGED_CASES[case]
+    gen = torch.Generator().manual_seed(case * 10 + d)
+    hq, hkv, page = 4, 2, 16
+    pages_per_seq = [-(-c // page) for c in ctx]
+    num_pages = sum(pages_per_seq) + 3
+    kc = (torch.randn(num_pages, page, hkv, d, generator=gen)).to(dtype)
+    vc = (torch.randn(num_pages, page, hkv, d, generator=gen)).to(dtype)
+    perm = torch.randperm(num_pages, generator=gen)       # pages scattered in the cache
+    bt = torch.zeros(len(ctx), max(pages_per_seq + [1]), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(pages_per_seq):
+        bt[b, :n] = perm[used:used + n]
+        used += n
+    cu = torch.tensor([0] + torch.tensor(new, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), hq, d, generator=gen).to(dtype)
+    if len(new) > 2:          # -0 and NaN in one sequence, huge logits in another: rows never mix
+        q[0] = -0.0
+        kc[int(bt[2, 0]), 0, 1] = float("nan")
+        q[-1, 1] = 3e3 if dtype != torch.float16 else 6e4
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    got = paged_attention_reference(q, kc, vc, bt, cu, ctx_t, 0.25, causal)
+    want = _paged_before(q, kc, vc, bt, cu, ctx_t, 0.25, causal)
+    iv = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    assert torch.equal(got[0].view(iv), want[0].view(iv)), f"out {new} {ctx}"
+    assert_same_bits(got[1], want[1], f"lse2 {new} {ctx}")
+
+
+def test_paged_decode_rows_of_short_sequences_beside_long_ones_keep_their_bits():
+    """One-key and one-block sequences beside a 130-key one: the short rows are left as they are at
+    the longer one's later blocks."""
+    from isoexec_kernels.attention.reference import paged_attention_reference
+
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d, page = 4, 2, 16, 64
+    kc = torch.randn(5, page, hkv, d, generator=gen)
+    vc = torch.randn(5, page, hkv, d, generator=gen)
+    vc[0, 0] = -0.0
+    bt = torch.tensor([[0, 0, 0], [1, 2, 3], [4, 0, 0]], dtype=torch.int32)
+    q = torch.randn(3, hq, d, generator=gen)
+    cu = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    ctx = torch.tensor([1, 130, 64], dtype=torch.int32)
+    got = paged_attention_reference(q, kc, vc, bt, cu, ctx, 0.25)
+    want = _paged_before(q, kc, vc, bt, cu, ctx, 0.25)
+    assert_same_bits(got[0], want[0], "out")
+    assert_same_bits(got[1], want[1], "lse2")
+    assert bool(torch.isfinite(got[0]).all()), "the rows went side by side (no NaN to send them alone)"
