@@ -118,11 +118,6 @@ _INV_LN2 = 1.44269504088896338700e00
 _EXP_COEF = [1.0 / math.factorial(k) for k in range(12)]
 
 
-def _pow2_int(n: torch.Tensor) -> torch.Tensor:
-    """2**n as float64 for integer ``n`` in [-1022, 1023], built from the exponent bits."""
-    return ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
 def exp64(x: torch.Tensor) -> torch.Tensor:
     """exp of a float64 tensor, as float64 (relative error ~2e-16).
 
@@ -133,11 +128,18 @@ def exp64(x: torch.Tensor) -> torch.Tensor:
     xc = x.clamp(-800.0, 800.0)
     n = torch.round(xc * _INV_LN2)
     r = (xc - n * _LN2_HI).sub_(n * _LN2_LO)
-    p = torch.full_like(r, _EXP_COEF[-1])
-    for c in reversed(_EXP_COEF[:-1]):   # Horner, in place (the same roundings as p * r + c)
+    # Horner, in place (the same roundings as p * r + c), its first step r * c11 without a filled
+    # tensor (c11 * r: a product of two numbers, either order the same bits)
+    p = torch.mul(r, _EXP_COEF[-1]).add_(_EXP_COEF[-2])
+    for c in reversed(_EXP_COEF[:-2]):
         p.mul_(r).add_(c)
-    n1 = torch.div(n, 2, rounding_mode="floor")
-    out = p.mul_(_pow2_int(n1)).mul_(_pow2_int(n - n1))
+    # 2^n as 2^n1 * 2^(n - n1), n1 = floor(n / 2), each factor built from its exponent bits (both
+    # exponents in [-578, 578]). On the integer n (|n| <= 1155 after the clamp, exact in int64) an
+    # arithmetic shift is that floor, much cheaper than a float floor division. A NaN n makes
+    # garbage exponents here; the NaN is put back below
+    ni = n.to(torch.int64)
+    n1 = ni >> 1
+    out = p.mul_(((n1 + 1023) << 52).view(torch.float64)).mul_(((ni - n1).add_(1023) << 52).view(torch.float64))
     return torch.where(torch.isnan(x), x, out)
 
 

@@ -54,14 +54,15 @@ def exp2_fixed(x: torch.Tensor) -> torch.Tensor:
     x = x.float().clamp(min=-200.0, max=127.0)
     n = torch.round(x)
     f = x - n
-    poly = torch.full_like(f, _EXP2_COEFFS[0])
-    for c in _EXP2_COEFFS[1:]:
-        poly = poly * f
-        poly = poly + c
+    # Horner in place (the same roundings as poly * f + c), its first step f * c0 without a filled
+    # tensor (c0 * f: one product, either order the same bits)
+    poly = torch.mul(f, _EXP2_COEFFS[0]).add_(_EXP2_COEFFS[1])
+    for c in _EXP2_COEFFS[2:]:
+        poly.mul_(f).add_(c)
     n_int = n.to(torch.int32)
     scale = ((n_int.clamp(min=-126) + 127) << 23).view(torch.float32)
-    out = poly * scale
-    return torch.where(n_int < -126, torch.zeros_like(out), out)
+    out = poly.mul_(scale)
+    return torch.where(n_int < -126, 0.0, out)
 
 
 def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -79,6 +80,14 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
         width //= 2
         x = x.narrow(dim, 0, width) + x.narrow(dim, width, width)
     return x.squeeze(dim)
+
+
+def _exp2_pair(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exp2_fixed(a), exp2_fixed(b)) by one call on both, half the torch calls: exp2_fixed is
+    elementwise, its operations give the same bits on any path, and an element's NaN, if any, is
+    only ever its own input's (one payload meets itself), so the concatenation changes no bit."""
+    e = exp2_fixed(torch.cat([a.reshape(-1), b.reshape(-1)]))
+    return e[:a.numel()].view(a.shape), e[a.numel():].view(b.shape)
 
 
 def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -121,8 +130,7 @@ def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         s = torch.where(visible[None, :, None, :], s, float("-inf"))
         m_old, l_old, acc_old = m[:, t0:], l[:, t0:], acc[:, t0:]
         m_new = torch.maximum(m_old, s.amax(-1))
-        alpha = exp2_fixed(m_old - m_new)
-        p = exp2_fixed(s - m_new.unsqueeze(-1))
+        alpha, p = _exp2_pair(m_old - m_new, s - m_new.unsqueeze(-1))
         l_new = l_old * alpha + tree_sum(p, -1)
         p_low = p.to(dtype).float()
         pv = p_low.unsqueeze(-1) * vb[:, None, None, :, :]  # [Hkv, La, G, N, D]
@@ -133,6 +141,70 @@ def _attend_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = (acc / l.unsqueeze(-1)).to(dtype)
     lse2 = m + torch.log2(l)
     return out.permute(1, 0, 2, 3).reshape(lq, hq, d), lse2.permute(1, 0, 2).reshape(lq, hq)
+
+
+def _attend_last_rows(q: torch.Tensor, ks: list, vs: list, scale: float, causal: bool,
+                      block_n: int = BLOCK_N):
+    """:func:`_attend_sequence` for B sequences of one query each (decode rows), side by side.
+
+    q: [B, Hq, D] (row b the last token of sequence b), ks[b], vs[b]: [ctx_b, Hkv, D] its keys and
+    values. Returns out [B, Hq, D] and lse2 [B, Hq], each row with the bits ``_attend_sequence``
+    gives it alone: every operation below is that function's on an extra leading dim of
+    sequences, elementwise, a max or a fixed tree along the key / head_dim axes of one row, so
+    rows never mix. A single row sees every key of its sequence (its limit is ctx_b - 1, causal or
+    not), hence every block up to its last one; at the blocks after that, which a longer sequence
+    of the batch still walks, the row's m, l and acc are kept as they are (selected, not updated,
+    so that each row takes exactly the operations it takes alone). lse2 goes through the
+    stock torch.log2, whose bits may depend on a tensor's size: it is taken per sequence, on the
+    shape ``_attend_sequence`` takes it on. Two things here do depend on the batch: the sign of a
+    zero max (torch.maximum / amax on +0 and -0), which reaches no output (s - m and m_old - m are
+    then +-0 or unchanged, exp2_fixed(+-0) = 1, m + log2(l) = log2(l) or +0), and the NaN a max
+    returns, which the caller handles (:func:`paged_attention_reference`)."""
+    B, hq, d = q.shape
+    hkv = ks[0].shape[1]
+    group = hq // hkv
+    dtype = q.dtype
+    ctx = [k.shape[0] for k in ks]
+    nbl = [(c - 1) // block_n + 1 for c in ctx]
+    L = max(nbl) * block_n
+    # each sequence's keys and values zero-padded to the longest one's last block, as
+    # _attend_sequence zero-pads a block past the end of its sequence
+    kp = torch.zeros((B, L, hkv, d))
+    vp = torch.zeros((B, L, hkv, d))
+    for b in range(B):
+        kp[b, :ctx[b]] = ks[b].float()
+        vp[b, :ctx[b]] = vs[b].float()
+    qf = q.float().reshape(B, 1, hkv, group, d).permute(0, 2, 1, 3, 4)           # [B, Hkv, 1, G, D]
+    lim = torch.tensor([c - 1 for c in ctx])
+    nbl_t = torch.tensor(nbl)
+    m = torch.full((B, hkv, 1, group), float("-inf"))
+    l = torch.zeros((B, hkv, 1, group))
+    acc = torch.zeros((B, hkv, 1, group, d))
+    qk_scale = torch.tensor(scale * LOG2E, dtype=torch.float32)
+    for j in range(max(nbl)):
+        lo = j * block_n
+        kb = kp[:, lo:lo + block_n].permute(0, 2, 1, 3)                          # [B, Hkv, N, D]
+        vb = vp[:, lo:lo + block_n].permute(0, 2, 1, 3)
+        s = tree_sum(qf.unsqueeze(4) * kb[:, :, None, None, :, :], -1)             # [B, Hkv, 1, G, N]
+        s = s * qk_scale
+        keys = torch.arange(lo, lo + block_n)
+        visible = keys[None, :] <= lim[:, None]                                    # [B, N]
+        s = torch.where(visible[:, None, None, None, :], s, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))
+        alpha, p = _exp2_pair(m - m_new, s - m_new.unsqueeze(-1))
+        l_new = l * alpha + tree_sum(p, -1)
+        p_low = p.to(dtype).float()
+        pv = p_low.unsqueeze(-1) * vb[:, :, None, None, :, :]                      # [B, Hkv, 1, G, N, D]
+        if not bool(visible.all()):   # invisible keys contribute +0 exactly (a visible one is kept)
+            pv = torch.where(visible[:, None, None, None, :, None], pv, 0.0)
+        acc_new = acc * alpha.unsqueeze(-1) + tree_sum(pv, -2)
+        live = (j < nbl_t)[:, None, None, None]
+        m = torch.where(live, m_new, m)
+        l = torch.where(live, l_new, l)
+        acc = torch.where(live[..., None], acc_new, acc)
+    out = (acc / l.unsqueeze(-1)).to(dtype)
+    lse2 = torch.stack([m[b] + torch.log2(l[b].clone()) for b in range(B)])   # each alone, as before
+    return out.permute(0, 2, 1, 3, 4).reshape(B, hq, d), lse2.permute(0, 2, 1, 3).reshape(B, hq)
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -176,12 +248,16 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, co
                               scale: float, causal: bool = True):
     """Queries of each sequence's newest tokens over its paged KV cache (chunk already written).
     q [T, Hq, D]; k/v_cache [num_pages, page_size, Hkv, D]; block_table [B, max_pages];
-    cu_seqlens_q [B+1]; context_lens [B] (keys incl. the new tokens). Returns (out, lse2)."""
+    cu_seqlens_q [B+1]; context_lens [B] (keys incl. the new tokens). Returns (out, lse2).
+    The sequences with one new token (decode rows) are attended side by side
+    (:func:`_attend_last_rows`, each row's bits those of :func:`_attend_sequence` alone), the
+    others one by one."""
     _check_shapes(q, k_cache, v_cache)
     out = torch.empty_like(q)
     lse2 = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cu = [int(x) for x in cu_seqlens_q.tolist()]
     ctx_lens = [int(x) for x in context_lens.tolist()]
+    rows, ks, vs = [], [], []    # the decode rows (one new token), attended side by side below
     for b in range(len(cu) - 1):
         s, e = cu[b], cu[b + 1]
         if e == s:
@@ -190,7 +266,27 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, cu_seqlens_q, co
             raise ValueError(f"paged attention: sequence {b} has {e - s} new tokens but context "
                              f"length {ctx_lens[b]}; context_lens must include the new tokens")
         k, v = gather_sequence_kv(k_cache, v_cache, block_table[b], ctx_lens[b])
-        out[s:e], lse2[s:e] = _attend_sequence(q[s:e], k, v, scale, causal)
+        if e - s == 1:
+            rows.append(s)
+            ks.append(k)
+            vs.append(v)
+        else:
+            out[s:e], lse2[s:e] = _attend_sequence(q[s:e], k, v, scale, causal)
+    if len(rows) == 1:
+        out[rows[0]:rows[0] + 1], lse2[rows[0]:rows[0] + 1] = _attend_sequence(q[rows[0]:rows[0] + 1], ks[0], vs[0],
+                                                                                scale, causal)
+    elif rows:
+        idx = torch.tensor(rows, device=q.device)
+        o_rows, l_rows = _attend_last_rows(q[idx], ks, vs, scale, causal)
+        # a NaN's payload and sign are not the same whatever path makes it (torch.maximum gives one
+        # NaN in its vector body and another in its scalar tail): a row with a NaN in its output is
+        # made again alone, as it was made before the rows went side by side
+        nan = (torch.isnan(o_rows).flatten(1).any(1) | torch.isnan(l_rows).any(1)).tolist()
+        for j, bad in enumerate(nan):
+            if bad:
+                r = rows[j]
+                o_rows[j:j + 1], l_rows[j:j + 1] = _attend_sequence(q[r:r + 1], ks[j], vs[j], scale, causal)
+        out[idx], lse2[idx] = o_rows, l_rows
     return out, lse2
 
 

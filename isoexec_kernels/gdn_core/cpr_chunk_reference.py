@@ -89,35 +89,68 @@ def _forward_reference(pq, pk, pv, pg, pb, starts, lens, init, C):
     strict = t[None, :] < t[:, None]
     incl = t[None, :] <= t[:, None]
     zero = torch.zeros((), dtype=torch.float32, device=dev)
-    dG = G[:, :, None] - G[:, None, :]
     # exp(G_i - G_j) for j <= i, exp(0) = 1 elsewhere: A's strict mask and M's inclusive one take the
-    # same values (on the diagonal G_i - G_i is +0 either way), so one exp serves both
-    eG = _exp(torch.where(incl, dG, zero))
+    # same values (on the diagonal G_i - G_i is +0 either way), so one exp serves both. The exp is
+    # taken on the C (C + 1) / 2 pairs j <= i only (the same subtraction G_i - G_j, elementwise), the
+    # others set to exp(+0) = 1, which it is exactly: half the exps of the whole [C, C] grid
+    ti, tj = torch.tril_indices(C, C, device=dev)
+    eG = torch.ones(P * H, C, C, dtype=torch.float32, device=dev)
+    eG[:, ti, tj] = _exp(G[:, ti] - G[:, tj])
     Kr = r(K)
-    A = torch.where(strict, (beta[:, :, None] * _mm(Kr, Kr.transpose(1, 2))) * eG, zero)
+    KrT = Kr.transpose(1, 2)
+    Qr = r(Q)
+    # A (strict lower) and M's q.k dots (inclusive lower) only where the masks can keep them: rows
+    # of 16-row block a (the whole chunk when C is not a multiple of 16) against the columns
+    # j < 16 (a + 1), k's rows and q's rows in one product. The dots that are made are made as
+    # the whole [C, C] products made them (_mm: row-wise, each dot its own halves tree over Dk);
+    # the others were masked to 0, as they are left here (62.5% of the dots at C = 64)
+    BL = 16 if C % 16 == 0 else C
+    A = torch.zeros(P * H, C, C, dtype=torch.float32, device=dev)
+    M = torch.zeros(P * H, C, C, dtype=torch.float32, device=dev)
+    okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
+    mask_m = incl & okl[:, :, None]
+    for a0 in range(0, C, BL):
+        a1 = a0 + BL
+        kq = _mm(torch.cat([Kr[:, a0:a1], Qr[:, a0:a1]], 1), KrT[:, :, :a1])     # [P * H, 2 BL, a1]
+        A[:, a0:a1, :a1] = torch.where(strict[a0:a1, :a1], (beta[:, a0:a1, None] * kq[:, :BL]) * eG[:, a0:a1, :a1], zero)
+        M[:, a0:a1, :a1] = torch.where(mask_m[:, a0:a1, :a1], kq[:, BL:] * eG[:, a0:a1, :a1], zero)
     T_raw = blocked_inverse_reference(A)
     Tm = r(T_raw)
-    W = r(_mm(Tm, r(K * (beta * _exp(G))[:, :, None])))
+    eGv = _exp(G)                                                                 # e^G [P * H, C]
+    W = r(_mm(Tm, r(K * (beta * eGv)[:, :, None])))
     U = r(_mm(Tm, r(V * beta[:, :, None])))
     states = torch.empty(P, H, Dk, Dv, dtype=torch.float32, device=dev)
     vn = torch.empty(P * H, C, Dv, dtype=torch.float32, device=dev)
     vn_raw = torch.empty_like(vn)   # unrounded, as the engine keeps the open chunk's
-    okl = ok.repeat_interleave(H, 0)                                              # [P * H, C]
-    for b in range(B):
-        S = (init[b].float() if init is not None else torch.zeros(H, Dk, Dv, device=dev))
-        for c in range(chunk0[b], chunk0[b] + nchunk[b]):
-            lanes = slice(c * H, (c + 1) * H)
-            states[c] = S
-            Vn = U[lanes] - _mm(W[lanes], r(S))
-            vn[lanes] = r(Vn)
-            vn_raw[lanes] = Vn
-            gl = G[lanes, nrow[c] - 1]
-            Vd = Vn * torch.where(okl[lanes], _exp(gl[:, None] - G[lanes]), zero)[:, :, None]
-            S = _mm(Kr[lanes].transpose(1, 2), r(Vd)) + S * _exp(gl)[:, None, None]
-        fin[b] = S
+    # the state chain, chunk after chunk inside each piece. What a chunk's step needs besides the
+    # state is taken for all chunks at once: e^(G_l - G_j) (l = its last row) for its rows j <= l,
+    # 0 after them, is row l of eG (the same subtraction G_l - G_j, the same exp), and e^G_l an
+    # element of e^G. The pieces run side by side, step j taking the j-th chunk of every piece
+    # that has one: lanes never mix in a step (row-wise dots, elementwise operations), so the
+    # batching changes no bits, and a call of many short pieces takes as many steps as its
+    # longest piece has chunks, not as many as all pieces have
+    lane = torch.arange(P * H, device=dev)
+    last = (torch.tensor(nrow, device=dev) - 1).repeat_interleave(H)
+    tail = torch.where(okl, eG[lane, last], zero)[:, :, None]                     # [P * H, C, 1]
+    e_last = eGv[lane, last][:, None, None]                                       # [P * H, 1, 1]
+    if init is not None:
+        fin.copy_(init[:B].float())
+    heads = torch.arange(H, device=dev)
+    for j in range(max(nchunk)):
+        bs = [b for b in range(B) if nchunk[b] > j]
+        cs = torch.tensor([chunk0[b] + j for b in bs], device=dev)
+        lanes = (cs[:, None] * H + heads).view(-1)
+        bi = torch.tensor(bs, device=dev)
+        S = fin[bi]                                                               # [n, H, Dk, Dv]
+        states[cs] = S
+        S = S.view(-1, Dk, Dv)
+        Vn = U[lanes] - _mm(W[lanes], r(S))
+        vn[lanes] = r(Vn)
+        vn_raw[lanes] = Vn
+        Vd = Vn * tail[lanes]
+        fin[bi] = (_mm(KrT[lanes], r(Vd)) + S * e_last[lanes]).view(-1, H, Dk, Dv)
     Sr = r(states).view(P * H, Dk, Dv)
-    M = torch.where(incl & okl[:, :, None], _mm(r(Q), Kr.transpose(1, 2)) * eG, zero)
-    out = _mm(r(Q), Sr) * _exp(G)[:, :, None] + _mm(r(M), vn)                    # [P * H, C, Dv]
+    out = _mm(Qr, Sr) * eGv[:, :, None] + _mm(r(M), vn)                          # [P * H, C, Dv]
     out = out.view(P, H, C, Dv).movedim(1, 2)                                      # [P, C, H, Dv]
     o[src[ok]] = out[ok]
     return o, states, fin, vn_raw.view(P, H, C, Dv), T_raw.view(P, H, C, C)
@@ -167,14 +200,15 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     rows = torch.arange(C, device=dev)
     zero = torch.zeros((), dtype=torch.float32, device=dev)
 
+    at_t, before_t = rows == t[:, None], rows < t[:, None]                       # [N, C]
+
     def lanes(buf, new):
         # [S, C, H, ...] buffer and [B, H, ...] token -> [N, C, ...] in fp32: the kept rows before t,
         # the token at t, zeros after it, as the prefill's padded chunk holds them
         x = buf[sl].float().movedim(2, 1).reshape(N, C, *buf.shape[3:])
         new = new.float().reshape(N, 1, *new.shape[2:])
         shape = (N, C) + (1,) * (x.dim() - 2)
-        at, before = (rows == t[:, None]).view(shape), (rows < t[:, None]).view(shape)
-        return torch.where(before, x, torch.where(at, new, zero))
+        return torch.where(before_t.view(shape), x, torch.where(at_t.view(shape), new, zero))
 
     Q, K = lanes(state.buf_q, cpr_chunk._expand(q, H)), lanes(state.buf_k, cpr_chunk._expand(k, H))
     V, gN, bN = lanes(state.buf_v, v), lanes(state.buf_g, g), lanes(state.buf_beta, beta)
@@ -187,9 +221,15 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     a, i = t // BL, t % BL
     R = a[:, None] * BL + torch.arange(BL, device=dev)                          # [N, BL] chunk rows
     GR = G.gather(1, R)
-    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise
-    ex = _exp(torch.cat([torch.where(rows <= R[:, :, None], GR[:, :, None] - G[:, None, :], zero).view(N, -1), G], 1))
-    eGR, eG = ex[:, :BL * C].view(N, BL, C), ex[:, BL * C:]
+    # exp(G_m - G_j) for j <= m (1 elsewhere) on those rows, and exp(G): one exp, elementwise, taken
+    # only on the pairs j <= m (the same subtraction G_m - G_j) and on G; the other pairs are
+    # exp(+0) = 1, which they are exactly
+    low = rows <= R[:, :, None]                                                  # [N, BL, C]
+    d = (GR[:, :, None] - G[:, None, :])[low]
+    ex = _exp(torch.cat([d, G.view(-1)]))
+    eGR = torch.ones(N, BL, C, dtype=torch.float32, device=dev)
+    eGR[low] = ex[:d.numel()]
+    eG = ex[d.numel():].view(N, C)
     AR = torch.where(rows < R[:, :, None],
                      (bN.gather(1, R)[:, :, None] * _mm(Kr[n[:, None], R], Kr.transpose(1, 2))) * eGR, zero)
     Tk = state.buf_T[sl].movedim(2, 1).reshape(N, C, C)                         # kept rows of T
@@ -231,8 +271,8 @@ def cpr4_decode_reference(q, k, v, g, beta, slots, state: GDNState, *, chunk: in
     S = state.boundary[sl].float().reshape(N, Dk, Dv)
     Sr = r(S)
     Vn = U - _mm(W, Sr)                                                           # [N, 1, Dv]
-    VN = torch.where((rows < t[:, None])[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
-                     torch.where((rows == t[:, None])[:, :, None], Vn, zero))
+    VN = torch.where(before_t[:, :, None], state.buf_vn[sl].movedim(2, 1).reshape(N, C, Dv),
+                     torch.where(at_t[:, :, None], Vn, zero))
     Qt = r(Q[n, t])[:, None, :]
     qSK = _mm(Qt, torch.cat([Sr, Kr.transpose(1, 2)], 2))[:, 0]
     M = torch.where(rows <= t[:, None], qSK[:, Dv:] * eGR[n, i], zero)
