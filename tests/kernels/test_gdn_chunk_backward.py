@@ -107,7 +107,10 @@ def test_backward_of_a_batch_without_tokens_is_zero():
 def interp_case_chunk_backward_triton_matches_float64_repeats_and_is_wired(kb):
     lens = [1, 15, 0, 16, 17, 40]
     C = 16
-    xs, cu, do = make_inputs(lens, **SMALL, seed=10)
+    # weak decay (g_scale 0.05): the reverse pass carries the state's gradient across the three chunks
+    # of 40 rows, and an error of 0.1% in that carry fails here (at the default decay it moved the
+    # gradients by less than the tolerance)
+    xs, cu, do = make_inputs(lens, **SMALL, seed=10, g_scale=0.05)
     want = autograd64(xs, cu, do, C)
     first = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
     assert all(x.dtype == torch.float32 for x in first)
