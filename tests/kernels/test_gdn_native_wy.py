@@ -210,7 +210,7 @@ def interp_case_native_wy_chunk_forward_matches_float64_recurrence(kb):
 def interp_case_native_wy_masked_head_dims_rep3_strided_and_bf16_values(kb):
     # Dk = 24, Dv = 20 (masked tiles), H = 3 Hk, bf16 v ("tf32" resolved from "auto" only for fp32 v,
     # so the fp32 choice is pinned here), inputs as views of wider tensors
-    lens = [5, 70]   # a partial chunk, and a boundary crossed
+    lens = [70]   # a boundary crossed, a partial chunk
     inp = make_inputs(lens, Hk=1, H=3, Dk=24, Dv=20, seed=12, v_dtype=torch.bfloat16)
     q, k, v, g, beta, cu = inp
     qk = torch.cat([q, k], dim=-1)
@@ -328,7 +328,7 @@ def interp_case_native_wy_backward_matches_float64_autograd_and_repeats(kb):
 
 
 def interp_case_native_wy_backward_masked_dims_rep3(kb):
-    inp = make_inputs([5, 70], Hk=1, H=3, Dk=24, Dv=20, seed=22, v_dtype=torch.bfloat16)
+    inp = make_inputs([70], Hk=1, H=3, Dk=24, Dv=20, seed=22, v_dtype=torch.bfloat16)   # two chunks, one partial
     do = out_grad(inp, 23)
     check_grads(kb, NB.wy_chunk_backward_triton(*inp, do, chunk=64, choice=FP32), autograd64(inp, do, 64), 1e-5,
                 "masked dims")
