@@ -17,6 +17,7 @@ from isoexec_kernels import gdn_core as G
 from isoexec_kernels.gdn_core import chunk_backward as CB
 from isoexec_kernels.gdn_core import native as N
 from isoexec_kernels.gdn_core.chunk_form import chunk_form_backward, torch_chunk_form
+from test_gdn_native_wy import answering
 
 NAMES = ("q", "k", "v", "g", "beta")
 
@@ -106,27 +107,31 @@ def test_backward_of_a_batch_without_tokens_is_zero():
 def interp_case_chunk_backward_triton_matches_float64_repeats_and_is_wired(kb):
     lens = [1, 15, 0, 16, 17, 40]
     C = 16
-    xs, cu, do = make_inputs(lens, **SMALL, seed=10)
+    # weak decay (g_scale 0.05): the reverse pass carries the state's gradient across the three chunks
+    # of 40 rows, and an error of 0.1% in that carry fails here (at the default decay it moved the
+    # gradients by less than the tolerance)
+    xs, cu, do = make_inputs(lens, **SMALL, seed=10, g_scale=0.05)
     want = autograd64(xs, cu, do, C)
     first = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
     assert all(x.dtype == torch.float32 for x in first)
     check_close(kb, first, want, kb.TOL[torch.float32], "triton (interpreter)")
     check_close(kb, first, CB.chunk_backward_reference(*xs, cu, do, chunk=C), kb.TOL[torch.float32],
                 "triton vs its twin")
-    second = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
-    for name, a, b in zip(NAMES, first, second):
-        kb.assert_bitwise(a, b, f"second call d{name}")
-    # wiring: chunk_form_backward(kernels="shared") -> the Triton backward (under the interpreter
-    # CPU tensors take it); sum(o * do) gives the backward exactly dO = do
+    # the second call is the wired one: chunk_form_backward(kernels="shared") -> the Triton backward
+    # (under the interpreter CPU tensors take it; sum(o * do) gives the backward exactly dO = do).
+    # Its bits equal the first call's only if the kernels repeat their bits and are the ones wired
+    # (autograd through the chunk form would round otherwise): one run of the kernels less than a
+    # second direct call and a wired call
     leaves = [x.clone().requires_grad_() for x in xs]
-    wired = chunk_form_backward(leaves, cu, C, do, kernels="shared")
-    for name, w, b in zip(NAMES, wired, first):
-        kb.assert_bitwise(w, b, f"chunk_form_backward d{name}")
+    second = chunk_form_backward(leaves, cu, C, do, kernels="shared")
+    for name, a, b in zip(NAMES, first, second):
+        kb.assert_bitwise(b, a, f"second call (chunk_form_backward) d{name}")
 
 
 def interp_case_chunk_backward_triton_masked_dims_rep3_bf16_values_strided(kb):
-    # Dk = 24, Dv = 20 (masked tiles), H = 3 Hk, bf16 v, inputs as views of wider tensors
-    lens = [5, 20, 16]
+    # Dk = 24, Dv = 20 (masked tiles), H = 3 Hk, bf16 v, inputs as views of wider tensors; a boundary
+    # crossed and a partial chunk (the lengths on and around the grid: the case above)
+    lens = [20]
     C = 16
     xs, cu, do = make_inputs(lens, Hk=1, H=3, Dk=24, Dv=20, seed=11, v_dtype=torch.bfloat16)
     q, k, v, g, beta = xs
@@ -141,9 +146,12 @@ def interp_case_chunk_backward_triton_masked_dims_rep3_bf16_values_strided(kb):
     dense = CB.chunk_backward_triton(*xs, cu, do, chunk=C)
     for name, a, b in zip(NAMES, got, dense):
         kb.assert_bitwise(a, b, f"strided vs contiguous d{name}")
-    # the public wiring casts each gradient to its input's dtype, None where not required
+    # the public wiring casts each gradient to its input's dtype, None where not required; the
+    # kernels' answer to these inputs is ``dense`` (``answering``: the kernels repeat their bits, the
+    # case above; a wiring to other kernels or with other inputs would still run them)
     inputs = [x.detach().requires_grad_(r) for x, r in zip(xs, (False, True, True, False, True))]
-    grads = chunk_form_backward(inputs, cu, C, do)
+    with answering(kb, CB, "chunk_backward_triton", (*xs, cu, do), dict(chunk=C), dense):
+        grads = chunk_form_backward(inputs, cu, C, do)
     assert grads[0] is None and grads[3] is None
     assert grads[2].dtype == torch.bfloat16
     kb.assert_bitwise(grads[1], dense[1], "chunk_form_backward dk")
