@@ -9,8 +9,9 @@ starts dozens), so the first process that builds a config stores its attributes 
 others read them back without importing transformers.
 
 What is stored: ``to_dict()`` plus the class's attribute aliases (``attribute_map``: a GLM config
-answers ``head_dim`` with ``qk_rope_head_dim``), read back as a :class:`StoredConfig` that answers
-attribute reads only. Every process gets a ``StoredConfig``, the one that built the config too, so
+answers ``head_dim`` with ``qk_rope_head_dim``) and the keys the class declares (``declared_keys``:
+the MoE families refuse a YAML key that is none of them), read back as a :class:`StoredConfig` that
+answers attribute reads only. Every process gets a ``StoredConfig``, the one that built the config too, so
 the first process of a run reads the same values as the others.
 
 Key: the transformers version and the config dict's canonical JSON, so an edited YAML or another
@@ -34,7 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-FORMAT = 1
+FORMAT = 2
 """Bumped when what an entry holds changes, so entries of an older layout are not read."""
 
 
@@ -42,13 +43,14 @@ class StoredConfig:
     """A transformers config's attributes, read back: attribute reads only (``getattr`` with a
     default works as on the config object; a name the config lacks raises AttributeError)."""
 
-    __slots__ = ("_attrs",)
+    __slots__ = ("_attrs", "_declared")
 
-    def __init__(self, attrs: dict) -> None:
+    def __init__(self, attrs: dict, declared: list | None = None) -> None:
         object.__setattr__(self, "_attrs", dict(attrs))
+        object.__setattr__(self, "_declared", None if declared is None else frozenset(declared))
 
     def __getattr__(self, name: str) -> Any:
-        if name == "_attrs":   # not set yet (copy/pickle probing an empty instance)
+        if name in ("_attrs", "_declared"):   # not set yet (copy/pickle probing an empty instance)
             raise AttributeError(name)
         try:
             return self._attrs[name]
@@ -58,14 +60,15 @@ class StoredConfig:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("a stored transformers config is read-only")
 
-    def __getstate__(self) -> dict:
-        return self._attrs
+    def __getstate__(self) -> tuple:
+        return self._attrs, self._declared
 
-    def __setstate__(self, attrs: dict) -> None:
-        object.__setattr__(self, "_attrs", attrs)
+    def __setstate__(self, state: tuple) -> None:
+        object.__setattr__(self, "_attrs", state[0])
+        object.__setattr__(self, "_declared", state[1])
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StoredConfig) and self._attrs == other._attrs
+        return isinstance(other, StoredConfig) and (self._attrs, self._declared) == (other._attrs, other._declared)
 
     __hash__ = None
 
@@ -106,22 +109,40 @@ def _attributes(cfg: Any) -> dict:
     return attrs
 
 
+def declared_keys(cfg: Any) -> frozenset | None:
+    """The keys ``cfg``'s class declares: its dataclass fields and attribute aliases (None when the
+    class is not a dataclass). Stored with the attributes, since a config's ``to_dict()`` also holds
+    the loose keys transformers keeps from the YAML, which the families refuse (``model_config``)."""
+    if isinstance(cfg, StoredConfig):
+        return cfg._declared
+    import dataclasses
+
+    cls = type(cfg)
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return frozenset({f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", None) or {}))
+
+
 def _read(path: Path) -> dict | None:
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return entry.get("attributes") if isinstance(entry, dict) and isinstance(entry.get("attributes"), dict) else None
+    if not (isinstance(entry, dict) and isinstance(entry.get("attributes"), dict)
+            and (entry.get("declared") is None or isinstance(entry.get("declared"), list))):
+        return None
+    return entry
 
 
-def _write(path: Path, config: dict, attrs_text: str) -> None:
+def _write(path: Path, config: dict, attrs_text: str, declared: list | None) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write('{"config": ' + json.dumps(config, sort_keys=True) + ', "transformers": '
-                        + json.dumps(_transformers_version()) + ', "attributes": ' + attrs_text + "}\n")
+                        + json.dumps(_transformers_version()) + ', "declared": ' + json.dumps(declared)
+                        + ', "attributes": ' + attrs_text + "}\n")
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -144,15 +165,17 @@ def stored_config(config: dict, build: Callable[[dict], Any]) -> Any:
         return _IN_PROCESS[key]
     folder = cache_folder()
     path = folder / f"{key}.json" if folder is not None else None
-    attrs = _read(path) if path is not None else None
-    if attrs is None:
+    entry = _read(path) if path is not None else None
+    if entry is None:
         cfg = build(config)
         try:
             attrs_text = json.dumps(_attributes(cfg), sort_keys=True, allow_nan=False)
         except (TypeError, ValueError):
             return cfg
+        declared = declared_keys(cfg)
+        declared = None if declared is None else sorted(declared)
         if path is not None:
-            _write(path, config, attrs_text)
-        attrs = json.loads(attrs_text)   # the values every later process reads back
-    _IN_PROCESS[key] = StoredConfig(attrs)
+            _write(path, config, attrs_text, declared)
+        entry = {"attributes": json.loads(attrs_text), "declared": declared}   # what later processes read
+    _IN_PROCESS[key] = StoredConfig(entry["attributes"], entry.get("declared"))
     return _IN_PROCESS[key]

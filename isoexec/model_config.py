@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError
-from .hf_config_store import stored_config
+from .hf_config_store import declared_keys, stored_config
 
 
 def hf_config_from_dict(d: dict) -> Any:
@@ -278,12 +278,9 @@ def _unknown_keys(d: dict, cfg: Any) -> list[str]:
     """hf_config keys that are neither fields of ``cfg``'s class nor attribute aliases (transformers
     keeps them as loose attributes and the model would silently ignore them), and tolerated keys
     with a value the model does not implement (``key=value``)."""
-    import dataclasses
-
-    cls = type(cfg)
-    if not dataclasses.is_dataclass(cls):
+    known = declared_keys(cfg)
+    if known is None:
         return []
-    known = {f.name for f in dataclasses.fields(cls)} | set(getattr(cls, "attribute_map", {}))
     bad = []
     for k in sorted(d):
         if k in known:

@@ -46,6 +46,9 @@ def test_every_model_config_reads_the_same_from_the_store_as_from_the_transforme
     hf_config_store._IN_PROCESS.clear()
     read_back = cls.from_hf(hf)                             # read from the stored entry
     assert from_object == built == read_back
+    # the keys the class declares (the MoE families refuse a YAML key that is none of them)
+    stored = hf_config_store.stored_config(hf, _build_hf_config)
+    assert hf_config_store.declared_keys(stored) == hf_config_store.declared_keys(_build_hf_config(hf)) is not None
 
 
 def test_aliases_of_the_config_class_are_stored(store):
