@@ -134,15 +134,13 @@ def _read(path: Path) -> dict | None:
     return entry
 
 
-def _write(path: Path, config: dict, attrs_text: str, declared: list | None) -> None:
+def _write(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write('{"config": ' + json.dumps(config, sort_keys=True) + ', "transformers": '
-                        + json.dumps(_transformers_version()) + ', "declared": ' + json.dumps(declared)
-                        + ', "attributes": ' + attrs_text + "}\n")
+                f.write(text + "\n")
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -168,14 +166,15 @@ def stored_config(config: dict, build: Callable[[dict], Any]) -> Any:
     entry = _read(path) if path is not None else None
     if entry is None:
         cfg = build(config)
+        declared = declared_keys(cfg)
         try:
-            attrs_text = json.dumps(_attributes(cfg), sort_keys=True, allow_nan=False)
+            text = json.dumps({"config": config, "transformers": _transformers_version(),
+                               "declared": None if declared is None else sorted(declared),
+                               "attributes": _attributes(cfg)}, sort_keys=True, allow_nan=False)
         except (TypeError, ValueError):
             return cfg
-        declared = declared_keys(cfg)
-        declared = None if declared is None else sorted(declared)
         if path is not None:
-            _write(path, config, attrs_text, declared)
-        entry = {"attributes": json.loads(attrs_text), "declared": declared}   # what later processes read
+            _write(path, text)
+        entry = json.loads(text)   # what later processes read back
     _IN_PROCESS[key] = StoredConfig(entry["attributes"], entry.get("declared"))
     return _IN_PROCESS[key]
