@@ -194,6 +194,10 @@ def test_blocked_inverse_batched_blocks_give_the_block_by_block_bits(C, block):
                 A[-1, :, 0] = -0.0
             got = R.blocked_inverse_reference(A, block)
             assert_same_bits(got, _blocked_inverse_block_by_block(A, block), f"inverse C={C} block={block} N={N}")
+            As = torch.zeros(N, C + 3, C + 3, dtype=dtype)
+            As[:, 1:C + 1, 2:C + 2] = A
+            As = As[:, 1:C + 1, 2:C + 2]                                  # a strided view of A
+            assert_same_bits(R.blocked_inverse_reference(As, block), got, f"inverse of a view, C={C}")
     # and it is an inverse (a guard on the reference itself, not only on the reformulation)
     A = (torch.randn(3, C, C, generator=gen, dtype=torch.float64) * 0.1).tril(-1)
     eye = torch.eye(C, dtype=torch.float64)
