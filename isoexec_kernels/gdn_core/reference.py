@@ -141,10 +141,11 @@ def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
     Independent blocks are computed side by side (lanes of one batch never mix: the dots are
     row-wise, so the batching changes no bits): the diagonal blocks' substitutions all at once,
     row i of each from ``eye[i] - (row i of A_aa) @ T_aa`` (the halves-tree dot over the block's
-    rows, laid out K-first and summed in place as in ``_mm``, without its per-call set-up); then the blocks below the diagonal by their distance d = a - b from it, since
-    T_ab needs only the T_cb with b <= c < a, which are nearer: at each distance one ``_mm`` makes
-    every term A_ac T_cb of every block, the terms are added in the order c = b, b + 1, ..., and
-    one more ``_mm`` multiplies by T_aa."""
+    rows, laid out K-first and summed in place as in ``_mm``, without its per-call set-up); then
+    the blocks below the diagonal by their distance d = a - b from it, since T_ab needs only the
+    T_cb with b <= c < a, which are nearer: at each distance one ``_mm`` makes every term
+    A_ac T_cb of every block, the terms are added in the order c = b, b + 1, ..., and one more
+    ``_mm`` multiplies by T_aa. Returns a contiguous [N, C, C]."""
     N, C, _ = A.shape
     if C % block:
         block = C
@@ -168,7 +169,7 @@ def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
             prod[:h].add_(prod[h:2 * h])
             h //= 2
         torch.sub(eye[i], prod[0] + prod[1], out=TaT[i])          # block >= 2 here, so p >= 2
-    Tm = torch.zeros_like(A)
+    Tm = A.new_zeros(A.shape)                                                     # contiguous
     Tb = Tm.view(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)                  # a view of Tm
     Ta = TaT.permute(1, 0, 2).reshape(nb, N, block, block)
     Tb[diag, diag] = Ta

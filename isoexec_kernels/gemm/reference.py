@@ -126,6 +126,46 @@ def _reference_2d_acc(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | No
     return acc_out.to(out_dtype)
 
 
+def grouped_linear_reference(x: torch.Tensor, weight: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Row r of ``x [R, K]`` times ``weight[group[r]] [N, K]`` transposed, for weights ``[G, N, K]``
+    (the experts of an MoE layer): ``[R, N]`` in x's dtype, each row with the bits of
+    ``linear_reference(x[r], weight[group[r]])`` (no bias, the output in x's dtype). The schedule
+    of :func:`_reference_2d_acc` with each row's products taken against its own group's weight
+    block (gathered per row): the same products, the same tree per block, the same leaves; rows
+    never mix, so taking the groups in one pass changes no bits."""
+    R, K = x.shape
+    G, N, _ = weight.shape
+    leaves = k_leaves_for(N, K)
+    acc_out = torch.empty((R, N), dtype=torch.float32, device=x.device)
+    if R == 0 or N == 0:
+        return acc_out.to(x.dtype)
+    wf = weight.float()
+    blocks = [(k0, min(K, k0 + BLOCK_K)) for k0 in range(0, K, BLOCK_K)]
+    wT = [wf[:, :, k0:k1].permute(2, 0, 1) for k0, k1 in blocks]                 # [bk, G, N] views
+    bounds = leaf_bounds(K, leaves) if K > 0 else [(0, 0)]
+    xf = x.float()
+    rows = min(R, _ref.rows_per_chunk(BLOCK_K * N))
+    scratch = torch.empty(BLOCK_K * rows * N, dtype=torch.float32, device=x.device)
+    for r0 in range(0, R, rows):
+        xc = xf[r0:r0 + rows]
+        gc = group[r0:r0 + rows]
+        m = xc.shape[0]
+        total = None
+        for b0, b1 in bounds:
+            acc = torch.zeros((m, N), dtype=torch.float32, device=x.device)
+            for (k0, k1), wTb in zip(blocks[b0:b1], wT[b0:b1]):
+                bk = k1 - k0
+                p = 1 << (bk - 1).bit_length()
+                prod = scratch[:p * m * N].view(p, m, N)
+                torch.mul(xc[:, k0:k1].t()[:, :, None], wTb[:, gc, :], out=prod[:bk])
+                if p > bk:
+                    prod[bk:].zero_()
+                acc.add_(_ref.tree_sum0_(prod))
+            total = acc if total is None else total.add_(acc)
+        acc_out[r0:r0 + rows] = total
+    return acc_out.to(x.dtype)
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      leaves: int | None = None, out_dtype: torch.dtype | None = None,
                      residual: torch.Tensor | None = None):

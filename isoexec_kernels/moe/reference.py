@@ -8,7 +8,7 @@ import torch
 
 from .. import _ref
 from ..activation.reference import silu_and_mul_reference
-from ..gemm.reference import linear_reference
+from ..gemm.reference import grouped_linear_reference, linear_reference
 from .types import Dispatch, MoEWeights, ROUTER_SOFTMAX_TOPK, RouterSpec, Routing
 
 
@@ -135,6 +135,34 @@ def experts_forward(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down
         r0, r1 = offs[e], offs[e + 1]
         if r1 > r0:
             out[r0:r1] = _swiglu(x[disp.token[r0:r1]], gate_up[e], down[e], linear, act)
+    return out
+
+
+def experts_forward_grouped(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """:func:`experts_forward` with the invariant linear and SwiGLU of the CPU path (the public
+    ``linear`` and ``silu_and_mul`` on CPU tensors without autograd), all experts' rows in one
+    pass: :func:`gemm.reference.grouped_linear_reference` (each row against its expert's weight,
+    the bits of the per-expert linear), the activation on all rows at once (elementwise, float64
+    basic operations), the second grouped linear. Rows never mix, so each row gets the bits of the
+    per-expert loop, except where two NaNs meet in a product: which NaN comes out can depend on
+    the element's position in the tensor (a vector body and a scalar tail differ), so an expert
+    with a NaN in an output row is made again by the loop, as it was before."""
+    out = torch.empty((disp.token.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
+    offs = disp.offsets.tolist()
+    E = len(offs) - 1
+    R = offs[-1]
+    if R == 0:
+        return out
+    counts = torch.tensor([offs[e + 1] - offs[e] for e in range(E)], device=x.device)
+    expert = torch.repeat_interleave(torch.arange(E, device=x.device), counts)
+    h = grouped_linear_reference(x[disp.token[:R]], gate_up, expert)
+    y = grouped_linear_reference(silu_and_mul_reference(h), down, expert)
+    out[:R] = y
+    nan_rows = torch.isnan(y).any(1)
+    if bool(nan_rows.any()):
+        for e in torch.unique(expert[nan_rows]).tolist():
+            r0, r1 = offs[e], offs[e + 1]
+            out[r0:r1] = _swiglu(x[disp.token[r0:r1]], gate_up[e], down[e], linear_reference, silu_and_mul_reference)
     return out
 
 

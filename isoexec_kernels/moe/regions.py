@@ -11,7 +11,8 @@ same bits). The ``experts`` region
 runs, on CUDA, the Triton grouped GEMM (``triton_kernels.experts_forward_triton``: grouped GEMM,
 ``silu_and_mul``, grouped GEMM; no host sync, its own deterministic backward), and elsewhere the
 per-expert Python loop of the reference (one K order per row whatever the expert's load in both;
-``api.py`` step 4).
+``api.py`` step 4), or, without autograd, that loop's bits with all experts in one pass
+(``reference.experts_forward_grouped``).
 
 Signatures (the stock twins in ``native.py`` take the same):
   router(x [T, H], weight [E, H], spec: RouterSpec, correction_bias=None [E] fp32,
@@ -29,7 +30,8 @@ from .._triton_util import want_triton
 from ..activation import silu_and_mul
 from ..gemm import linear
 from .combine_triton import combine_triton
-from .reference import _sigmoid_fp32, combine, dispatch, experts_forward, fp32_linear, route, router_logits
+from .reference import (_sigmoid_fp32, combine, dispatch, experts_forward, experts_forward_grouped, fp32_linear, route,
+                        router_logits)
 from .router_triton import route_triton, route_triton_supported
 from .triton_kernels import experts_forward_triton
 from .types import Dispatch, RouterSpec, Routing
@@ -62,9 +64,12 @@ def moe_dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
 def moe_experts(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Region ``experts``: each expert's SwiGLU on the rows it owns (invariant GEMM, position-free
     activation): a row's output does not depend on how many rows its expert received. CUDA: the
-    Triton grouped GEMM; elsewhere the reference loop."""
+    Triton grouped GEMM; elsewhere the reference loop (with autograd) or its bits in one pass."""
     if want_triton(x):
         return experts_forward_triton(x, disp, gate_up, down)
+    if not (torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)):
+        # no autograd: the reference loop's bits with all experts in one pass
+        return experts_forward_grouped(x, disp, gate_up, down)
     return experts_forward(x, disp, gate_up, down, linear, silu_and_mul)
 
 

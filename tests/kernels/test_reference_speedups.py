@@ -194,6 +194,10 @@ def test_blocked_inverse_batched_blocks_give_the_block_by_block_bits(C, block):
                 A[-1, :, 0] = -0.0
             got = R.blocked_inverse_reference(A, block)
             assert_same_bits(got, _blocked_inverse_block_by_block(A, block), f"inverse C={C} block={block} N={N}")
+            As = torch.zeros(N, C + 3, C + 3, dtype=dtype)
+            As[:, 1:C + 1, 2:C + 2] = A
+            As = As[:, 1:C + 1, 2:C + 2]                                  # a strided view of A
+            assert_same_bits(R.blocked_inverse_reference(As, block), got, f"inverse of a view, C={C}")
     # and it is an inverse (a guard on the reference itself, not only on the reformulation)
     A = (torch.randn(3, C, C, generator=gen, dtype=torch.float64) * 0.1).tril(-1)
     eye = torch.eye(C, dtype=torch.float64)
@@ -692,3 +696,60 @@ def test_paged_decode_rows_of_short_sequences_beside_long_ones_keep_their_bits()
     assert_same_bits(got[0], want[0], "out")
     assert_same_bits(got[1], want[1], "lse2")
     assert bool(torch.isfinite(got[0]).all()), "the rows went side by side (no NaN to send them alone)"
+
+
+# ---------------------------------------------------------------------------------------------
+# moe: the experts in one pass (grouped linear) against the per-expert loop
+# ---------------------------------------------------------------------------------------------
+
+def _moe_case(T, E, k, H, I, dtype, seed, nan=False):
+    from isoexec_kernels.moe.reference import dispatch
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=gen) * 0.2).to(dtype)
+    down = (torch.randn(E, H, I, generator=gen) * 0.2).to(dtype)
+    # top-k ids with one expert left without rows
+    scores = torch.rand(T, E, generator=gen)
+    scores[:, E - 1] = -1.0
+    ids = scores.topk(k, dim=1).indices
+    if T:
+        x[0] = -0.0
+    if nan and T > 3:
+        x[2, 1] = float("nan")
+        if dtype == torch.float32:
+            x[3, 2] = nan_with_payload(dtype, 0x77, negative=True)
+            gate_up[int(ids[3, 0]), 5, 2] = nan_with_payload(dtype, 0x99)
+    return x, dispatch(ids, E), gate_up, down
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("H,I", [(64, 32), (100, 24), (130, 70)])
+def test_experts_in_one_pass_give_the_per_expert_loop_bits(dtype, H, I):
+    from isoexec_kernels.activation.reference import silu_and_mul_reference
+    from isoexec_kernels.gemm.reference import linear_reference
+    from isoexec_kernels.moe.reference import experts_forward, experts_forward_grouped
+
+    iv = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[dtype]
+    for T, nan in ((1, False), (7, False), (40, True), (0, False)):
+        x, disp, gate_up, down = _moe_case(T, 6, 2, H, I, dtype, seed=T + H, nan=nan)
+        got = experts_forward_grouped(x, disp, gate_up, down)
+        want = experts_forward(x, disp, gate_up, down, linear_reference, silu_and_mul_reference)
+        assert torch.equal(got.view(iv), want.view(iv)), f"experts T={T} H={H} I={I} {dtype}"
+        if nan:
+            assert bool(torch.isnan(got.float()).any()), "the NaN rows went through the loop again"
+
+
+def test_grouped_linear_gives_each_groups_linear_bits_with_k_leaves(monkeypatch):
+    from isoexec_kernels.gemm import reference as GR
+
+    gen = torch.Generator().manual_seed(21)
+    G, N, K, R = 3, 24, 200, 33
+    monkeypatch.setitem(GR.K_LEAVES, (N, K), 3)       # three K leaves (blocks 0 | 1 | 2-3)
+    x = specials((R, K), torch.float32, gen, frac=0.01)
+    w = torch.randn(G, N, K, generator=gen)
+    group = torch.randint(0, G, (R,), generator=gen)
+    got = GR.grouped_linear_reference(x, w, group)
+    for g in range(G):
+        rows = (group == g).nonzero().flatten()
+        assert_same_bits(got[rows], GR.linear_reference(x[rows], w[g]), f"group {g}")
