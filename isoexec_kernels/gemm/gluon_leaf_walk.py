@@ -68,10 +68,12 @@ if not HAS_GLUON:
     gl = _Missing()
 
 
-def _jit(fn):
+def _jit(fn=None, **kwargs):
     """``gluon.jit`` where Gluon imports; otherwise the plain function, never launched (the
     launcher checks :data:`HAS_GLUON` first)."""
-    return gluon.jit(fn) if HAS_GLUON else fn
+    if fn is None:
+        return lambda f: _jit(f, **kwargs)
+    return gluon.jit(fn, **kwargs) if HAS_GLUON else fn
 
 
 BLOCK_M = 128
@@ -162,7 +164,9 @@ def _half_epilogue(sum_half, out_ptr, bias_ptr, res_ptr, M, N, stride_om, stride
     gl.store(out_ptr + rows64 * stride_om + cols2, y, mask=ok)
 
 
-@_jit
+# M, N and K only bound loops and masks: not specialising them on divisibility by 16 keeps one
+# compiled kernel for every batch size (the strides stay specialised: they vectorise the stores)
+@_jit(do_not_specialize=["M", "N", "K"])
 def _leaf_walk_kernel(x_desc, w_desc, out_ptr, bias_ptr, res_ptr, M, N, K, stride_om, stride_rm,
                       HAS_BIAS: gl.constexpr, HAS_RES: gl.constexpr, LEAVES: gl.constexpr,
                       STAGES: gl.constexpr, GROUP: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -262,7 +266,7 @@ def compile_sm90(leaves: int, block_k: int = 32, stages: int = 4, has_bias: bool
                  has_res: bool = True, num_programs: int = 132, first_use_acc: bool = True):
     """The kernel compiled for sm_90 without a GPU (``triton.compile``; its ``asm`` holds the
     ttgir and ptx, ``metadata.shared`` the shared memory), specialised as a launch on 16-byte
-    aligned tensors with M, N, K and strides that are multiples of 16 would be."""
+    aligned tensors with row strides that are multiples of 16 would be."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -275,7 +279,7 @@ def compile_sm90(leaves: int, block_k: int = 32, stages: int = 4, has_bias: bool
     constexprs = dict(HAS_BIAS=has_bias, HAS_RES=has_res, LEAVES=leaves, STAGES=stages, GROUP=GROUP_M,
                       NUM_PROGRAMS=num_programs, FIRST_USE_ACC=first_use_acc)
     signature.update({k: "constexpr" for k in constexprs})
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(2, 10)}   # out_ptr .. stride_rm
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (2, 3, 4, 8, 9)}   # the pointers and strides
     src = GluonASTSource(_leaf_walk_kernel, signature, constexprs, aligned)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=NUM_WARPS))
 
