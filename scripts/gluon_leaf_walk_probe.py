@@ -6,8 +6,8 @@ against ``gemm.linear(x, w, leaves=4)`` (the Triton walk) and, on some rows, aga
 ``gemm.linear(x, w, leaves=1)`` and with a bias and a residual; counted as differing bf16 elements
 (int16 views). Every x has an all-zero row and every w a row of negative entries (products of -0:
 the sign of that output zero shows how a leaf's accumulator starts). An edge row (M = N = 1000,
-K = 2080: partial tiles, a zero-padded last block that 16- and 32-column loads read wholly past K)
-takes a different Triton launch. A diagnostic row runs the variant that starts each leaf with
+K = 2080: partial tiles, a half-padded last block, where every variant loads 64 columns:
+gluon_leaf_walk.whole_loads_past_k) takes a different Triton launch (the loop per leaf). A diagnostic row runs the variant that starts each leaf with
 ``use_acc=False`` instead of adding to zeros.
 
 Speed: CUDA-graph replay (``graph_time_ms``) of the Gluon variants, the Triton 4-leaf walk, the

@@ -119,8 +119,8 @@ def _issue_load(x_desc, w_desc, a_bufs, b_bufs, ready, p, total, steps, pid, til
         s = p % STAGES
         bar = ready.index(s)
         mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        # columns past K (the zero-padded last block; with BK < 64 possibly a whole load) come
-        # back as zeros: the same k16 steps on zeros as the Triton kernel's padded block
+        # columns past K (the zero-padded last block) come back as zeros: the same k16 steps on
+        # zeros as the Triton kernel's padded block (no load starts past K: whole_loads_past_k)
         tma.async_copy_global_to_shared(x_desc, [tm * BM, k], bar, a_bufs.index(s))
         tma.async_copy_global_to_shared(w_desc, [tn * BN, k], bar, b_bufs.index(s))
 
@@ -256,6 +256,14 @@ def gluon_leaf_walk_supported(device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
+def whole_loads_past_k(K: int, block_k: int) -> bool:
+    """Whether loads of ``block_k`` columns would start at or past K (the last 64-column block
+    less than ``64 - block_k`` full). Those would be boxes wholly outside the tensor, which the
+    Triton kernels never load (their boxes at most overhang K); the launcher takes 64-column loads
+    then (the same k16 steps on the same zeros: the same bits)."""
+    return 0 < K % LEAF_BLOCK_K <= LEAF_BLOCK_K - block_k
+
+
 def operand_layouts(block_k: int):
     """The NVMMA shared layouts of the x and w tiles (TMA destination and wgmma operand)."""
     return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, block_k], gl.bfloat16),
@@ -310,6 +318,8 @@ def linear_leaf_walk_gluon(x2: torch.Tensor, w: torch.Tensor, leaves: int, bias:
                          f"({shared_memory_bytes(block_k, stages)} bytes of shared memory)")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"linear_leaf_walk_gluon: bias must be [{N}], got {tuple(bias.shape)}")
+    if whole_loads_past_k(K, block_k):
+        block_k, stages = VARIANTS[0]
     out = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return out

@@ -23,6 +23,14 @@ def test_module_imports_and_says_unsupported_on_cpu():
         assert glw.shared_memory_bytes(block_k, stages) <= glw.SHARED_MEMORY_LIMIT
 
 
+def test_no_load_starts_past_k():
+    # a load wholly past K happens only with narrow loads and a short last block
+    assert [K for K in range(8, 257, 8) if glw.whole_loads_past_k(K, 32)] == [8, 16, 24, 32, 72, 80, 88, 96,
+                                                                           136, 144, 152, 160, 200, 208, 216, 224]
+    assert not any(glw.whole_loads_past_k(K, 64) for K in range(8, 257, 8))
+    assert glw.whole_loads_past_k(2096, 16) and not glw.whole_loads_past_k(2104, 16)
+
+
 def test_module_imports_without_triton():
     # a fresh interpreter in which importing triton fails: the module still imports and says no
     code = ("import sys; sys.modules['triton'] = None\n"
