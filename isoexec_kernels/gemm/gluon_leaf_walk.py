@@ -18,9 +18,10 @@ being accumulated. In Triton both live in registers, which caps the walk at 128 
 the running sum lives in shared memory (128 x 256 fp32 = 128 KiB of the 227 KiB a block may
 use) and only the leaf is in registers: two 128 x 128 accumulators, one per half of the tile's
 columns, 64 + 64 fp32 registers a thread over the two warpgroups (each owns 64 rows). At a leaf's
-end the MMAs drain and each half in turn is stored to (leaf 0), added into (later leaves) or
-combined with (the last leaf, then the epilogue) its half of the sum, so at most one half of the
-sum is in registers at a time. The TMA loads run ahead through a ring of ``stages`` buffers
+end the MMAs drain and each half in turn is stored to (leaf 0) or added into (later leaves) its
+half of the sum, so at most one half of the sum is in registers at a time; the finished sum is
+read back in a row-major layout for the epilogue (bias, rounding, residual, masked stores), when
+the accumulators are dead. The TMA loads run ahead through a ring of ``stages`` buffers
 across leaf and tile ends; only the MMAs drain there.
 
 Tile and instruction shapes, the column halves, the load width (``block_k`` 16, 32 or 64 columns
