@@ -226,7 +226,7 @@ def wait_interp(name: str, timeout: float) -> subprocess.CompletedProcess:
 def pytest_collection_modifyitems(config, items):
     """The test files that read an interpreter run go last (in their collection order), so the runs,
     started as collection ends, finish beside the other tests instead of holding a worker at the
-    first file that waits for them (the interpreter cases take about 4 minutes of one core; under
+    first file that waits for them (the interpreter cases take about 2 minutes of one core; under
     ``--dist loadfile`` each file is one unit of work)."""
     names = set(INTERP_RUNS)
     waiting = {it.path for it in items if names & set(getattr(it, "fixturenames", ()))}
