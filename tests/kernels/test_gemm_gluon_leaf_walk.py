@@ -114,3 +114,28 @@ def test_gluon_leaf_walk_rows_do_not_depend_on_the_batch(kb):
     alone = glw.linear_leaf_walk_gluon(x[7:8], w, 4)
     for m in (9, 128, 129, 300):
         kb.assert_bitwise(glw.linear_leaf_walk_gluon(x[:m], w, 4)[7:8], alone, f"M={m}")
+
+
+def test_gluon_walk_is_chosen_only_for_several_leaves_bf16_large_m_on_sm90():
+    from isoexec_kernels.gemm.triton_kernels import gluon_walk_for
+
+    cpu = torch.device("cpu")
+    assert gluon_walk_for(8192, 4096, 4096, 4, torch.bfloat16, cpu) is None          # no sm_90 here
+    if glw.gluon_leaf_walk_supported(torch.device("cuda")):
+        cuda = torch.device("cuda")
+        assert gluon_walk_for(8192, 4096, 4096, 4, torch.bfloat16, cuda) is not None
+        assert gluon_walk_for(2048, 4096, 4096, 4, torch.bfloat16, cuda) is not None
+        assert gluon_walk_for(2048, 1024, 2048, 4, torch.bfloat16, cuda) is None       # too few 128 x 256 tiles
+    for args in ((8192, 4096, 4096, 1, torch.bfloat16), (8192, 4096, 4096, 4, torch.float32),
+                 (256, 4096, 4096, 4, torch.bfloat16)):
+        assert gluon_walk_for(*args, torch.device("cuda")) is None, args
+
+
+@pytest.mark.gpu
+def test_linear_routes_large_batches_of_several_leaves_to_the_gluon_walk_with_the_triton_bits(kb):
+    _sm90()
+    x, w, g = _inputs(4096, 4096, 4096, 73)
+    r = torch.randn(4096, 4096, generator=g).bfloat16().cuda()
+    got = gemm.linear(x, w, leaves=4, residual=r)                    # routed to Gluon (gluon_walk_for)
+    want = gemm.linear_triton(x, w, impl="tma", leaves=4, residual=r)   # the Triton walk, forced
+    kb.assert_bitwise(got, want, "linear(leaves=4) at M=4096")
