@@ -124,26 +124,6 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
 
 
-GLUON_WALK = dict(block_k=32, stages=4)
-"""The Gluon walk's operand ring (``gluon_leaf_walk.VARIANTS``) where :func:`gluon_walk_for` picks it."""
-
-
-def gluon_walk_for(M: int, N: int, K: int, leaves: int, dtype: torch.dtype, device: torch.device,
-                   out_dtype: torch.dtype | None = None) -> dict | None:
-    """The Gluon K-leaf walk's launch (``gluon_leaf_walk.linear_leaf_walk_gluon``: 128 x 256 tiles,
-    the running sum of the leaves in shared memory, the Triton walk's bits) for a batch of M rows,
-    or None where the Triton kernels serve it: several leaves, bf16 in and out, an sm_90 GPU, K rows
-    of 16-byte multiples, and enough 128 x 256 tiles to fill the GPU (M > 2048, or M > 1024 for
-    N > 2048). Scheduling only, like :func:`tile_for_m`: both walks give the same bits."""
-    if leaves <= 1 or dtype != torch.bfloat16 or (out_dtype not in (None, dtype)) or (K * 2) % 16:
-        return None
-    if M <= (1024 if N > 2048 else 2048):
-        return None
-    from .gluon_leaf_walk import gluon_leaf_walk_supported
-
-    return dict(GLUON_WALK) if gluon_leaf_walk_supported(device) else None
-
-
 def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20,
               leaves: int | None = None) -> str:
     """Which Triton kernel serves (M, N, K): the bucket's ``path`` from :func:`tile_for_m`
@@ -559,13 +539,6 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # a wider output (fp32 logits from 16-bit inputs) would double the TMA epilogue's
         # shared-memory tile; the pointer kernel stores from registers (same K loop, same bits)
         path = "pointer"
-    gluon = (gluon_walk_for(M, N, K, leaves, x2.dtype, x2.device, out_dtype)
-             if impl is None and tile is None and precision is None else None)
-    if impl == "gluon" or gluon is not None:
-        from .gluon_leaf_walk import linear_leaf_walk_gluon
-
-        return linear_leaf_walk_gluon(x2, w, leaves, bias=bias, residual=res,
-                                      **(gluon or dict(GLUON_WALK, **(tile or {}))))
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
@@ -612,7 +585,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
             HAS_BIAS=has_bias, HAS_RES=res is not None, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     else:
-        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer', 'split' or 'gluon')")
+        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer' or 'split')")
     return out
 
 
