@@ -53,15 +53,18 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
         # program per SM reads each weight tile once; large M walks the leaves in one program,
         # with two fp32 tiles live (the sum so far and the leaf), hence no 128 x 256 tiles
         if M <= 16:
-            return cfg("split", 16, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
+            # 8B down (K 12288) at M = 1: 16 x 64 0.93x the one-leaf table, 16 x 128 0.90x
+            # (scripts/leaf_walk_small_probe.py at 83fbae4)
+            return cfg("split", 16, 32 if N <= 2048 else 64, 4, 4)
         if M <= 64:
             return cfg("split", 64, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
-        # M 256 and 1024 (gemm_tile_sweep.py --leaves-small at 17f8e04, 4 leaves, against the
-        # one-leaf table): split-K 0.83-0.92x at 0.6B o/down M = 256, where the leaf-major walk of
-        # 64 x 128 tiles with K tiles of 128 gave 8B o/down 0.83-0.85x (split-K 64 x 128: 0.61-0.72x);
-        # at M = 1024 that walk 0.97-1.09x (0.6B), the 128 x 128 one 0.94-0.97x (8B)
+        # M 256 (scripts/leaf_walk_small_probe.py at 83fbae4, 4 leaves, against the one-leaf
+        # table): the leaf-major walk with K tiles of 128 on 4 stages, 64 x 128 for 8B o/down
+        # 0.95 / 0.99x (3 stages: 0.81x; split-K 64 x 128: 0.61-0.72x at 17f8e04), 64 x 64 for
+        # 0.6B o/down 0.88 / 0.91x (split-K 64 x 64: 0.82 / 0.92x). M 1024 (gemm_tile_sweep.py
+        # --leaves-small at 17f8e04): the 64 x 128 walk 0.97-1.09x (0.6B), 128 x 128 0.94-0.97x (8B)
         if M <= 256:
-            return cfg("split", 64, 64, 4, 4) if N <= 2048 else cfg("tma", 64, 128, 4, 3, kt=128)
+            return cfg("tma", 64, 64, 4, 4, kt=128) if N <= 2048 else cfg("tma", 64, 128, 4, 4, kt=128)
         if M <= 1024:
             return cfg("tma", 64, 128, 4, 3, kt=128) if N <= 2048 else cfg("tma", 128, 128, 8, 3, kt=128)
         # the leaf-major walk (LEAF_MAJOR) with K tiles of 128: 4 leaves at M 2048 / 8192 ran at

@@ -338,7 +338,7 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
             assert "BLOCK_K" not in cfg and cfg["path"] in ("tma", "pointer", "split")
             assert cfg.get("K_TILE", gemm.BLOCK_K) % gemm.BLOCK_K == 0   # a K tile is whole BLOCK_K blocks
             seen.add((n, tuple(sorted(cfg.items()))))
-    # a shape with K leaves splits K at small M and walks the leaves at large M
+    # a shape with K leaves splits K at decode sizes (M <= 64) and walks the leaves from M 65 on
     leafy = (1024, 3072)
     # ... whether the table pins them or the caller passes them (a row-parallel linear's L)
     assert [gemm.tile_for_m(m, torch.bfloat16, *leafy, leaves=4)["path"] for m in (64, 4096)] == ["split", "tma"]
@@ -347,7 +347,7 @@ def test_tile_table_never_touches_block_k_and_gates_cover_every_bucket():
     try:
         gemm.K_LEAVES[leafy] = 4
         paths = {m: gemm.tile_for_m(m, torch.bfloat16, *leafy)["path"] for m in (1, 16, 17, 64, 256, 257, 4096)}
-        assert {paths[m] for m in (1, 16, 17, 64, 256)} == {"split"} and {paths[257], paths[4096]} == {"tma"}, paths
+        assert {paths[m] for m in (1, 16, 17, 64)} == {"split"} and {paths[256], paths[257], paths[4096]} == {"tma"}, paths
         assert gemm.gemm_path(*leafy, torch.bfloat16, torch.device("cpu"), M=64) == "split"
     finally:
         gemm.K_LEAVES.clear()
