@@ -628,10 +628,12 @@ def test_linear_cuda_split_k_equals_one_program_leaf_walk_bitwise(kb, leaves):
     b = torch.randn(1024, generator=g).bfloat16().cuda()
     for m in (1, 7, 64, 256):
         x = torch.randn(m, 3072, generator=g).bfloat16().cuda()
+        # K_TILE named: an override keeps the table entry's other keys (its K tile of 128 at M 256
+        # would not fit 128 x 128 on 4 stages)
         split = gemm.linear_triton(x, w, b, impl="split", tile=dict(BLOCK_M=16, BLOCK_N=32, num_warps=4,
-                                                                     num_stages=4), leaves=leaves)
+                                                                     num_stages=4, K_TILE=64), leaves=leaves)
         walk = gemm.linear_triton(x, w, b, impl="tma", tile=dict(BLOCK_M=128, BLOCK_N=128, num_warps=8,
-                                                                  num_stages=4), leaves=leaves)
+                                                                  num_stages=4, K_TILE=64), leaves=leaves)
         kb.assert_bitwise(split, walk, f"{leaves} leaves M={m}: split vs walk")
 
 
