@@ -49,9 +49,10 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
 
     leaves = k_leaves_for(N, K) if leaves is None else int(leaves)
     if leaves > 1:
-        # K cut into leaves (small N): small M splits K over (tile, leaf) programs so about one
-        # program per SM reads each weight tile once; large M walks the leaves in one program,
-        # with two fp32 tiles live (the sum so far and the leaf), hence no 128 x 256 tiles
+        # K cut into leaves (small N): decode sizes (M <= 64) split K over (tile, leaf) programs
+        # so about one program per SM reads each weight tile once; from M 65 on one program walks
+        # a tile's leaves, with two fp32 tiles live (the sum so far and the leaf), hence no
+        # 128 x 256 tiles
         if M <= 16:
             # 8B down (K 12288) at M = 1: 16 x 64 0.93x the one-leaf table, 16 x 128 0.90x
             # (scripts/leaf_walk_small_probe.py at 83fbae4)
