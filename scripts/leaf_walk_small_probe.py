@@ -37,7 +37,9 @@ CANDIDATES = {
     1: [_c("pointer", 16, 16, 2, 6, 256), _c("pointer", 16, 16, 2, 6, 128), _c("pointer", 16, 32, 4, 4, 256),
         _c("pointer", 16, 64, 4, 4, 128), _c("split", 16, 64, 4, 4), _c("split", 16, 128, 4, 4),
         _c("split", 16, 256, 4, 4)],
-    256: [_c("tma", 64, 128, 4, 4, 128), _c("tma", 64, 128, 4, 3, 128), _c("tma", 64, 128, 4, 4),
+    256: [_c("tma", 64, 64, 4, 5, 128), _c("tma", 64, 64, 4, 6, 128), _c("tma", 64, 32, 4, 6, 128),
+          _c("tma", 64, 64, 4, 3, 256), _c("tma", 64, 64, 2, 4, 128), _c("pointer", 32, 64, 4, 4, 128),
+          _c("tma", 64, 128, 4, 4, 128), _c("tma", 64, 128, 4, 3, 128), _c("tma", 64, 128, 4, 4),
           _c("tma", 64, 128, 4, 5), _c("tma", 64, 64, 4, 4, 128), _c("tma", 64, 64, 4, 6),
           _c("pointer", 64, 32, 4, 4, 128), _c("pointer", 64, 64, 4, 4, 128), _c("pointer", 64, 128, 4, 4, 128),
           _c("split", 64, 64, 4, 4), _c("split", 64, 128, 4, 3)],
@@ -47,9 +49,13 @@ CANDIDATES = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="", help="rows as name:M, comma separated (default: all)")
     a = ap.parse_args()
+    only = {tuple(s.split(":")) for s in a.only.split(",") if s}
     out = {"commit": git_commit(), "device": torch.cuda.get_device_name(0), "leaves": LEAVES, "rows": []}
     for name, K, N, M in ROWS:
+        if only and (name, str(M)) not in only:
+            continue
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
         nxt = _cycle(xs)
