@@ -64,16 +64,19 @@ def tree_sum0(t: torch.Tensor) -> torch.Tensor:
     return t[0]
 
 
-def tree_sum0_(t: torch.Tensor) -> torch.Tensor:
+def tree_sum0_(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """In-place :func:`tree_sum0` for a contiguous ``t`` whose dim 0 is a power of two
-    (overwrites ``t``; returns a view of ``t[0]``). Same bits as :func:`tree_sum0`."""
+    (overwrites ``t``; returns a view of ``t[0]``, or ``out`` when given: the last level's add is
+    written there instead of into ``t[0]``). Same bits as :func:`tree_sum0`."""
     n = t.shape[0]
     assert n > 0 and n & (n - 1) == 0, "tree_sum0_: dim 0 must be a power of two"
-    while n > 1:
+    while n > 2 or (n == 2 and out is None):
         h = n // 2
         t[:h].add_(t[h:n])
         n = h
-    return t[0]
+    if out is None:
+        return t[0]
+    return torch.add(t[0], t[1], out=out) if n == 2 else out.copy_(t[0])
 
 
 def blocked_sum(t: torch.Tensor, dim: int, leaf: int) -> torch.Tensor:

@@ -54,11 +54,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         torch.mul(aT[:, n0:n0 + n], bT[:, n0:n0 + n], out=prod[:K])
         if p > K:
             prod[K:].zero_()
-        h = p // 2
-        while h > 1:   # the halves tree of _ref.tree_sum0_, in place, its last level into out
-            prod[:h].add_(prod[h:2 * h])
-            h //= 2
-        torch.add(prod[0], prod[1], out=out[n0:n0 + n])
+        _ref.tree_sum0_(prod, out=out[n0:n0 + n])
     return out
 
 
@@ -164,11 +160,7 @@ def blocked_inverse_reference(A: torch.Tensor, block: int = 16) -> torch.Tensor:
     prod[block:].zero_()
     for i in range(1, block):
         torch.mul(AdT[i][:, :, None], TaT, out=prod[:block])
-        h = p // 2
-        while h > 1:
-            prod[:h].add_(prod[h:2 * h])
-            h //= 2
-        torch.sub(eye[i], prod[0] + prod[1], out=TaT[i])          # block >= 2 here, so p >= 2
+        torch.sub(eye[i], _ref.tree_sum0_(prod), out=TaT[i])
     Tm = A.new_zeros(A.shape)                                                     # contiguous
     Tb = Tm.view(N, nb, block, nb, block).permute(1, 3, 0, 2, 4)                  # a view of Tm
     Ta = TaT.permute(1, 0, 2).reshape(nb, N, block, block)
