@@ -59,13 +59,17 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
             return cfg("split", 16, 32 if N <= 2048 else 64, 4, 4)
         if M <= 64:
             return cfg("split", 64, 32 if N <= 2048 else 64 * (1 + (K > 8192)), 4, 4)
-        # M 256 (scripts/leaf_walk_small_probe.py at 83fbae4, 4 leaves, against the one-leaf
-        # table): the leaf-major walk with K tiles of 128 on 4 stages, 64 x 128 for 8B o/down
-        # 0.95 / 0.99x (3 stages: 0.81x; split-K 64 x 128: 0.61-0.72x at 17f8e04), 64 x 64 for
-        # 0.6B o/down 0.88 / 0.91x (split-K 64 x 64: 0.82 / 0.92x). M 1024 (gemm_tile_sweep.py
-        # --leaves-small at 17f8e04): the 64 x 128 walk 0.97-1.09x (0.6B), 128 x 128 0.94-0.97x (8B)
+        # M 256 (scripts/leaf_walk_small_probe.py, 4 leaves, against the one-leaf table): the
+        # leaf-major walk, for 8B o/down 64 x 128 with K tiles of 128 on 4 stages 0.95 / 0.99x (3
+        # stages: 0.81x; split-K 64 x 128: 0.61-0.72x at 17f8e04); for 0.6B o (K 2048) 64 x 64
+        # with K tiles of 256 on 3 stages 0.97x (K tiles of 128 on 4 stages: 0.87x), for 0.6B
+        # down (K 3072) 64 x 32 with K tiles of 128 on 6 stages 0.92x (64 x 64: 0.91x; K tiles of
+        # 256: 0.90x; at 229f9c5). M 1024 (gemm_tile_sweep.py --leaves-small at 17f8e04): the
+        # 64 x 128 walk 0.97-1.09x (0.6B), 128 x 128 0.94-0.97x (8B)
         if M <= 256:
-            return cfg("tma", 64, 64, 4, 4, kt=128) if N <= 2048 else cfg("tma", 64, 128, 4, 4, kt=128)
+            if N > 2048:
+                return cfg("tma", 64, 128, 4, 4, kt=128)
+            return cfg("tma", 64, 64, 4, 3, kt=256) if K <= 2048 else cfg("tma", 64, 32, 4, 6, kt=128)
         if M <= 1024:
             return cfg("tma", 64, 128, 4, 3, kt=128) if N <= 2048 else cfg("tma", 128, 128, 8, 3, kt=128)
         # the leaf-major walk (LEAF_MAJOR) with K tiles of 128: 4 leaves at M 2048 / 8192 ran at
