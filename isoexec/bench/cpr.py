@@ -25,7 +25,8 @@ its own WY backward on CUDA (``native_wy_backward.py``, stock rounding), as a st
 One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
 ``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
 (the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
-1.00x). ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on
+1.00x). The decode rows also give the step's memory floor (:func:`decode_floor`): the state bytes a
+step cannot avoid over the copy bandwidth measured in the same run. ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on
 the GPU).
 """
 
@@ -81,6 +82,30 @@ def _decode_state(B, dims, device, seed, chunk_form=False, value_dtype=torch.flo
     st.buf_beta.copy_(torch.rand(st.buf_beta.shape, generator=gen).to(device))
     st.fill.copy_(torch.randint(0, C, (B + 1,), generator=gen, dtype=torch.int32).to(device))
     return st
+
+
+def copy_bandwidth(device: str, nbytes: int) -> float:
+    """Device copy bandwidth in bytes per second, read + write counted (``dst.copy_(src)`` of
+    ``nbytes``, timed like the stages)."""
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    t = time_ms(lambda: dst.copy_(src), device, rep_ms=60)
+    return 2 * src.numel() * 4 / (t * 1e-3)
+
+
+def decode_floor(native_state: GDNState, cpr_state: GDNState, lanes: int, bandwidth: float) -> dict:
+    """What one decode step of ``lanes`` sequences must move of its recurrent state, and that
+    over ``bandwidth`` (a lower bound: the token's q, k, v, the open chunk's rows and, for CPR, the
+    boundary written where a chunk completes come on top). Native: the running state read and
+    written back (its dtype). CPR: the boundary read once as the operand its dots take (the bf16
+    copy where the state keeps one, else the fp32 boundary); it is written only at a chunk's end."""
+    per_lane = native_state.running[0].numel()
+    cpr_op = cpr_state.boundary_op if cpr_state.boundary_op is not None else cpr_state.boundary
+    native_bytes = 2 * lanes * per_lane * native_state.running.element_size()
+    cpr_bytes = lanes * per_lane * cpr_op.element_size()
+    return {"copy_gb_s": round(bandwidth / 1e9, 1), "native_state_bytes": native_bytes,
+            "cpr_state_bytes": cpr_bytes, "native_floor_ms": round(native_bytes / bandwidth * 1e3, 5),
+            "cpr_floor_ms": round(cpr_bytes / bandwidth * 1e3, 5)}
 
 
 def _graphed(fn, device):
@@ -159,15 +184,21 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
     xs, _ = _inputs([B], dims, device, v_dtype, seed=3)
     slots = torch.arange(B, device=device)
 
+    states = {}
+
     def decode(fn, chunk_form=False):
-        st = _decode_state(B, dims, device, seed=4, chunk_form=chunk_form, value_dtype=v_dtype)
+        st = states[chunk_form] = _decode_state(B, dims, device, seed=4, chunk_form=chunk_form, value_dtype=v_dtype)
         return _graphed(lambda: fn(*xs, slots, st, chunk=C), device)
 
     with torch.no_grad():
         t_native = time_ms(decode(nat.gdn_recurrent_decode), device, rep_ms=rep_ms)
         t_ours = time_ms(decode(cpr.gdn_cpr4_decode, chunk_form=True), device, rep_ms=rep_ms)
+    # a copy of 1 GiB on the GPU (past its L2, as the 256 lanes' states are), 64 MiB on a CPU
+    floor = decode_floor(states[False], states[True], B, copy_bandwidth(device, 64 << 20 if quick or device == "cpu"
+                                                                        else 1 << 30))
+    del states
     # both stock compositions decode with the same fused recurrent step: one measurement
-    emit({"stage": "decode", "batch": B, "seqlen": 1, "tokens": B, "graphs": device == "cuda"},
+    emit({"stage": "decode", "batch": B, "seqlen": 1, "tokens": B, "graphs": device == "cuda", **floor},
          t_native, t_native, t_ours)
     return rows
 

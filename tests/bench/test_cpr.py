@@ -23,3 +23,43 @@ def test_bench_cpr_quick_cpu_writes_result_format(ratio_of_rounded):
         assert ratio_of_rounded(r["ours_ms"], native["baseline_ms"], r["overhead_vs_native"]), (r, native)
         assert r["ours_ms"] == native["ours_ms"]  # one measurement of ours per stage
         assert r["heads_v"] % r["heads_qk"] == 0 and r["tokens"] == r["batch"] * r["seqlen"]
+
+
+def test_decode_floor_counts_the_state_bytes_each_step_must_move():
+    import torch
+
+    from isoexec.bench.cpr import decode_floor
+    from isoexec_kernels.gdn_core import GDNState
+
+    native = GDNState.allocate(5, 4, 16, 8, "cpu", chunk=16)
+    bf16_op = GDNState.allocate(5, 4, 16, 8, "cpu", chunk=16, with_q=True, value_dtype=torch.bfloat16)
+    fp32_op = GDNState.allocate(5, 4, 16, 8, "cpu", chunk=16, with_q=True, value_dtype=torch.float32)
+    assert bf16_op.boundary_op is not None and fp32_op.boundary_op is None
+    f = decode_floor(native, bf16_op, lanes=3, bandwidth=1e9)
+    # native: 3 lanes' fp32 states read and written; CPR: the bf16 operand copy read once
+    assert f["native_state_bytes"] == 2 * 3 * 4 * 16 * 8 * 4
+    assert f["cpr_state_bytes"] == 3 * 4 * 16 * 8 * 2
+    assert f["native_floor_ms"] == round(f["native_state_bytes"] / 1e9 * 1e3, 5)
+    # without the bf16 copy CPR's dots read the fp32 boundary
+    assert decode_floor(native, fp32_op, lanes=3, bandwidth=1e9)["cpr_state_bytes"] == 3 * 4 * 16 * 8 * 4
+
+
+def test_cpr_table_states_the_decode_floor_and_keeps_older_results_readable(tmp_path):
+    from isoexec.bench.report import write_cpr_table
+
+    res = bench_cpr(quick=True, device="cpu", log=lambda s: None)
+    dec = next(r for r in res["rows"] if r["stage"] == "decode" and r["baseline"] == "native_mixed")
+    assert dec["copy_gb_s"] > 0 and 0 < dec["cpr_floor_ms"] < dec["native_floor_ms"]
+    src, md = tmp_path / "cpr.json", tmp_path / "cpr.md"
+    src.write_text(json.dumps(res))
+    assert write_cpr_table(src, md, "quick") == 3
+    text = md.read_text()
+    assert "Decode's memory floor" in text
+    assert f"{dec['baseline_ms'] / dec['native_floor_ms']:.2f}× it" in text
+    # a result from before the floor was measured renders without the paragraph
+    for r in res["rows"]:
+        for k in ("copy_gb_s", "native_state_bytes", "cpr_state_bytes", "native_floor_ms", "cpr_floor_ms"):
+            r.pop(k, None)
+    src.write_text(json.dumps(res))
+    write_cpr_table(src, md, "quick")
+    assert "memory floor" not in md.read_text()
