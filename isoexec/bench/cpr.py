@@ -26,8 +26,8 @@ One row per (stage, baseline): ``baseline_ms``, ``ours_ms``,
 ``speed_ratio = baseline_ms / ours_ms``, and ``overhead_vs_native = ours_ms / native_mixed_ms``
 (the seed reports overheads: CPR 1.43x / 1.67x / 1.38x; recurrent-everywhere 4.42x / 4.31x /
 1.00x). The decode rows also give the step's memory floor (:func:`decode_floor`): the state bytes a
-step cannot avoid over the copy bandwidth measured in the same run. ``quick=True``: tiny shapes that run on CPU in seconds (ratios only mean something on
-the GPU).
+step cannot avoid over the copy bandwidth measured in the same run. ``quick=True``: tiny shapes
+that run on CPU in seconds (ratios only mean something on the GPU).
 """
 
 from __future__ import annotations
