@@ -94,17 +94,27 @@ def copy_bandwidth(device: str, nbytes: int) -> float:
 
 
 def decode_floor(native_state: GDNState, cpr_state: GDNState, lanes: int, bandwidth: float) -> dict:
-    """What one decode step of ``lanes`` sequences must move of its recurrent state, and that
-    over ``bandwidth`` (a lower bound: the token's q, k, v, the open chunk's rows and, for CPR, the
-    boundary written where a chunk completes come on top). Native: the running state read and
-    written back (its dtype). CPR: the boundary read once as the operand its dots take (the bf16
-    copy where the state keeps one, else the fp32 boundary); it is written only at a chunk's end."""
+    """What one decode step of the first ``lanes`` slots must read or write at least once, and that
+    over ``bandwidth``: a lower bound (the token's own inputs, the kept rows of T and, for CPR, the
+    boundary written where a chunk completes come on top; the kernels may read a row twice).
+    Native: the running state read and written back. CPR (the chunk form): the boundary once, as the
+    operand its dots take (the bf16 copy where the state keeps one, else the fp32 boundary), and
+    the open chunk's rows so far (the slots' fill plus the token) of k, v and Vn (its bf16 copy where
+    kept), in the buffers' own dtypes: row t of the chunk form reads every earlier row's k (T), v (U)
+    and Vn (the output)."""
     per_lane = native_state.running[0].numel()
     cpr_op = cpr_state.boundary_op if cpr_state.boundary_op is not None else cpr_state.boundary
+    vn = cpr_state.buf_vn_op if cpr_state.buf_vn_op is not None else cpr_state.buf_vn
+    H, Dk, Dv = cpr_state.buf_k.shape[2], cpr_state.buf_k.shape[3], cpr_state.buf_v.shape[3]
+    rows = int((cpr_state.fill[:lanes].long() + 1).sum())
+    row_bytes = H * (Dk * cpr_state.buf_k.element_size() + Dv * (cpr_state.buf_v.element_size() + vn.element_size()))
     native_bytes = 2 * lanes * per_lane * native_state.running.element_size()
-    cpr_bytes = lanes * per_lane * cpr_op.element_size()
+    state_bytes = lanes * per_lane * cpr_op.element_size()
+    cpr_bytes = state_bytes + rows * row_bytes
     return {"copy_gb_s": round(bandwidth / 1e9, 1), "native_state_bytes": native_bytes,
-            "cpr_state_bytes": cpr_bytes, "native_floor_ms": round(native_bytes / bandwidth * 1e3, 5),
+            "cpr_state_bytes": state_bytes, "cpr_open_rows": rows, "cpr_bytes": cpr_bytes,
+            "native_floor_ms": round(native_bytes / bandwidth * 1e3, 5),
+            "cpr_state_floor_ms": round(state_bytes / bandwidth * 1e3, 5),
             "cpr_floor_ms": round(cpr_bytes / bandwidth * 1e3, 5)}
 
 

@@ -163,16 +163,16 @@ def _decode_floor_lines(dec: dict | None) -> list[str]:
     """The decode row's memory floor (``isoexec.bench.cpr.decode_floor``) as a paragraph under the
     table, with our times and the seed's published ones over it; nothing for a result made before
     the benchmark measured it."""
-    if not dec or "native_floor_ms" not in dec:
+    if not dec or "cpr_state_floor_ms" not in dec:
         return []
-    nf, cf = dec["native_floor_ms"], dec["cpr_floor_ms"]
+    nf, sf, cf = dec["native_floor_ms"], dec["cpr_state_floor_ms"], dec["cpr_floor_ms"]
     pub_native, pub_cpr = _CPR_PUBLISHED_MS["decode"]
-    return ["", f"Decode's memory floor, from the same run: the state bytes one step cannot avoid over the "
-            f"copy bandwidth measured there ({dec['copy_gb_s'] / 1000:.2f} TB/s, read + write); a lower bound, "
-            f"since the token's inputs and the open chunk's rows come on top. Native mixed reads and writes its "
-            f"running states ({dec['native_state_bytes'] / 1e6:,.0f} MB): floor {_fmt(nf)} ms, ours "
-            f"{dec['baseline_ms'] / nf:.2f}× it. CPR reads the boundary once as its dots' operand "
-            f"({dec['cpr_state_bytes'] / 1e6:,.0f} MB) and writes it only where a chunk completes: floor "
-            f"{_fmt(cf)} ms, ours {dec['ours_ms'] / cf:.2f}× it. The seed's published decode times, measured "
-            f"on an H100 (at most 3.35 TB/s), are {pub_native / nf:.2f}× (native, {_fmt(pub_native)} ms) and "
-            f"{pub_cpr / cf:.2f}× (CPR, {_fmt(pub_cpr)} ms) these floors."]
+    return ["", f"Decode's memory floor, from the same run: the bytes one step must move at least once over the "
+            f"copy bandwidth measured there ({dec['copy_gb_s'] / 1000:.2f} TB/s, read + write); a lower bound. "
+            f"Native mixed reads and writes its running states ({_fmt(dec['native_state_bytes'] / 1e6)} MB): "
+            f"floor {_fmt(nf)} ms, ours {dec['baseline_ms'] / nf:.2f}× it. CPR reads the boundary once as its "
+            f"dots' operand ({_fmt(dec['cpr_state_bytes'] / 1e6)} MB, floor {_fmt(sf)} ms) and the open chunk's "
+            f"rows of k, v and Vn so far ({dec['cpr_open_rows']:,} lane rows; {_fmt(dec['cpr_bytes'] / 1e6)} MB "
+            f"in all): floor {_fmt(cf)} ms, ours {dec['ours_ms'] / cf:.2f}× it. The seed's published decode "
+            f"times, measured on an H100 (at most 3.35 TB/s), are {pub_native / nf:.2f}× our native floor "
+            f"(native, {_fmt(pub_native)} ms) and {pub_cpr / cf:.2f}× our CPR floor (CPR, {_fmt(pub_cpr)} ms)."]
