@@ -53,3 +53,7 @@ include: "workflow/rules/contracts.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/rl.smk"
+
+
+# last: every config check above has passed (a refused config writes nothing)
+write_code_version()

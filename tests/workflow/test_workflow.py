@@ -138,6 +138,7 @@ def test_paper_config_refuses_rl_without_checkpoints_and_data(wf):
     before any job with one line naming what is missing, instead of random weights."""
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml")
     assert r.returncode != 0
+    assert not (wf / "results/paper").exists(), "a refused config wrote into its results folder"
     line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
     for missing in ("checkpoints.dense is not set", "checkpoints.hybrid is not set", "checkpoints.mla_moe is not set",
                     "checkpoints.hybrid_moe is not set",

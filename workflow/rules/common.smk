@@ -94,11 +94,16 @@ if shutil.which("isoexec") is None:
 # Code version (docs/workflow.md): a hash of the isoexec and kernel sources, written while the
 # workflow is parsed and only when it changed; every rule that runs package code takes the file as
 # an input, so an edit to the package or the kernels reruns those jobs, and nothing else does.
+# Written by write_code_version() at the end of the Snakefile, after every config check, so that a
+# refused config leaves nothing behind.
 CODE_VERSION = f"{RES}/code_version.txt"
-try:
-    _codever.write_if_changed(CODE_VERSION, _codever.version_text(_codever.package_dirs()))
-except RuntimeError as _exc:
-    raise WorkflowError(f"code version: {_exc}") from None
+
+
+def write_code_version():
+    try:
+        _codever.write_if_changed(CODE_VERSION, _codever.version_text(_codever.package_dirs()))
+    except RuntimeError as exc:
+        raise WorkflowError(f"code version: {exc}") from None
 
 _no_model = [f for f in FAMILIES if f not in config["models"]]
 if _no_model:
