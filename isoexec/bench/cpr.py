@@ -206,7 +206,6 @@ def bench_cpr_rows(device: str = "cuda", quick: bool = False, log=print) -> list
     # a copy of 1 GiB on the GPU (past its L2, as the 256 lanes' states are), 64 MiB on a CPU
     floor = decode_floor(states[False], states[True], B, copy_bandwidth(device, 64 << 20 if quick or device == "cpu"
                                                                         else 1 << 30))
-    del states
     # both stock compositions decode with the same fused recurrent step: one measurement
     emit({"stage": "decode", "batch": B, "seqlen": 1, "tokens": B, "graphs": device == "cuda", **floor},
          t_native, t_native, t_ours)

@@ -105,6 +105,7 @@ def write_code_version():
     except RuntimeError as exc:
         raise WorkflowError(f"code version: {exc}") from None
 
+
 _no_model = [f for f in FAMILIES if f not in config["models"]]
 if _no_model:
     raise WorkflowError(
