@@ -11,7 +11,8 @@ fp32 leaf sums instead of running one K loop. Rows, per (shape, M):
 - ``ours``: ``row_parallel_linear(x, w, in_features=K, leaves=L)`` with no process group (one
   rank: the one-launch walk of the L leaves, ``isoexec/dist/row_parallel.py``);
 - ``by_partials_ms``: the same bits the way a group of more than one rank makes them (each leaf's
-  fp32 partial alone, then the sum in leaf order), which tp = 1 ran before the walk;
+  fp32 partial alone, all in one launch, then the sum in leaf order), which tp = 1 ran before the
+  walk (then one launch a leaf);
 - ``cublas_ms``: ``torch.nn.functional.linear``, the stock GEMM, for scale;
 - ``same_bits``: whether ours and the partials gave the same output (they must).
 

@@ -11,10 +11,12 @@ then the bias in fp32, then one rounding. L is fixed by the caller (a contract c
 at every tp) and tp must divide it:
 
   1. rank r holds leaves ``r*L/tp .. (r+1)*L/tp - 1`` whole (``partition.row_shard_leaves``);
-  2. it computes each leaf's fp32 partial alone: the invariant linear on the leaf's K columns with
-     one leaf and an fp32 output, which is the leaf's accumulator unrounded. Leaf bounds fall on
-     block boundaries, so the slice holds the same blocks, zero-padded the same way, as the leaf
-     inside the whole K loop: the same bits;
+  2. it computes each of its leaves' fp32 partial alone, all in one call
+     (``isoexec_kernels.gemm.leaf_partials``: one launch on CUDA, the reference twin's leaves on
+     CPU): each leaf is the invariant linear on the leaf's K columns with one leaf and an fp32
+     output, which is the leaf's accumulator unrounded. Leaf bounds fall on block boundaries, so
+     the slice holds the same blocks, zero-padded the same way, as the leaf inside the whole K
+     loop: the same bits;
   3. the L/tp partials of every rank are gathered (``all_gather``, a copy) into all L partials in
      leaf order, and every rank adds them left to right, adds the bias and rounds once, exactly
      the single-process epilogue.
@@ -29,10 +31,14 @@ receives L partials of [M, N] fp32 instead of one all-reduced [M, N]; a chain (r
 leaves to rank r-1's running sum and passes it on) would keep the order with one [M, N] per hop,
 at tp serial hops. Not built.
 
-Device: on CPU the leaf partials are the reference twin's. On CUDA they are the Triton kernel's
-one-leaf K loop, the same arithmetic its split-K path and its leaf walk use for each leaf (on the
-H200 the walk equals the partials at M 1 to 8192, a GPU test, and the world-size-1 NCCL topology
-gates pass; ``isoexec bench tp_linear`` times the walk against the plain invariant GEMM).
+Device: on CPU the leaf partials are the reference twin's. On CUDA they are one launch of the
+Triton split-K kernel over the rank's leaves, a program per (output tile, leaf) running the leaf's
+K loop: the arithmetic of a one-leaf linear of the leaf, and the one the split-K path and the leaf
+walk use for each leaf. On the H200 the walk equalled partials made by one-leaf linears, one launch
+a leaf, at M 1 to 8192 (a GPU test, which now compares the walk with the one launch; neither it
+nor the GPU gate comparing the one launch with those one-leaf linears has run on a GPU since),
+and the world-size-1 NCCL topology gates pass; ``isoexec bench tp_linear`` times the walk against
+the plain invariant GEMM.
 
 Autograd: the backward is correct and deterministic, not tp-invariant (only forward bits must match
 between trainer and engine). The output is replicated, so each rank's gradient of it is the same
@@ -53,7 +59,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec_kernels import _ref
-from isoexec_kernels.gemm import leaf_sum, linear
+from isoexec_kernels.gemm import leaf_partials, leaf_sum, linear
 from isoexec_kernels.gemm.reference import _GRAD_BIAS_LEAF
 
 from .collectives import gather_in_rank_order, group_size_rank
@@ -96,13 +102,13 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     group: the tensor-parallel process group (None: the default group, or one process if none is
     initialised). Returns ``[..., N]`` in x's dtype, replicated. Differentiable (deterministic,
     not tp-invariant backward)."""
-    tp, mine = _rank_leaves(x, weight, bias, in_features, leaves, group)
+    tp, rank = _rank_leaves(x, weight, bias, in_features, leaves, group)
     if tp == 1:
         # one rank holds every leaf: the invariant linear's own walk of the L leaves is this
         # schedule in one launch (each leaf from +0, the sums left to right, the bias, one
         # rounding), without L fp32 partials written, stacked and read back
         return linear(x, weight, bias, leaves=leaves)
-    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+    return _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank)
 
 
 def row_parallel_linear_by_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -111,12 +117,12 @@ def row_parallel_linear_by_partials(x: torch.Tensor, weight: torch.Tensor, bias:
     each leaf's fp32 partial alone, the partials gathered in leaf order and added left to right.
     At tp = 1 it gives the bits of the one-launch walk that ``row_parallel_linear`` runs there
     (the tests and ``isoexec bench tp_linear`` compare the two)."""
-    tp, mine = _rank_leaves(x, weight, bias, in_features, leaves, group)
-    return _by_leaf_partials(x, weight, bias, mine, group, tp)
+    tp, rank = _rank_leaves(x, weight, bias, in_features, leaves, group)
+    return _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank)
 
 
 def _rank_leaves(x, weight, bias, in_features, leaves, group):
-    """(tp, this rank's leaves as K ranges) after checking that x, weight and bias are its shard."""
+    """(tp, rank) after checking that x, weight and bias are this rank's shard."""
     tp, rank = group_size_rank(group)
     mine = row_shard_leaves(in_features, leaves, tp, rank)
     k0, k1 = mine[0][0], mine[-1][1]
@@ -129,16 +135,16 @@ def _rank_leaves(x, weight, bias, in_features, leaves, group):
     N = weight.shape[0]
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"row-parallel linear: bias must be [N]=[{N}], got shape {tuple(bias.shape)}")
-    return tp, mine
+    return tp, rank
 
 
-def _by_leaf_partials(x, weight, bias, mine, group, tp):
-    k0, k1 = mine[0][0], mine[-1][1]
+def _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank):
     N = weight.shape[0]
-    x2 = x.reshape(-1, k1 - k0)
-    # one leaf at a time, fp32 out: the leaf's accumulator as the whole K loop holds it
-    partials = torch.stack([linear(x2[:, a - k0:b - k0], weight[:, a - k0:b - k0], None,
-                                   out_dtype=torch.float32, leaves=1) for a, b in mine])
+    per = leaves // tp
+    # this rank's leaves, each alone with an fp32 output (the leaf's accumulator as the whole K
+    # loop holds it), in one launch on CUDA
+    partials = leaf_partials(x.reshape(-1, x.shape[-1]), weight, in_features=in_features, leaves=leaves,
+                             first_leaf=rank * per, count=per)
     out = _LeafSumFn.apply(partials, bias, group, tp, x.dtype)
     return out.reshape(*x.shape[:-1], N)
 

@@ -1,9 +1,10 @@
 """The batch-invariant linear layer ``out = x @ weight.T (+ bias)``, forward and backward."""
 
 from ..impl import Constant, Impl
-from .api import leaf_sum, linear
-from .reference import BLOCK_K, K_LEAVES, block_k_for, k_leaves_for, leaf_bounds, linear_reference
-from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, linear_triton, tile_for_m
+from .api import leaf_partials, leaf_sum, linear
+from .reference import (BLOCK_K, K_LEAVES, block_k_for, k_leaves_for, leaf_bounds, leaf_partials_reference,
+                        linear_reference)
+from .triton_kernels import GROUP_M, M_BUCKET_BOUNDS, gemm_path, leaf_partials_triton, linear_triton, tile_for_m
 from .native import linear_native
 
 # Version 1 still: K_LEAVES is empty, so every shape computes the plain K loop of version 1; the

@@ -4,6 +4,11 @@ Public API
   ``linear(x, weight, bias=None, out_dtype=None, leaves=None, residual=None)``  dispatcher (CUDA -> Triton, else reference),
                                                differentiable (backward uses the same kernels)
   ``linear_reference(x, weight, bias=None)``  CPU/any-device torch twin
+  ``leaf_partials(x_slice, w_slice, *, in_features, leaves, first_leaf, count)``  fp32 [count, M, N]:
+                                               K leaves first_leaf.. of the whole K's schedule, from the
+                                               K slice holding them (a row-parallel rank's leaves; one
+                                               launch on CUDA), differentiable; its twins
+                                               ``leaf_partials_reference`` / ``leaf_partials_triton``
   ``leaf_sum(partials, bias=None, out_dtype=fp32)``  K-leaf partials -> the rounded output (the
                                                epilogue of a row-parallel linear's gathered leaves)
   ``linear_triton(x, weight, bias=None, impl=None, tile=None)``  Triton twin
@@ -59,14 +64,46 @@ import torch
 
 from .. import _ref
 from .._triton_util import want_triton
-from .reference import _check, _GRAD_BIAS_LEAF, _reference_2d, leaf_sum_reference
-from .triton_kernels import _triton_2d, leaf_sum_triton
+from .reference import (_check, _GRAD_BIAS_LEAF, _reference_2d, leaf_partials_reference, leaf_slice_columns,
+                        leaf_sum_reference)
+from .triton_kernels import _triton_2d, leaf_partials_triton, leaf_sum_triton
 
 
 def _linear_2d(x2, w, bias, out_dtype=None, leaves=None, residual=None):
     if want_triton(x2):
         return _triton_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype, residual=residual)
     return _reference_2d(x2, w, bias, leaves=leaves, out_dtype=out_dtype, residual=residual)
+
+
+def _product_grads(grad2, x2, w, wide, need_x, need_w):
+    """(g, grad_x [M, K], grad_w [N, K]) of ``x2 @ w.T`` from the output's gradient ``grad2
+    [M, N]``: g is that gradient as the products take it, grad_x and grad_w are None where not
+    needed and not yet rounded to the inputs' dtypes."""
+    if wide:
+        # a wider output (fp32 logits of 16-bit inputs): the gradient keeps its precision, the
+        # products run on fp32 copies of the inputs, one rounding to each input's dtype (what
+        # autograd computes for linear(x.float(), w.float()))
+        g2, x2, w = grad2.float(), x2.float(), w.float()
+    else:
+        g2 = grad2.to(w.dtype)
+    gx = gw = None
+    if x2.is_cuda:
+        # Only forward bits must match trainer and engine; the backward needs to be
+        # deterministic, not batch invariant. cuBLAS is: for fixed shapes, dtypes and GPU it
+        # picks the same algorithm and gives the same bits on every run (no split-K atomics
+        # on one stream), at stock speed.
+        if need_x:
+            gx = torch.mm(g2, w)
+        if need_w:
+            gw = torch.mm(g2.t(), x2)
+    else:
+        if need_x:
+            # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
+            gx = _linear_2d(g2, w.t(), None)
+        if need_w:
+            # grad_w[N, K] = g^T[N, M] @ x[M, K]: a linear with weight x^T [K, M].
+            gw = _linear_2d(g2.t(), x2.t(), None)
+    return g2, gx, gw
 
 
 class _LinearFn(torch.autograd.Function):
@@ -84,35 +121,14 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x2, w = ctx.saved_tensors
-        N = w.shape[0]
         x_dtype, w_dtype = x2.dtype, w.dtype
-        if ctx.wide:
-            # a wider output (fp32 logits of 16-bit inputs): the gradient keeps its precision, the
-            # products run on fp32 copies of the inputs, one rounding to each input's dtype (what
-            # autograd computes for linear(x.float(), w.float()))
-            g2, x2, w = grad.reshape(-1, N).float(), x2.float(), w.float()
-        else:
-            g2 = grad.reshape(-1, N).to(w.dtype)
-        gx = gw = gb = None
-        if x2.is_cuda:
-            # Only forward bits must match trainer and engine; the backward needs to be
-            # deterministic, not batch invariant. cuBLAS is: for fixed shapes, dtypes and GPU it
-            # picks the same algorithm and gives the same bits on every run (no split-K atomics
-            # on one stream), at stock speed.
-            if ctx.needs_input_grad[0]:
-                gx = torch.mm(g2, w)
-            if ctx.needs_input_grad[1]:
-                gw = torch.mm(g2.t(), x2)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
+        g2, gx, gw = _product_grads(grad.reshape(-1, w.shape[0]), x2, w, ctx.wide,
+                                    ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        gb = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            if g2.is_cuda:
                 gb = _ref.batch_sum0(g2.float(), _GRAD_BIAS_LEAF)
-        else:
-            if ctx.needs_input_grad[0]:
-                # grad_x[M, K] = g[M, N] @ w[N, K]: a linear with weight w^T [K, N].
-                gx = _linear_2d(g2, w.t(), None)
-            if ctx.needs_input_grad[1]:
-                # grad_w[N, K] = g^T[N, M] @ x[M, K]: a linear with weight x^T [K, M].
-                gw = _linear_2d(g2.t(), x2.t(), None)
-            if ctx.has_bias and ctx.needs_input_grad[2]:
+            else:
                 gb = _ref.blocked_sum(g2.float(), 0, _GRAD_BIAS_LEAF)
         # out = y + residual: the residual's gradient is the output's, passed on as it is
         gr = grad if ctx.needs_input_grad[5] else None
@@ -162,3 +178,62 @@ def leaf_sum(partials: torch.Tensor, bias: torch.Tensor | None = None,
     if want_triton(partials):
         return leaf_sum_triton(partials, bias, out_dtype)
     return leaf_sum_reference(partials, bias, out_dtype)
+
+
+def _leaf_partials(x, weight, in_features, leaves, first_leaf, count):
+    twin = leaf_partials_triton if want_triton(x) else leaf_partials_reference
+    return twin(x, weight, in_features=in_features, leaves=leaves, first_leaf=first_leaf, count=count)
+
+
+class _LeafPartialsFn(torch.autograd.Function):
+    """The leaves' partials with the gradient of each leaf's one-leaf fp32-output linear (what a
+    loop of those calls had): each leaf's input and weight gradients are its own columns'."""
+
+    @staticmethod
+    def forward(ctx, x, weight, in_features, leaves, first_leaf, count):
+        ctx.cols = leaf_slice_columns(x, weight, in_features, leaves, first_leaf, count)
+        ctx.save_for_backward(x, weight)
+        return _leaf_partials(x, weight, in_features, leaves, first_leaf, count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        wide = x.dtype.itemsize < 4   # the partials are fp32, wider than 16-bit inputs
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if grad.shape[0] > 1 and grad.stride(0) == 0:
+            # one gradient for every leaf (a row-parallel sum's, where each leaf enters with weight
+            # 1, arrives expanded): the leaves' products side by side are that gradient's products
+            # with the whole slice, two matmuls instead of two a leaf (deterministic; on the CPU
+            # twin, whose output columns are independent, the same bits as leaf by leaf)
+            _, gx, gw = _product_grads(grad[0], x, w, wide, need_x, need_w)
+        else:
+            # leaf by leaf (the products of a leaf's gradient with its own columns), side by side
+            per_leaf = [_product_grads(grad[j], x[:, a:b], w[:, a:b], wide, need_x, need_w)[1:]
+                        for j, (a, b) in enumerate(ctx.cols)]
+            gx = torch.cat([g for g, _ in per_leaf], dim=1) if need_x else None
+            gw = torch.cat([g for _, g in per_leaf], dim=1) if need_w else None
+        return (None if gx is None else gx.to(x.dtype), None if gw is None else gw.to(w.dtype),
+                None, None, None, None)
+
+
+def leaf_partials(x: torch.Tensor, weight: torch.Tensor, *, in_features: int, leaves: int,
+                  first_leaf: int, count: int) -> torch.Tensor:
+    """fp32 ``[count, M, N]``: the unrounded accumulators of K leaves ``first_leaf`` to
+    ``first_leaf + count - 1`` of ``linear(x_full, w_full, leaves=leaves)``, from the K slice
+    that holds them: ``x [M, w]`` and ``weight [N, w]`` are the columns of those leaves side by
+    side, from the first leaf's first column (a row-parallel rank's shard). Rounding schedule
+    (module docstring): the leaves are those of the whole K of ``in_features`` columns (leaf j
+    holds the BLOCK_K blocks ``[j*nb//L, (j+1)*nb//L)`` of its nb, the last block of K
+    zero-padded), each accumulated alone from +0 in K order in fp32 and returned as it is: no
+    leaf sum, no bias, no rounding (:func:`leaf_sum` adds them). Each is bit for bit the leaf's
+    one-leaf fp32-output linear, ``linear(x[:, a:b], weight[:, a:b], out_dtype=torch.float32,
+    leaves=1)`` (on CUDA where the launch's K tile differs from that call's, by the rule of
+    ``triton_kernels.k_tile_for``; tests/kernels/test_gemm_leaf_partials.py has the GPU gate).
+    Triton on CUDA (one launch for all the leaves), the reference twin elsewhere; differentiable
+    (each leaf's gradient is that one-leaf linear's). A slice that is not those leaves' columns,
+    leaves outside ``0 .. leaves-1`` or shapes that are not [M, w] and [N, w]: ValueError; inputs
+    of different or unsupported dtypes: TypeError (as :func:`linear`)."""
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if needs_grad:
+        return _LeafPartialsFn.apply(x, weight, in_features, leaves, first_leaf, count)
+    return _leaf_partials(x, weight, in_features, leaves, first_leaf, count)

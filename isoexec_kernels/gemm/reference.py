@@ -53,6 +53,34 @@ def leaf_bounds(K: int, leaves: int) -> list[tuple[int, int]]:
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def leaf_slice_columns(x: torch.Tensor, weight: torch.Tensor, in_features: int, leaves: int,
+                       first_leaf: int, count: int) -> list[tuple[int, int]]:
+    """Column ranges ``[a, b)`` in a K slice of leaves ``first_leaf .. first_leaf + count - 1`` of
+    the ``leaves`` K leaves of ``in_features`` columns (the leaves side by side, from the first's
+    first column), after checking that ``x [M, w]`` and ``weight [N, w]`` are that slice; one
+    error naming the problem otherwise (a dtype: TypeError, as :func:`_check` raises)."""
+    what = "leaf_partials"
+    nb = num_k_blocks(in_features)
+    if in_features < 1 or not 1 <= leaves <= nb:
+        raise ValueError(f"{what}: {leaves} K leaves for in_features={in_features} ({nb} blocks of {BLOCK_K}); "
+                         f"need in_features >= 1 and 1 <= leaves <= {nb}")
+    if count < 1 or first_leaf < 0 or first_leaf + count > leaves:
+        raise ValueError(f"{what}: leaves {first_leaf} .. {first_leaf + count - 1} (first_leaf={first_leaf}, "
+                         f"count={count}) are not among the {leaves} leaves 0 .. {leaves - 1}")
+    if x.dtype not in _OUT_DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"{what}: x and weight must share one of {_OUT_DTYPES}, got {x.dtype} and {weight.dtype}")
+    bounds = leaf_bounds(in_features, leaves)[first_leaf:first_leaf + count]
+    k0, k1 = bounds[0][0] * BLOCK_K, min(in_features, bounds[-1][1] * BLOCK_K)
+    if x.dim() != 2 or x.shape[1] != k1 - k0:
+        raise ValueError(f"{what}: leaves {first_leaf} .. {first_leaf + count - 1} of {leaves} are columns "
+                         f"[{k0}, {k1}) of {in_features}, so x must be [M, {k1 - k0}], got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != k1 - k0:
+        raise ValueError(f"{what}: leaves {first_leaf} .. {first_leaf + count - 1} of {leaves} are columns "
+                         f"[{k0}, {k1}) of {in_features}, so weight must be [N, {k1 - k0}], got shape "
+                         f"{tuple(weight.shape)}")
+    return [(b0 * BLOCK_K - k0, min(in_features, b1 * BLOCK_K) - k0) for b0, b1 in bounds]
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None) -> None:
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:
@@ -192,3 +220,15 @@ def leaf_sum_reference(partials: torch.Tensor, bias: torch.Tensor | None = None,
     if bias is not None:
         total = total + bias.float()
     return total.to(out_dtype)
+
+
+def leaf_partials_reference(x: torch.Tensor, weight: torch.Tensor, *, in_features: int, leaves: int,
+                            first_leaf: int, count: int) -> torch.Tensor:
+    """fp32 ``[count, M, N]``: the accumulator of each of leaves ``first_leaf ..`` of the
+    reference schedule, from the K slice that holds them (api.py's ``leaf_partials``): each leaf
+    is :func:`linear_reference` of its own columns with one leaf and an fp32 output, which is
+    the leaf as the whole K loop computes it (its blocks start on a block bound of the whole K
+    and are zero-padded the same way)."""
+    cols = leaf_slice_columns(x, weight, in_features, leaves, first_leaf, count)
+    return torch.stack([_reference_2d(x[:, a:b], weight[:, a:b], None, leaves=1, out_dtype=torch.float32)
+                        for a, b in cols])

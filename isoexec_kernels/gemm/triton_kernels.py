@@ -7,7 +7,7 @@ import torch
 
 from .._triton_util import (HAS_TRITON, TensorDescriptor, ensure_allocator, interpreting, jit,
                             num_sms, tl, tma_supported, triton)
-from .reference import BLOCK_K, _check, block_k_for, k_leaves_for, leaf_bounds
+from .reference import BLOCK_K, _check, block_k_for, k_leaves_for, leaf_bounds, leaf_slice_columns
 
 
 GROUP_M = 8
@@ -318,16 +318,22 @@ def _gemm_pointer_kernel(
 @jit
 def _gemm_leaf_partial_kernel(
     x_ptr, w_ptr, part_ptr, M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk,
+    stride_xm, stride_xk, stride_wn, stride_wk, K_TOTAL, LEAF0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K_: tl.constexpr, GROUP_M_: tl.constexpr,
     LEAVES: tl.constexpr, PRECISION: tl.constexpr = "ieee",
 ):
-    # Split-K for small M: program (tile, leaf) computes one leaf of one tile, exactly as the
-    # fused kernels' leaf loop does, and stores it in fp32 to part[leaf, M, N]. (The raster and
-    # the leaf loop are the pointer kernel's, written out again: lazily jitted kernels cannot
-    # call each other, _triton_util.jit.)
+    # Split-K: program (tile, j) computes K leaf LEAF0 + j of one output tile, exactly as the
+    # fused kernels' leaf loop does, and stores it in fp32 to part[j, M, N]. The leaves are those
+    # of a K of K_TOTAL columns, of which x and w hold the K columns from leaf LEAF0's first block
+    # on (a row-parallel rank's slice, leaf_partials_triton; the split path passes its whole K and
+    # LEAF0 = 0): blocks are counted in the whole K, so a leaf holds the blocks it holds there,
+    # and addressed from the slice's start, its width masking the zero padding (a slice ends where
+    # K ends or on a leaf bound, so that is the whole K's padding). (The raster and the leaf loop
+    # are the pointer kernel's, written out again: lazily jitted kernels cannot call each other,
+    # _triton_util.jit.)
     pid = tl.program_id(0)
-    leaf = tl.program_id(1)
+    j = tl.program_id(1)
+    leaf = LEAF0 + j
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     group_span = GROUP_M_ * tiles_n
@@ -340,18 +346,19 @@ def _gemm_leaf_partial_kernel(
     offs_n = tn * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    k_steps = tl.cdiv(K, BLOCK_K_)
+    k_steps = tl.cdiv(K_TOTAL, BLOCK_K_)
+    first_block = LEAF0 * k_steps // LEAVES
     offs_k = tl.arange(0, BLOCK_K_)
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for ks in range(leaf * k_steps // LEAVES, (leaf + 1) * k_steps // LEAVES):
-        k0 = ks * BLOCK_K_
+        k0 = (ks - first_block) * BLOCK_K_
         k_ok = (k0 + offs_k) < K
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :] * stride_xk,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + offs_n[:, None] * stride_wn + (k0 + offs_k)[None, :] * stride_wk,
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         part = tl.dot(a, b.T, part, input_precision=PRECISION)
-    dst = part_ptr + leaf.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+    dst = part_ptr + j.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
     tl.store(dst, part, mask=m_ok[:, None] & n_ok[None, :])
 
 
@@ -583,7 +590,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         part = torch.empty((leaves, M, N), dtype=torch.float32, device=x2.device)
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), leaves)
         _gemm_leaf_partial_kernel[grid](
-            x2, w, part, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1),
+            x2, w, part, M, N, K, x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), K, 0,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves, PRECISION=prec,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
@@ -614,6 +621,34 @@ def leaf_sum_triton(partials: torch.Tensor, bias: torch.Tensor | None = None,
         HAS_BIAS=has_bias, HAS_RES=False, LEAVES=L, BLOCK=_SUM_BLOCK, num_warps=4,
     )
     return out
+
+
+def leaf_partials_triton(x: torch.Tensor, weight: torch.Tensor, *, in_features: int, leaves: int,
+                         first_leaf: int, count: int, tile: dict | None = None) -> torch.Tensor:
+    """Triton twin of :func:`leaf_partials_reference` (api.py's ``leaf_partials``) in one launch:
+    the split-K kernel's programs (tile, leaf) for leaves ``first_leaf ..`` of the whole K's
+    schedule, reading the K slice that holds them. CUDA, or CPU under ``TRITON_INTERPRET=1``
+    (fp32/fp16 there: the interpreter's bf16 dot is broken). ``tile`` overrides entries of the
+    launch (tests and tuning, as :func:`linear_triton`'s)."""
+    cols = leaf_slice_columns(x, weight, in_features, leaves, first_leaf, count)
+    M, N = x.shape[0], weight.shape[0]
+    part = torch.empty((count, M, N), dtype=torch.float32, device=x.device)
+    if M == 0 or N == 0:
+        return part
+    # each program does what a program of a one-leaf fp32-output linear of the leaf did (the call
+    # each leaf had before this launch): that call's tile (a wider output sends tile_for_m's
+    # "tma" entries to the pointer kernel, whose K loop this kernel has) and, where every leaf
+    # starts on one, its K tile (k_tile_for: the same bits as BLOCK_K blocks)
+    cfg = dict(tile_for_m(M, x.dtype, N, max(b - a for a, b in cols), leaves=1), **(tile or {}))
+    bk = k_tile_for(cfg, block_k_for(N, in_features), in_features, leaves, x.dtype)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]), count)
+    _gemm_leaf_partial_kernel[grid](
+        x, weight, part, M, N, x.shape[1], x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        in_features, first_leaf,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K_=bk, GROUP_M_=GROUP_M, LEAVES=leaves,
+        PRECISION="ieee", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return part
 
 
 def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
