@@ -14,8 +14,11 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
   ``row_parallel_linear``     K sharded by whole K leaves, leaf partials gathered and summed in leaf order
   ``column_parallel_linear``  N sharded, no reduction; optionally gathered along N
   ``replicated_input``        the input of column-parallel work run by the caller (its backward sum)
-  ``vocab_parallel_token_logprobs``  V sharded by whole vocabulary leaves of the reference schedule
-  ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``  which slice a rank holds
+  ``vocab_parallel_token_logprobs``  V sharded by whole chunks (Triton schedule) or leaves (reference)
+                              of the logprob kernel, their pieces gathered and joined in order;
+                              ``all_reduce_vocab_parallel_token_logprobs`` the stock all-reduce form
+  ``row_shard_range``, ``column_shard_range``, ``vocab_shard_range``, ``vocab_shard_unit``  which
+                              slice a rank holds
   ``expert_parallel_moe``     one MoE layer with its routed experts spread over an ep group: rows
                               sent to their expert's owner and back by all_to_all (copies), the
                               single-process router, experts and combine regions, and its backward
@@ -26,21 +29,18 @@ of the schedule. TP = 1, 2 and 4 give the same bits as the single-process kernel
 The data-parallel trainer (FSDP2) is the subpackage ``isoexec.dist.fsdp``; it sits above
 ``isoexec.train`` and is not imported here. ``mesh.dp_mesh`` builds its device mesh and
 ``partition.sequence_share`` deals out its sequences. The dense and hybrid models under tensor
-parallelism are ``isoexec.model.tp_dense`` and ``isoexec.model.tp_hybrid`` (they need the model and
+parallelism are ``isoexec.model.tp_dense``, ``tp_hybrid`` and ``tp_moe`` (they need the model and
 the contract, which sit above this package).
 
-Not built yet: tensor parallelism in the MoE families' model classes, expert parallelism in the
-engine and in a trainer (the MoE models' trainer forward and backward under EP are built:
-``isoexec.model.ep_moe``), the launcher, and the vocabulary-parallel form of the Triton logprob
-kernel.
+What is built and what is not: docs/scale_out.md, "What is built and what is not".
 """
 
 from .column_parallel import column_parallel_linear, replicated_input
 from .expert_parallel import ExpertParallelGroup, expert_parallel_moe
-from .partition import column_shard_range, expert_shard_range, row_shard_range, vocab_shard_range
+from .partition import column_shard_range, expert_shard_range, row_shard_range, vocab_shard_range, vocab_shard_unit
 from .row_parallel import all_reduce_row_parallel_linear, row_parallel_linear
-from .vocab_parallel_logprob import vocab_parallel_token_logprobs
+from .vocab_parallel_logprob import all_reduce_vocab_parallel_token_logprobs, vocab_parallel_token_logprobs
 
-__all__ = ["ExpertParallelGroup", "all_reduce_row_parallel_linear", "column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
+__all__ = ["ExpertParallelGroup", "all_reduce_row_parallel_linear", "all_reduce_vocab_parallel_token_logprobs", "column_parallel_linear", "column_shard_range", "expert_parallel_moe", "expert_shard_range",
            "replicated_input", "row_parallel_linear", "row_shard_range",
-           "vocab_parallel_token_logprobs", "vocab_shard_range"]
+           "vocab_parallel_token_logprobs", "vocab_shard_range", "vocab_shard_unit"]

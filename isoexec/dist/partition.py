@@ -3,8 +3,8 @@ each expert-parallel rank owns (``expert_shard_range``), and which sequences of 
 data-parallel rank takes (``sequence_share``, at the end).
 
 Every split here cuts a dimension into the fixed units of a kernel's own schedule (64-wide K blocks
-grouped into K leaves, ``REF_LEAF_V``-wide vocabulary leaves), never into arbitrary column counts:
-a rank then computes whole units, each exactly as one process computes it, and only the order in
+grouped into K leaves, vocabulary chunks of ``BLOCK_V`` or leaves of ``REF_LEAF_V`` logits), never
+into arbitrary column counts: a rank then computes whole units, each exactly as one process computes it, and only the order in
 which units are added remains to be fixed (row_parallel.py, vocab_parallel_logprob.py). Units are
 dealt out as ``leaf_bounds`` deals K blocks to leaves: part j of n units into p parts starts at unit
 ``j * n // p`` (as even as possible, the larger parts last). That shared rule is what lets a
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from isoexec_kernels.gemm import BLOCK_K, leaf_bounds
 from isoexec_kernels.gemm.reference import num_k_blocks
-from isoexec_kernels.logprob import REF_LEAF_V
+from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V
 
 
 def _check_rank(what: str, tp: int, rank: int) -> None:
@@ -83,12 +83,24 @@ def column_shard_range(out_features: int, tp: int, rank: int, unit: int = 1) -> 
                        f"unit(s) of {unit} columns", "at least one unit", tp, rank)
 
 
+def vocab_shard_unit(vocab_size: int, tp: int) -> int:
+    """The width of the units the vocabulary is dealt out in at size ``tp``: the Triton logprob
+    schedule's chunk (``BLOCK_V`` = 4096 logits) when the vocabulary has at least ``tp`` of them, else
+    the reference schedule's leaf (``REF_LEAF_V`` = 1024). A chunk is four whole leaves, so every
+    rank holds whole leaves of the reference either way, and whole chunks of the Triton schedule
+    whenever the vocabulary allows (vocab_parallel_logprob.py); every rank gets the same answer."""
+    return BLOCK_V if -(-vocab_size // BLOCK_V) >= tp else REF_LEAF_V
+
+
 def vocab_shard_range(vocab_size: int, tp: int, rank: int) -> tuple[int, int]:
     """Vocabulary columns ``[v0, v1)`` rank ``rank`` holds in a vocabulary-parallel logprob: V cut
-    into the reference schedule's leaves of ``REF_LEAF_V`` logits (the last may be short), whole
-    leaves per rank. Vocabulary sizes rarely divide evenly (Qwen3's 151,936 is 149 leaves), so the
-    leaf counts may differ by one between ranks."""
-    return _unit_range("vocab-parallel logprob", f"vocab_size={vocab_size}", vocab_size, REF_LEAF_V,
+    into units of :func:`vocab_shard_unit` logits (the last may be short), whole units per rank.
+    Vocabulary sizes rarely divide evenly (Qwen3's 151,936 is 38 chunks of 4096, the last 384
+    wide), so the unit counts may differ by one between ranks. Refuses fewer reference leaves than
+    ranks."""
+    unit = vocab_shard_unit(vocab_size, tp)
+    return _unit_range("vocab-parallel logprob", f"vocab_size={vocab_size}", vocab_size, unit,
+                       # only the leaf unit can be refused: the chunk is taken when there are enough
                        f"leaf/leaves of {REF_LEAF_V} logits", "at least one whole leaf", tp, rank)
 
 

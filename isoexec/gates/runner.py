@@ -30,7 +30,7 @@ from .kernel_gates import GateOutcome, entry_with_impl
 from .kinds import KINDS, NEGATIVE_CONTROLS, kernel_gate_names
 from .model_gates import backward_determinism, model_batch_invariance, model_case_parity
 from .topology_gates import (TOPOLOGY_GATES, claims_tp, gathered, group_info, process_group,
-                             tp_engine_generate_verify, tp_trainer_logits)
+                             tp_engine_generate_verify, tp_trainer_logits, tp_trainer_logprobs)
 
 BATCH_SIZES = {"cpu": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256),
                "sm90": (1, 2, 3, 5, 8, 16, 31, 64, 100, 128, 256, 512, 1024, 2048, 4096)}
@@ -148,6 +148,8 @@ def run_topology_gates(family: str, composition: str, arch: str, out_dir, seed: 
                 gen = torch.Generator().manual_seed(seed + 1)
                 if name == "tp_trainer_logits":
                     reports, info = tp_trainer_logits(m, contract, gen, arch)
+                elif name == "tp_trainer_logprobs":
+                    reports, info = tp_trainer_logprobs(m, contract, gen, arch)
                 else:
                     reports, info = tp_engine_generate_verify(m, contract, gen, arch, stock_all_reduce=of is not None)
                 body = _model_body(contract, composition, name, gathered(reports), {**info, **where}, dtype, seed,

@@ -8,6 +8,10 @@ NCCL on a GPU, gloo on the CPU):
 
 - ``tp_trainer_logits``: ``trainer_score`` logits of a packed batch from the tensor-parallel model
   (each rank's vocabulary slice) against the same columns of the one-process model;
+- ``tp_trainer_logprobs``: ``trainer_score`` token logprobs of that batch, the tensor-parallel
+  model's through the vocabulary-parallel logprob (``isoexec.dist.vocab_parallel_token_logprobs``:
+  the logprob kernel's reference schedule on the CPU, its Triton schedule on a GPU), against the
+  one-process model's;
 - ``tp_engine_generate_verify``: the engine on each rank's shards serves the generate-then-verify
   traffic of ``engine_gates`` (mixed sampling, staggered arrivals, chunked prefill); its tokens and
   logprobs against the one-process engine's, and the one-process trainer recomputes every token
@@ -42,7 +46,7 @@ from ..model.tensor_parallel import tensor_parallel
 from .compare import BitReport, compare_bits
 from .engine_gates import _generate, _results_reports, verify_engine_logprobs
 
-TOPOLOGY_GATES = ("tp_trainer_logits", "tp_engine_generate_verify")
+TOPOLOGY_GATES = ("tp_trainer_logits", "tp_trainer_logprobs", "tp_engine_generate_verify")
 # packed trainer batch (sequence lengths) and engine traffic per arch
 TRAINER_LENS = {"cpu": (37, 5, 64, 1), "sm90": (512, 200, 33, 1)}
 ENGINE_SIZES = {"cpu": dict(requests=16, max_prompt=40, max_tokens=10),
@@ -102,17 +106,32 @@ def process_group(arch: str):
             dist.destroy_process_group()
 
 
-def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:
-    tpm = tensor_parallel(model)
+def _trainer_batch(model, gen: torch.Generator, arch: str):
+    """(lens, token ids, targets, packed trainer_score batch) of the trainer gates, on the model's device."""
     lens = list(TRAINER_LENS[arch])
     dev = model.embed.device
     ids = torch.randint(0, model.cfg.vocab_size, (sum(lens),), generator=gen).to(dev)
-    batch = ForwardBatch.packed(lens, "trainer_score", dev)
+    targets = torch.randint(0, model.cfg.vocab_size, (sum(lens),), generator=gen).to(dev)
+    return lens, ids, targets, ForwardBatch.packed(lens, "trainer_score", dev)
+
+
+def tp_trainer_logits(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:
+    tpm = tensor_parallel(model)
+    lens, ids, _, batch = _trainer_batch(model, gen, arch)
     with torch.no_grad():
         one = model.logits(model.hidden_states(ids, batch), "trainer_score")
         part = tpm.logits(tpm.hidden_states(ids, batch), "trainer_score")
     v0, v1 = tpm.vocab_range
     return [compare_bits(part, one[:, v0:v1])], {"lens": lens, "vocab_slice": [v0, v1]}
+
+
+def tp_trainer_logprobs(model, contract, gen: torch.Generator, arch: str) -> tuple[list[BitReport], dict]:
+    tpm = tensor_parallel(model)
+    lens, ids, targets, batch = _trainer_batch(model, gen, arch)
+    with torch.no_grad():
+        one = model.token_logprobs(model.hidden_states(ids, batch), targets, "trainer_score")
+        part = tpm.token_logprobs(tpm.hidden_states(ids, batch), targets, "trainer_score")
+    return [compare_bits(part, one)], {"lens": lens, "vocab_slice": list(tpm.vocab_range)}
 
 
 def tp_engine_generate_verify(model, contract, gen: torch.Generator, arch: str, stock_all_reduce: bool = False
@@ -143,4 +162,4 @@ def group_info(arch: str) -> dict:
 
 
 __all__ = ["TOPOLOGY_GATES", "all_reduce_control", "under_contract", "claims_tp", "gathered", "group_info", "process_group",
-           "tp_engine_generate_verify", "tp_trainer_logits"]
+           "tp_engine_generate_verify", "tp_trainer_logits", "tp_trainer_logprobs"]

@@ -27,7 +27,7 @@ from torch import nn
 
 from isoexec_kernels.attention import write_kv_pages
 from isoexec_kernels.gemm.reference import num_k_blocks
-from isoexec_kernels.logprob import REF_LEAF_V
+from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V
 from isoexec_kernels.rope import rope_cache
 
 from .. import registry
@@ -148,15 +148,24 @@ class DenseModel(nn.Module):
         """{op: (impl or impls, arch or None for any)}: the kernels whose schedule the tensor-parallel
         layers reproduce (a linear's columns, the vocabulary-parallel logprob)."""
         want: dict[str, tuple[str, str | None]] = {o: ("gemm_fixed_k", None) for o in self.linear_k()}
-        want["logprob"] = ("logprob_fixed", "cpu")
+        # logprob_fixed on any arch: its reference schedule (CPU) and its Triton one (GPU) both have
+        # a vocabulary-parallel form (isoexec/dist/vocab_parallel_logprob.py)
+        want["logprob"] = ("logprob_fixed", None)
         return want
 
-    def tp_vocab_problems(self, tp: int) -> list[str]:
-        """The lm_head is cut in whole vocabulary leaves (``vocab_shard_range``): one per rank at least."""
-        vocab_leaves = -(-self.cfg.vocab_size // REF_LEAF_V)
+    def tp_vocab_problems(self, tp: int, arch: str = "cpu") -> list[str]:
+        """The lm_head is cut in whole vocabulary units (``vocab_shard_range``): a leaf of the
+        reference schedule per rank at least, and on a GPU arch, where ``logprob_fixed`` runs its
+        Triton schedule, a whole chunk of ``BLOCK_V`` logits per rank."""
+        V = self.cfg.vocab_size
+        vocab_leaves = -(-V // REF_LEAF_V)
         if vocab_leaves < tp:
             return [f"tp={tp} is more than the {vocab_leaves} vocabulary leaves of {REF_LEAF_V} logits "
-                    f"(vocab_size={self.cfg.vocab_size}); each rank needs a whole leaf"]
+                    f"(vocab_size={V}); each rank needs a whole leaf"]
+        chunks = -(-V // BLOCK_V)
+        if arch != "cpu" and chunks < tp:
+            return [f"tp={tp} is more than the {chunks} vocabulary chunks of {BLOCK_V} logits (vocab_size={V}); "
+                    f"on {arch} each rank needs a whole chunk of the Triton logprob schedule"]
         return []
 
     def tp_problems(self, contract: ExecutionContract, tp: int) -> list[str]:
@@ -167,7 +176,7 @@ class DenseModel(nn.Module):
         tp_moe.py): whole heads (and routed experts) per rank
         (``tp_head_problems``), each row-parallel layer's K leaves on the ranks' head boundaries
         (``tp_row_parallel``), gate/up 64-column units on down_proj's leaves, a whole vocabulary
-        leaf per rank, and kernels whose schedule the tensor-parallel layers reproduce
+        leaf (on a GPU arch chunk) per rank, and kernels whose schedule the tensor-parallel layers reproduce
         (``tp_impls``). ``check_topology`` reports them with its own."""
         if self.family not in self.TP_FAMILIES:  # a family without a tensor-parallel model
             return [] if tp == 1 else [f"the {self.family} family has no tensor-parallel model (tp={tp})"]
@@ -206,7 +215,8 @@ class DenseModel(nn.Module):
                 if mine != leafs:
                     out.append(f"{o}'s K leaves ({K_LEAVES}={L} over K={K}) give the ranks input columns "
                                f"{leafs}, not their heads' {mine}: each rank's heads must span whole K leaves")
-        out += self.tp_vocab_problems(tp)
+        logprob_archs = sorted({a for i, a in impls.get("logprob", ()) if i == "logprob_fixed"} - {"cpu"})
+        out += self.tp_vocab_problems(tp, logprob_archs[0] if logprob_archs else "cpu")
         for o, (impl, arch) in self.tp_impls().items():
             allowed = impl_choices(impl)
             for got_impl, got_arch in sorted(impls.get(o, ())):

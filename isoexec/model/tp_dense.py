@@ -16,8 +16,10 @@ installed and keeps, on this rank of the tensor-parallel ``group``, the shards o
     whole K leaves); without, by ``all_reduce_row_parallel_linear``, the region's own kernel on the
     rank's K shard and the partials all-reduced: the stock path of the native composition
     (``native_tp4``, whose tp claim is ``variant``: its bits depend on tp);
-  * the lm_head vocabulary-parallel (``vocab_shard_range``: whole leaves of 1024 logits) and the
-    token logprob by ``vocab_parallel_token_logprobs``;
+  * the lm_head vocabulary-parallel (``vocab_shard_range``: whole chunks of 4096 logits, or leaves
+    of 1024 where the vocabulary has fewer chunks than ranks) and the token logprob by
+    ``vocab_parallel_token_logprobs`` (the logprob kernel's reference schedule on CPU, its Triton
+    schedule on a GPU);
   * the embedding, the norms, RoPE and the residual stream replicated.
 
 Column-parallel shards run through the contract's bound linear with the K leaf count of the whole
@@ -81,7 +83,7 @@ TRAINER_CASES = ("trainer_fwd", "trainer_score")
 ENGINE_CASES = ("engine_prefill", "engine_decode")
 UNIT = 64  # gate/up column unit: one K block of down_proj
 
-#: the logprob kernel whose reference schedule ``vocab_parallel_token_logprobs`` reproduces on
+#: the logprob kernel whose schedules (reference, Triton) ``vocab_parallel_token_logprobs`` reproduces on
 #: vocabulary slices; the trainer cases of a contract with another logprob kernel (the stock one)
 #: gather whole rows and run that kernel on them
 VOCAB_PARALLEL_LOGPROB = "logprob_fixed"
@@ -194,7 +196,7 @@ class _LayerShard(nn.Module):
 
 class _WholeRows(torch.autograd.Function):
     """Forward: every rank's vocabulary slice [T, v1 - v0] of the logits rows gathered in rank order
-    into whole rows [T, V] (slices differ by up to one vocabulary leaf: padded to the widest to
+    into whole rows [T, V] (slices differ by up to one vocabulary unit: padded to the widest to
     travel, cut back). Backward: this rank's columns of the rows' gradient, which is the same on
     every rank (every rank computes the same loss from the same rows)."""
 
@@ -405,7 +407,8 @@ class TensorParallelDense(nn.Module):
 
     def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 log p(targets[t] | row t) [T], the same on every rank: the bits of
-        ``DenseModel.token_logprobs`` on the CPU (the logprob region's reference schedule)."""
+        ``DenseModel.token_logprobs`` (the logprob region's reference schedule on the CPU, its
+        Triton schedule on a GPU)."""
         return self.logprobs_from_logits(self.logits(hidden, case), targets, case)
 
 

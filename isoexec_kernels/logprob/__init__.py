@@ -3,7 +3,7 @@
 from ..impl import Constant, Impl
 from .api import log_softmax, token_logprobs
 from .reference import REF_LEAF_V, log_softmax_reference, token_logprobs_reference
-from . import shards
+from . import shards, triton_shards
 from .triton_kernels import BLOCK_V, log_softmax_triton, token_logprobs_triton
 from .native import log_softmax_native, token_logprobs_native
 

@@ -30,7 +30,7 @@ PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_mo
                  "tp_engine_worlds": ("tp_engine",), "ep_model_worlds": ("ep_model",),
                  "tp_hybrid_worlds": ("tp_hybrid",),
                  "tp_moe_worlds": ("tp_moe",), "tp_moe_engine_worlds": ("tp_moe_engine",),
-                 "tp_native_worlds": ("tp_native",),
+                 "tp_native_worlds": ("tp_native",), "tp_vocab_triton_worlds": ("tp_vocab_triton",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
                  "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume"), "fsdp_layer_worlds": ("fsdp_layers",)}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
@@ -134,6 +134,16 @@ def _part(dist_worlds, part: str) -> dict:
 def tp_kernel_worlds(dist_worlds):
     """{TP: [rank results]} of the tensor-parallel kernels, TP = 1, 2, 4."""
     return _part(dist_worlds, "tp_kernels")
+
+
+@pytest.fixture(scope="session")
+def tp_vocab_triton_worlds(dist_worlds):
+    """{TP: [results of each rank of a group of that size]} of the Triton-schedule vocabulary-parallel
+    logprob, TP = 1, 2, 4 in one world of 4 run under the Triton interpreter."""
+    import vocab_triton_workers
+
+    ranks = _part(dist_worlds, "tp_vocab_triton")[vocab_triton_workers.WORLD]
+    return {tp: [r[tp] for r in ranks] for tp in (1, 2, 4)}
 
 
 @pytest.fixture(scope="session")

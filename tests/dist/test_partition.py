@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from isoexec.dist import column_shard_range, row_shard_range, vocab_shard_range
+from isoexec.dist import column_shard_range, row_shard_range, vocab_shard_range, vocab_shard_unit
 from isoexec.dist.mesh import check_mesh_shape
 from isoexec.dist.partition import row_shard_leaves, sequence_share
 from isoexec_kernels.gemm import BLOCK_K, leaf_bounds
-from isoexec_kernels.logprob import REF_LEAF_V
+from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V
 
 
 def _covers(ranges, n):
@@ -45,13 +45,19 @@ def test_column_and_vocab_shards_cover_the_dimension_in_whole_units():
         for tp in (1, 2, 3, 4):
             ranges = [column_shard_range(N, tp, r, unit) for r in range(tp)]
             assert _covers(ranges, N) and all(a % unit == 0 for a, _ in ranges)
-    for V in (1024, 4396, 9000, 151936):
-        for tp in (1, 2, 4):
+    for V in (1024, 4396, 9000, 151936, 151937):
+        for tp in (1, 2, 4, 8):
             if -(-V // REF_LEAF_V) < tp:
                 continue
             ranges = [vocab_shard_range(V, tp, r) for r in range(tp)]
-            assert _covers(ranges, V) and all(a % REF_LEAF_V == 0 for a, _ in ranges)
-    assert [vocab_shard_range(151936, 2, r) for r in range(2)] == [(0, 74 * 1024), (74 * 1024, 151936)]
+            # whole reference leaves always; whole Triton chunks whenever there are enough of them
+            unit = BLOCK_V if -(-V // BLOCK_V) >= tp else REF_LEAF_V
+            assert vocab_shard_unit(V, tp) == unit
+            assert _covers(ranges, V) and all(a % unit == 0 for a, _ in ranges), (V, tp, ranges)
+    # Qwen3's 151,936 logits are 38 chunks of 4096 (the last 384 wide): 19 a rank at TP = 2
+    assert [vocab_shard_range(151936, 2, r) for r in range(2)] == [(0, 19 * 4096), (19 * 4096, 151936)]
+    # 4396 logits at TP = 4: two chunks only, so leaves of 1024 (5 leaves: 1, 1, 1, 2)
+    assert [vocab_shard_range(4396, 4, r) for r in range(4)] == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4396)]
 
 
 def test_data_parallel_ranks_take_contiguous_equal_runs_of_sequences_in_rank_order():

@@ -115,3 +115,26 @@ def test_refused_in_one_process_for_sizes_the_contract_does_not_claim():
             model.install(contract, RuntimeFacts("cpu", tp=tp))
         for w in words:
             assert w in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize("family, model", [("dense", "dense_tp_tiny"), ("hybrid", "hybrid_tp_tiny"),
+                                           ("mla_moe", "mla_moe_tp_tiny"), ("dense", "dense_qwen3_0p6b")])
+def test_on_a_gpu_arch_logprob_fixed_is_served_and_the_vocabulary_must_hold_a_chunk_per_rank(family, model):
+    """logprob_fixed has a vocabulary-parallel form on both arches (its Triton schedule on sm90), so
+    the contract for sm90 is served at tp > 1; the Triton schedule needs a whole chunk of 4096
+    logits a rank, which a vocabulary of 4500 (2 chunks) has at TP = 2 and not at 4."""
+    from isoexec.compose import build_contract, load_model_config
+    from isoexec.model import FAMILY_MODELS
+
+    data = load_model_config(model)
+    m = FAMILY_MODELS[family][0](FAMILY_MODELS[family][1].from_hf(data["hf_config"]))
+    for arch in ("cpu", "sm90"):
+        contract = build_contract(family, tw.COMPOSITION, arch, model)
+        assert m.tp_problems(contract, 2) == [], (arch, m.tp_problems(contract, 2))
+        problems = m.tp_problems(contract, 4)
+        if arch == "sm90" and m.cfg.vocab_size < 3 * 4096 + 1:
+            assert problems == [f"tp=4 is more than the 2 vocabulary chunks of 4096 logits (vocab_size="
+                                f"{m.cfg.vocab_size}); on sm90 each rank needs a whole chunk of the Triton "
+                                "logprob schedule"], problems
+        else:
+            assert problems == [], (arch, problems)

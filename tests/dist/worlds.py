@@ -29,6 +29,9 @@ need runs in the same world of each size, one after the other, in the order of `
   layer is gathered and freed (fsdp_layer_workers.py; test_fsdp_per_layer.py)
 - ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
   first is torn down (test_fsdp_checkpoint.py: a resume is only a resume in a new world)
+- ``tp_vocab_triton``: the vocabulary-parallel logprob's Triton schedule at TP = 1, 2 and 4 in a
+  world of 4 of its own, spawned with ``TRITON_INTERPRET=1`` (vocab_triton_workers.py;
+  test_vocab_parallel_triton.py)
 
 Each rank saves ``{part: results}`` to ``<folder>/<world>_rank<r>.pt``; a part that raises records
 its traceback as ``{"__error__": ...}`` and the others still run (a failure fails only the tests of
@@ -63,6 +66,7 @@ import tp_model_workers  # noqa: E402
 import tp_moe_engine_workers  # noqa: E402
 import tp_moe_workers  # noqa: E402
 import tp_native_workers  # noqa: E402
+import vocab_triton_workers  # noqa: E402
 
 # part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
 # of round 1 start after every world of round 0 has ended
@@ -85,7 +89,11 @@ PARTS = {
     "fsdp_save": (0, (fsdp_workers.CHECKPOINT_DP,), lambda job, ws, rank: fsdp_workers.plan_save(job["fsdp"], ws, rank)),
     "fsdp_resume": (1, (fsdp_workers.CHECKPOINT_DP,),
                     lambda job, ws, rank: fsdp_workers.plan_resume(job["fsdp"], ws, rank)),
+    "tp_vocab_triton": (2, (vocab_triton_workers.WORLD,), lambda job, ws, rank: vocab_triton_workers.world_cases(rank)),
 }
+# rounds whose worlds run Triton kernels in its CPU interpreter: Triton must be imported with
+# TRITON_INTERPRET=1 already set, so their ranks are spawned with it (and no other world is)
+INTERPRETER_ROUNDS = {2}
 
 
 def _entry(rank: int, world_size: int, port: int, out_dir: str, name: str, parts: list[str], job: dict) -> None:
@@ -119,13 +127,20 @@ def run(parts, job: dict, folder: Path) -> dict[str, float]:
     times = {}
     for name, ws, mine in worlds_of(parts):
         t0 = time.monotonic()
+        interpret = PARTS[mine[0]][0] in INTERPRETER_ROUNDS
+        before = os.environ.get("TRITON_INTERPRET")
         try:
+            if interpret:   # the spawned ranks inherit the environment
+                os.environ["TRITON_INTERPRET"] = "1"
             mp.spawn(_entry, args=(ws, dist_workers._free_port(), str(folder), name, mine, job), nprocs=ws, join=True)
         except Exception:   # a rank died: its parts fail, the other worlds still run
             error = {p: {"__error__": f"world {name} failed:\n{traceback.format_exc()}"} for p in mine}
             for r in range(ws):
                 if not (folder / f"{name}_rank{r}.pt").exists():
                     torch.save(error, folder / f"{name}_rank{r}.pt")
+        finally:
+            if interpret:
+                os.environ.pop("TRITON_INTERPRET", None) if before is None else os.environ.update(TRITON_INTERPRET=before)
         times[name] = round(time.monotonic() - t0, 1)
     return times
 

@@ -1,7 +1,7 @@
 """The topology gates (isoexec/gates/topology_gates.py) through ``isoexec gates run``: the dense,
 hybrid and mla_moe models under ``isoexec_tp4`` at tp = 1 in a group this process makes for itself, and
-the dense model at tp = 2 under torchrun on two gloo ranks. The tensor-parallel trainer logits and engine equal one process bit
-for bit, and the stock all-reduce control (the gates' contract with its row-parallel sums unpinned,
+the dense model at tp = 2 under torchrun on two gloo ranks. The tensor-parallel trainer logits and
+token logprobs and the engine equal one process bit for bit, and the stock all-reduce control (the gates' contract with its row-parallel sums unpinned,
 ``all_reduce_control``) differs (fp32)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from isoexec.gates.runner import run_gates
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
-ONLY = frozenset({"tp_trainer_logits", "tp_engine_generate_verify"})
+ONLY = frozenset({"tp_trainer_logits", "tp_trainer_logprobs", "tp_engine_generate_verify"})
 
 
 def _by_gate(arts: dict) -> dict:
@@ -37,11 +37,12 @@ def test_topology_gates_pass_at_tp1_in_a_group_of_their_own_and_the_all_reduce_c
     lines: list[str] = []
     results = run_gates(family, "isoexec_tp4", "cpu", tmp_path, model=model, log=lines.append, only=ONLY)
     assert not dist.is_initialized()          # the group made for the gates is gone again
-    assert {r.family for r in results} == {"tp_trainer_logits", "tp_engine_generate_verify", "negative_control"}
+    assert {r.family for r in results} == {"tp_trainer_logits", "tp_trainer_logprobs", "tp_engine_generate_verify",
+                                           "negative_control"}
     assert all(r.ok for r in results), lines
     arts = _by_gate(load_artifacts(tmp_path))
     for dtype in ("float32", "bfloat16"):
-        for name in ("tp_trainer_logits", "tp_engine_generate_verify"):
+        for name in ("tp_trainer_logits", "tp_trainer_logprobs", "tp_engine_generate_verify"):
             a = arts[(name, dtype)]
             assert a["verdict"] == "pass" and a["counts"]["compared"] > 0 and a["counts"]["differing"] == 0
             assert a["gate"]["shapes"]["tp"] == 1 and a["gate"]["shapes"]["backend"] == "gloo"
@@ -59,9 +60,9 @@ def test_topology_gates_under_torchrun_at_tp2_every_rank_agrees_and_rank0_writes
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout)        # one report, from rank 0
-    assert summary["passed"] and len(summary["gates"]) == 6
+    assert summary["passed"] and len(summary["gates"]) == 8
     arts = _by_gate(load_artifacts(out))
-    assert len(arts) == 6
+    assert len(arts) == 8
     for (name, dtype), a in arts.items():
         assert a["gate"]["shapes"]["tp"] == 2
         if name != "negative_control":

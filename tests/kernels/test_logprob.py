@@ -195,6 +195,94 @@ def interp_case_logprob_triton_backward_matches_float64_and_is_deterministic(kb)
     kb.assert_bitwise(logprob.triton_kernels._token_logprobs_backward_triton(z, t, stats, dy), dz, "run to run")
 
 
+def _compose_slices(z, t, bounds):
+    """The Triton schedule's pieces (triton_shards) run slice by slice and joined in vocabulary
+    order, as the ranks of a vocabulary-parallel group run them: (logprobs, stats)."""
+    ts = logprob.triton_shards
+    V = z.shape[1]
+    cmax = torch.cat([ts.chunk_maxes_triton(z[:, a:b]) for a, b in bounds], dim=1)
+    prefix = ts.prefix_maxes_triton(cmax)
+    sums = torch.cat([ts.chunk_sums_triton(z[:, a:b], prefix, a // logprob.BLOCK_V, V) for a, b in bounds], dim=1)
+    return ts.chain_triton(prefix, sums, z.gather(1, t[:, None])[:, 0].float())
+
+
+def _chunk_bounds(V, parts):
+    """``parts`` slices of whole BLOCK_V chunks, as even as possible."""
+    C = -(-V // logprob.BLOCK_V)
+    cuts = [j * C // parts * logprob.BLOCK_V for j in range(parts)] + [V]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def interp_case_logprob_triton_slices_compose_to_the_one_row_kernel_bitwise(kb):
+    g = torch.Generator().manual_seed(21)
+    for V, dtype in ((9000, torch.float32), (12289, torch.bfloat16), (4096, torch.float32)):
+        z = (torch.randn(5, V, generator=g) * 4).to(dtype)
+        z[1, :4096] = -float("inf")   # a masked first chunk: the running max is -inf there (shift 0)
+        z[2, ::5] = -float("inf")
+        z[3, V - 1] = 40.0            # the max in the last chunk: every earlier chunk is rescaled
+        t = torch.randint(0, V, (5,), generator=g)
+        t[1] = V - 1
+        want, _, want_stats = logprob.triton_kernels._triton_launch(z, t, True, False, want_stats=True)
+        C = -(-V // logprob.BLOCK_V)
+        for parts in range(1, C + 1):
+            lp, stats = _compose_slices(z, t, _chunk_bounds(V, parts))
+            kb.assert_bitwise(lp, want, f"V={V} {dtype} in {parts} slice(s)")
+            kb.assert_bitwise(stats, want_stats, f"V={V} {dtype} stats in {parts} slice(s)")
+        # the slices' gradients side by side are the one-row backward's
+        dy = torch.randn(5, generator=g)
+        whole = logprob.triton_kernels._token_logprobs_backward_triton(z, t, want_stats, dy)
+        bounds = _chunk_bounds(V, C)
+        sides = torch.cat([logprob.triton_shards.slice_grad_triton(z[:, a:b], t - a, want_stats, dy)
+                           for a, b in bounds], dim=1)
+        kb.assert_bitwise(sides, whole, f"V={V} {dtype} gradient slices")
+
+
+def interp_case_logprob_triton_slices_negative_control_rescaled_at_the_end(kb):
+    # the chunk sums joined another way (each rescaled once to the row's final max, then added):
+    # a stock reduction that must not give the one-row kernel's log s on every row, or the test
+    # above could not tell schedules apart
+    ts = logprob.triton_shards
+    g = torch.Generator().manual_seed(22)
+    V = 16384
+    # one dominant logit at the end and a gentle ramp below it: each chunk's max is a little above
+    # the last one's, so every chunk is rescaled on the way and still counts in s (about 8; here
+    # about one row in six comes out different)
+    z = torch.randn(64, V, generator=g) * 0.5 - 9 + torch.arange(V) / 8192
+    z[:, -1] = 0.0
+    t = torch.randint(0, V, (64,), generator=g)
+    _, _, stats = logprob.triton_kernels._triton_launch(z, t, True, False, want_stats=True)
+    prefix = ts.prefix_maxes_triton(ts.chunk_maxes_triton(z))
+    sums = ts.chunk_sums_triton(z, prefix, 0, V)
+    s = (sums * torch.exp(prefix - prefix[:, -1:])).sum(dim=1)
+    assert kb.bit_report(torch.log(s), stats[:, 1])["differing"], "another join gave the same bits on every row"
+
+
+def interp_case_logprob_triton_slice_pieces_match_their_torch_twins(kb):
+    ts = logprob.triton_shards
+    g = torch.Generator().manual_seed(23)
+    z = torch.randn(6, 9000, generator=g) * 3
+    z[0, :4096] = -float("inf")
+    cmax = ts.chunk_maxes_triton(z[:, 4096:])
+    kb.assert_bitwise(cmax, ts.chunk_maxes_torch(z[:, 4096:]), "chunk maxes (exact)")
+    full = torch.cat([ts.chunk_maxes_triton(z[:, :4096]), cmax], dim=1)
+    prefix = ts.prefix_maxes_triton(full)
+    kb.assert_bitwise(prefix, ts.prefix_maxes_torch(full), "running maxes (exact)")
+    sums = ts.chunk_sums_triton(z[:, 4096:], prefix, 1, 9000)
+    assert torch.allclose(sums, ts.chunk_sums_torch(z[:, 4096:], prefix, 1), rtol=1e-5)
+    all_sums = torch.cat([ts.chunk_sums_triton(z[:, :4096], prefix, 0, 9000), sums], dim=1)
+    zt = z[:, 5000]   # outside the masked first chunk of row 0
+    lp, stats = ts.chain_triton(prefix, all_sums, zt)
+    lp2, stats2 = ts.chain_torch(prefix, all_sums, zt)
+    assert torch.allclose(lp, lp2, atol=1e-5) and torch.allclose(stats, stats2, atol=1e-5)
+    assert (lp.double() - torch.log_softmax(z.double(), 1)[:, 5000]).abs().max() < 1e-5
+    try:
+        ts.chunk_sums_triton(z[:, 4096:], prefix, 2, 9000)   # 2 chunks from chunk 2 of 3: does not fit
+    except ValueError as exc:
+        assert "does not fit" in str(exc), exc
+    else:
+        raise AssertionError("a slice past the running maxes was accepted")
+
+
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))
 def test_logprob_triton_under_interpreter(interp_results, kb, case):
     kb.check_interp(interp_results, "test_logprob", case)
