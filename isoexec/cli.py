@@ -190,10 +190,14 @@ def cmd_bench(args) -> int:
 
     device = args.device or default_device()
     arch = "cpu" if device == "cpu" else "sm90"
-    print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
+    speaks = os.environ.get("RANK", "0") == "0"   # under torchrun (bench tp_dist) rank 0 speaks and writes
+    if speaks:
+        print(f"bench {args.name} on {device}{' (quick)' if args.quick else ''}: ours vs stock, same run")
     res = bench_function(args.name)(device, quick=args.quick)
     # a benchmark returns its rows, or (rows, extra fields of the result such as a profile)
     rows, extra = res if isinstance(res, tuple) else (res, None)
+    if not speaks:
+        return EXIT_OK
     path = write_result(args.name, rows, args.out, arch, extra)
     ratios = [r["speed_ratio"] for r in rows if r.get("speed_ratio")]
     print(f"wrote {path} ({len(rows)} rows; speed_ratio min {min(ratios):.3f}, max {max(ratios):.3f})")

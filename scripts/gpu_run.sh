@@ -19,7 +19,8 @@
 #            tensor parallelism over NCCL against one process (scripts/tp_engine_check.py: trainer
 #            logits, engine tokens and logprobs, generate-then-verify, the all-reduce control, tok/s);
 #            (TP_CHECK=0 skips it); TP_GATES=1 then runs the topology gates under torchrun on those GPUs
-#            for each family:model of TP_GATE_RUNS (gates_<family>_tp<n>.tgz);
+#            for each family:model of TP_GATE_RUNS (gates_<family>_tp<n>.tgz); TP_BENCH=1 then runs
+#            `isoexec bench tp_dist` under torchrun on them (tp_dist_tp<n>.json/.log);
 #            TP_GPUS=1 is the world-size-1 NCCL path on one GPU
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
@@ -90,19 +91,27 @@ if [ "$MODE" = tp ]; then
     cp "$WORK/tp_engine_check.log" "$OUT/"
   fi
   if [ "${TP_GATES:-0}" = 1 ]; then
-    # the topology gates (tp_trainer_logits, tp_engine_generate_verify + the all-reduce control)
-    # at tp = the number of GPUs, for each family:model of TP_GATE_RUNS, artifacts under
-    # gates_<family>_tp$n
+    # the topology gates (tp_trainer_logits, tp_trainer_logprobs, tp_engine_generate_verify + the
+    # all-reduce control) at tp = the number of GPUs, for each family:model of TP_GATE_RUNS,
+    # artifacts under gates_<family>_tp$n
     for run in ${TP_GATE_RUNS:-dense:dense_qwen3_0p6b}; do
       fam=${run%%:*}; model=${run#*:}; d="gates_${fam}_tp$n"; SECONDS=0; mkdir -p "$WORK/$d"
       timeout ${TP_GATES_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$n -m isoexec.cli gates run --family "$fam" \
         --composition isoexec_tp4 --arch sm90 --model "$model" \
-        --only tp_trainer_logits,tp_engine_generate_verify --out "$WORK/$d" --json \
+        --only tp_trainer_logits,tp_trainer_logprobs,tp_engine_generate_verify --out "$WORK/$d" --json \
         > "$WORK/${d}_summary.json" 2> "$WORK/$d.log"
       echo "topology gates $fam ($model) on $n GPUs rc=$? (${SECONDS}s)"; grep -E "PASS|FAIL|INCONCLUSIVE|gates passed|Error" "$WORK/$d.log"
       tar -C "$WORK" -czf "$OUT/$d.tgz" "$d" "${d}_summary.json" "$d.log"
     done
   fi
+fi
+if [ "$MODE" = tp ] && [ "${TP_BENCH:-0}" = 1 ]; then
+  # the row-parallel linear and the vocabulary-parallel logprob against the stock all-reduce path
+  SECONDS=0
+  timeout ${TP_BENCH_TIMEOUT:-300} torchrun --standalone --nproc_per_node=$n -m isoexec.cli bench tp_dist \
+    --out "$OUT/tp_dist_tp$n.json" > "$WORK/tp_dist_tp$n.log" 2>&1
+  echo "bench tp_dist on $n GPUs rc=$? (${SECONDS}s)"; grep -v "^W[0-9]" "$WORK/tp_dist_tp$n.log" | tail -25
+  cp "$WORK/tp_dist_tp$n.log" "$OUT/"
 fi
 if [ "$MODE" = gates ]; then
   for run in ${GATE_RUNS:-}; do

@@ -15,7 +15,11 @@ BENCHES: dict[str, str] = {
     "gemm": "kernels.bench_gemm", "attention": "kernels.bench_attention", "rmsnorm": "kernels.bench_rmsnorm",
     "logprob": "kernels.bench_logprob", "engine": "engine.bench_engine", "cpr": "cpr.bench_cpr_rows",
     "train": "train.bench_train", "moe": "moe.bench_moe", "tp_linear": "tp_linear.bench_tp_linear",
+    "tp_dist": "tp_dist.bench_tp_dist",
 }
+#: benchmarks of several ranks, launched by torchrun (one rank per GPU), not by the workflow's
+#: one-GPU ``bench`` rule: scripts/gpu_run.sh (MODE=tp TP_BENCH=1) runs them
+DISTRIBUTED_BENCHES = ("tp_dist",)
 
 
 def bench_function(name: str) -> Callable:

@@ -1,6 +1,7 @@
 """Benchmarks: the CLI writes the docs/benchmarks.md result format and the renderer tables it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,7 @@ REQUIRED_ROW = {"baseline", "baseline_ms", "ours_ms", "speed_ratio"}
 SMALLER = ("import isoexec.bench.engine as e; "
            "e.SIZES['cpu'].update(requests=4, prompt_len=16, max_tokens=4); "
            "e.STAGGERED['cpu'].update(requests=4, max_prompt=16, max_tokens=4)")
-NAMES = ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe", "tp_linear"]
+NAMES = ["gemm", "rmsnorm", "logprob", "attention", "engine", "moe", "tp_linear", "tp_dist"]
 # One child runs the CLI's main() for every benchmark, one after the other, as `isoexec bench NAME
 # --quick --device cpu --out FILE` would: a child per benchmark spent most of its time starting
 # (torch, the package) rather than benchmarking. Each call's exit code and stderr are kept apart.
@@ -85,6 +86,9 @@ def test_bench_cli_writes_result_format(bench_runs, name, ratio_of_rounded):
     if name == "tp_linear":  # the composition's pinned leaves, and the walk gave the partials' bits
         assert {r["leaves"] for r in obj["rows"]} == {pinned_leaves()} and all(r["same_bits"] for r in obj["rows"])
         assert all(r["baseline"] == "invariant_gemm" and r["by_partials_ms"] > 0 for r in obj["rows"])
+    if name == "tp_dist":  # without torchrun: a group of this process alone, ours the one-process bits
+        assert {(r["op"], r["tp"]) for r in obj["rows"]} == {("row_parallel", 1), ("vocab_logprob", 1)}
+        assert all(r["same_bits"] and r["baseline"] == "all_reduce" for r in obj["rows"])
     if name == "moe":  # both layer shapes, fwd at every M and fwd+bwd at the training size; then MLA
         moe = [r for r in obj["rows"] if r["stage"].startswith("moe.")]
         mla = [r for r in obj["rows"] if r["stage"].startswith("mla.")]
@@ -143,3 +147,30 @@ def test_report_refuses_a_non_result(tmp_path):
     p.write_text("{}")
     with pytest.raises(ValueError, match="not a benchmark result"):
         write_bench_report([p], tmp_path / "k.md", tmp_path / "k.csv", "x")
+
+
+def test_bench_tp_dist_under_torchrun_on_two_gloo_ranks_keeps_one_process_bits_and_rank0_writes(tmp_path):
+    out = tmp_path / "tp_dist.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "isoexec.cli", "bench", "tp_dist", "--quick", "--device", "cpu", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1            # rank 0 alone writes and reports
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["op"] for r in rows} == {"row_parallel", "vocab_logprob"} and all(r["tp"] == 2 for r in rows)
+    # ours keeps the one-process bits at tp = 2; the stock all-reduce row-parallel sum does not everywhere
+    assert all(r["same_bits"] for r in rows), rows
+    assert not all(r["stock_same_bits"] for r in rows if r["op"] == "row_parallel"), rows
+
+
+def test_bench_tp_dist_refuses_a_group_that_does_not_divide_the_leaves(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                           "-m", "isoexec.cli", "bench", "tp_dist", "--quick", "--device", "cpu", "--out",
+                           str(tmp_path / "x.json")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and not (tmp_path / "x.json").exists()
+    # one line a rank, no frame of ours (torchrun's own report of the failed ranks follows)
+    assert proc.stderr.count("isoexec: error: bench tp_dist: 3 ranks do not divide the 4 K leaves of "
+                             "isoexec_tp4") == 3, proc.stderr[-2000:]
+    assert "isoexec/bench" not in proc.stderr and "isoexec/cli.py" not in proc.stderr
