@@ -88,13 +88,22 @@ def under_contract(model, contract: ExecutionContract):
 
 @contextmanager
 def process_group(arch: str):
-    """The process group the gates run in: the one already made, torchrun's (any world size), or
-    else a group of this process alone (a file store, no port), removed afterwards."""
+    """The process group the gates (and ``bench tp_dist``) run in: the one already made, torchrun's
+    (any world size), or else a group of this process alone (a file store, no port); the last two
+    are removed afterwards. Torchrun's is left at the end only when every rank has reached it: a
+    rank that exits with its gloo group alive while another still works can die in the group's
+    threads ("terminate called without an active exception")."""
     if dist.is_initialized():
         yield
         return
-    if init_from_env(arch):   # torchrun's group (the process ends with the run)
-        yield
+    if init_from_env(arch):   # torchrun's group
+        try:
+            yield
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        dist.barrier()
+        dist.destroy_process_group()
         return
     backend = "gloo" if arch == "cpu" else "nccl"
     with tempfile.TemporaryDirectory() as d:
