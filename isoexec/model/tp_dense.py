@@ -92,12 +92,18 @@ VOCAB_PARALLEL_LOGPROB = "logprob_fixed"
 #: tensor-parallel layers also run under a tp claim of kind ``variant`` (native_tp4.yaml). Each
 #: computes an output column, head or channel from that column's, head's or channel's inputs alone,
 #: as its invariant twin does, so a rank runs it on its own shard (the logprob on whole rows):
-#: the stock GEMM, log-softmax, depthwise conv, Gated DeltaNet prep, chunked core and gated norm.
-#: Their bits are the stock kernels', not one process's. The MoE regions have none: the expert
-#: exchange runs the invariant ones only (ep_moe.EP_REGION_IMPLS).
+#: the stock GEMM, log-softmax, depthwise conv, Gated DeltaNet prep, chunked core and gated norm,
+#: MLA on SDPA (per head), and the MoE regions, which the expert exchange runs on the rows it is
+#: given as one process runs them on its batch (the stock router and combine work per token, the
+#: stock dispatch lists a rank's pairs expert-major and token-ascending as the invariant one does,
+#: the grouped_mm experts take any rows of their experts). Their bits are the stock kernels', not
+#: one process's.
 STOCK_TWINS = {"gemm_fixed_k": "torch_linear", "logprob_fixed": "torch_log_softmax",
                "conv_fixed_taps": "torch_conv1d", "gdn_prep_fp32": "torch_gdn_prep",
-               "gdn_cpr_chunk": "gdn_chunk_native", "gated_rmsnorm_fixed": "torch_gated_rmsnorm"}
+               "gdn_cpr_chunk": "gdn_chunk_native", "gated_rmsnorm_fixed": "torch_gated_rmsnorm",
+               "mla_expanded_walk": "torch_mla_sdpa", "moe_router_fp32": "torch_moe_router",
+               "moe_dispatch_stable": "torch_moe_dispatch", "moe_experts_loop": "torch_moe_experts",
+               "moe_combine_fp32": "torch_moe_combine"}
 
 
 def tp_serving_problems(model, contract: ExecutionContract, tp: int) -> list[str]:

@@ -53,7 +53,9 @@ Refused before anything is cut or sent, on every rank, in the one ``TopologyRefu
 not divide the query (and kv, and Gated DeltaNet) heads or the row-parallel regions' ``K_LEAVES``,
 K leaves off the heads' boundaries, more ranks than routed experts, and regions run by kernels
 other than those read above (the invariant GEMM for every linear, ``mla_expanded_walk``, the Gated
-DeltaNet regions of the hybrid model, and the MoE regions ``ExpertParallelMoe`` requires).
+DeltaNet regions of the hybrid model, and the MoE regions ``ExpertParallelMoe`` requires), or, under
+a tp claim of kind ``variant`` (``native_tp4``), their stock twins (``tp_dense.STOCK_TWINS``: the
+layer then runs native.yaml's MoE regions on the rows it deals out, with bits that depend on tp).
 
 The engine runs on it as on the dense and hybrid models (``engine_prefill``, ``engine_decode``):
 ``Engine(TensorParallelMoe(model, group), contract)`` on every rank of the group, each rank's

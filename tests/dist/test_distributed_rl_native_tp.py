@@ -9,7 +9,8 @@ same tokens with the same logprob bits (the all-reduced sums are one sum on ever
 halves of the engine step in lock step). The native contract claims no tolerance, so there is no
 live check; the engine's logprobs are close to the trainer's, not equal. The refusals of the
 isoexec_tp4 test hold here too (an engine_tp the world cannot hold, a contract whose tp claim is 1
-only).
+only). The mla_moe family (``mla_moe_tp_tiny``) runs the same way: its MoE layers deal their rows
+over the engine group and run native.yaml's stock MoE regions there.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="torch.distributed with gloo is not available")
 
 WS = 2
+MLA_MOE_CFG = dict(rw.NATIVE_TP_CFG, family="mla_moe", model="mla_moe_tp_tiny")
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +68,17 @@ def test_the_isoexec_tp4_refusals_hold_for_the_native_run(world):
                       ("refuse/engine_tp_unclaimed", "TopologyRefused: ")):
         msgs = [r[key] for r in world]
         assert msgs == [msgs[0]] * WS and "\n" not in msgs[0] and text in msgs[0], msgs[0]
+
+
+def test_the_mla_moe_native_run_with_a_sharded_engine_completes_and_both_ranks_agree(tmp_path):
+    world = rw.run_world(WS, tmp_path, {"cfg": MLA_MOE_CFG, "engine_tp": WS})
+    errors = [r["__error__"] for r in world if "__error__" in r]
+    assert not errors, f"a rank failed:\n{errors[0]}"
+    for res in world:
+        assert [x["step"] for x in res["lines"]] == list(range(MLA_MOE_CFG["steps"]))
+        assert all(x["trained"] and x["logprob_abs_diff_max"] < 1e-3 for x in res["lines"])
+    a, b = (r["rollouts"] for r in world)
+    assert a and [x["ids"] for x in a] == [y["ids"] for y in b]
+    for x, y in zip(a, b):
+        for p, q in zip(x["logprobs"], y["logprobs"]):
+            assert dw.bit_report(p, q)["differing"] == 0

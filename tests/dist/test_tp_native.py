@@ -6,16 +6,17 @@ the row-parallel sum from the contract, the stock all-reduce here and the fixed 
 At TP = 2 (the world of 2, gloo, spawned; tp_native_workers.py), against the one-process models
 and engines under the same contract, computed here:
 
-- the engine on the shards (dense fp32 and bf16, hybrid fp32; chunked prefill, preemption, decode
-  lookahead) serves tokens and logprobs close to the one-process engine's, not necessarily equal;
+- the engine on the shards (dense fp32 and bf16, hybrid, mla_moe and hybrid_moe fp32; chunked
+  prefill, preemption, decode lookahead; the MoE layers' rows through the expert exchange and the
+  stock MoE regions) serves tokens and logprobs close to the one-process engine's, not necessarily equal;
   both ranks serve the same bits (they step one scheduler in lock step); every row-parallel sum it
   ran was the all-reduce, none the leaf gather, and under ``isoexec_tp4`` the other way round, with
   the one-process engine's bits;
 - the trainer cases: token logprobs and the gradients of a rank's shards close to one process;
 - the model's o_proj region equals, bit for bit, ``torch_linear`` on the rank's K shard followed by
   ``dist.all_reduce`` written out in the worker (two computations on the same machine);
-- refusals in one line on every rank before any collective: a ``variant`` contract whose MoE
-  regions the tensor-parallel MoE layer cannot run, and ``native`` (tp pinned to 1) at TP = 2.
+- native.yaml's MoE regions under a ``variant`` claim are served; ``native`` (tp pinned to 1) at
+  TP = 2 is refused in one line on every rank before any collective.
 
 At TP = 1 (this process, no group) the native tensor-parallel model is the one-process model bit for
 bit: no collective runs and every kernel sees the whole weight.
@@ -23,6 +24,7 @@ bit: no collective runs and every kernel sees the whole weight.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 sys.modules.setdefault("fla", None)
@@ -136,8 +138,8 @@ def test_native_tp_trainer_logprobs_and_gradients_are_close_to_one_process(tp_na
 
 
 def test_contracts_the_tensor_parallel_layers_cannot_run_are_refused_on_every_rank_in_one_line(tp_native_worlds):
-    for key, expect in (("refuse/stock_moe", ("region of router runs torch_moe_router", "variant tp claim")),
-                        ("refuse/native_pinned", ("tp=2 is not in the proven domain [1]",))):
+    assert [r["served/stock_moe"] for r in tp_native_worlds] == ["accepted"] * nw.WORLD
+    for key, expect in (("refuse/native_pinned", ("tp=2 is not in the proven domain [1]",)),):
         msgs = [r[key] for r in tp_native_worlds]
         assert msgs == [msgs[0]] * nw.WORLD and "\n" not in msgs[0], msgs
         assert msgs[0].startswith("TopologyRefused: "), msgs[0]
@@ -176,17 +178,23 @@ def test_the_shape_checks_stay_under_a_variant_tp_claim():
     assert not any("torch_" in p for p in problems), problems
 
 
-def test_a_variant_contract_with_kernels_the_layers_cannot_run_is_refused_by_the_serving_check():
-    """native's MoE kernels under a variant tp claim: one process runs them, and so does a group of
-    one; at TP = 2 the expert exchange cannot (the world test refuses it on every rank)."""
+def test_native_moe_kernels_under_a_variant_claim_are_served_and_an_unknown_kernel_is_refused():
+    """native's MoE kernels under a variant tp claim: the tensor-parallel MoE layer runs them on the
+    rows it deals out (the world test serves them at TP = 2). A region on a kernel that is neither
+    the invariant one the layers reproduce nor its stock twin is refused in one line."""
     contract = nw.variant_native_moe_contract()
     moe = FAMILY_MODELS["mla_moe"][0](tw._contract_and_config("isoexec_tp4", nw.MOE_MODEL)[1])
     moe.init_random(0)
     moe.install(contract)
     tensor_parallel(moe)   # no group: tp = 1
-    problems = tp_serving_problems(moe, contract, 2)
-    assert "region of router runs torch_moe_router (cpu); under a variant tp claim at tp > 1 the tensor-parallel " \
-           "layers run moe_router_fp32" in problems, problems
+    assert tp_serving_problems(moe, contract, 2) == []
+    # the isoexec MLA attention's stock twin is torch_mla_sdpa; torch_sdpa (another family's) is neither
+    entries = tuple(dataclasses.replace(e, impl=dataclasses.replace(e.impl, id="torch_sdpa"))
+                    if "attn_core" in e.region else e for e in contract.composition)
+    odd = dataclasses.replace(contract, composition=entries)
+    problems = tp_serving_problems(moe, odd, 2)
+    assert problems == ["region of attn_core runs torch_sdpa (cpu); under a variant tp claim at tp > 1 the "
+                        "tensor-parallel layers run mla_expanded_walk or the stock torch_mla_sdpa"], problems
     with pytest.raises(TopologyRefused) as exc:
-        check_topology(contract, RuntimeFacts("cpu", tp=2), problems)
+        check_topology(odd, RuntimeFacts("cpu", tp=2), problems)
     assert "\n" not in str(exc.value)

@@ -2,12 +2,13 @@
 
 ``cases(job, rank)`` runs in the world of 2 gloo processes (worlds.py, part ``tp_native``): TP = 2
 over the whole world, under the ``native_tp4`` contract (the stock kernels of ``native.yaml``, the
-row-parallel regions with no ``K_LEAVES``, tp claimed ``variant``). For ``dense_tp_tiny`` and
-``hybrid_tp_tiny`` every rank builds the same random model from a seed, cuts it with the family's
-tensor-parallel model and keeps:
+row-parallel regions with no ``K_LEAVES``, tp claimed ``variant``). For ``dense_tp_tiny``,
+``hybrid_tp_tiny``, ``mla_moe_tp_tiny`` and ``hybrid_moe_tp_tiny`` every rank builds the same
+random model from a seed, cuts it with the family's tensor-parallel model and keeps:
 
-- what an ``Engine`` on its shards serves (the dense and hybrid engine tests' requests and pools:
-  chunked prefill, preemption, decode lookahead), in fp32 and, for the dense family, bf16, with the
+- what an ``Engine`` on its shards serves (the dense, hybrid and MoE engine tests' requests and
+  pools: chunked prefill, preemption, decode lookahead; the MoE layer's rows through the expert
+  exchange and native's stock MoE regions), in fp32 and, for the dense family, bf16, with the
   number of calls of each row-parallel sum (the fixed-order leaf gather, ``row_parallel_linear``,
   and the stock all-reduce, ``all_reduce_row_parallel_linear``) that the serving made;
 - (dense, fp32) the token logprobs of a packed batch in ``trainer_score``, and in ``trainer_fwd``
@@ -16,9 +17,9 @@ tensor-parallel model and keeps:
 - (dense, fp32) one o_proj call of the model's row-parallel region against the stock arithmetic
   written out here: ``torch_linear`` on the rank's K shard, then ``dist.all_reduce(SUM)``;
 - the same requests served under ``isoexec_tp4`` (dense, fp32), whose sums must be the leaf gather;
-- refusals, on every rank before any collective: a ``variant`` contract whose MoE regions are the
-  stock ones (``mla_moe_tp_tiny`` under native's entries), which the tensor-parallel MoE layer
-  cannot run; and ``native`` (tp pinned to 1) at TP = 2.
+- a ``variant`` contract made from native.yaml's entries of ``mla_moe_tp_tiny`` (the stock MoE
+  regions), which the tensor-parallel MoE layer serves, and a refusal, on every rank before any
+  collective: ``native`` (tp pinned to 1) at TP = 2.
 
 The test compares them with the one-process models and engines under the same contracts, computed
 in the test process. Contracts and model configs come built in the job.
@@ -37,6 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import tp_engine_workers as ew  # noqa: E402
 import tp_hybrid_workers as hw  # noqa: E402
+import tp_moe_engine_workers as mew  # noqa: E402
 import tp_model_workers as tw  # noqa: E402
 from isoexec.contract import TopologyClaim, check, decode, encode, with_identities  # noqa: E402
 from isoexec.compose import build_contract  # noqa: E402
@@ -46,11 +48,14 @@ from isoexec.model.tensor_parallel import tensor_parallel  # noqa: E402
 
 WORLD = 2
 COMPOSITION = "native_tp4"
-MODELS = {"dense": "dense_tp_tiny", "hybrid": "hybrid_tp_tiny"}
+MODELS = {"dense": "dense_tp_tiny", "hybrid": "hybrid_tp_tiny", "mla_moe": "mla_moe_tp_tiny",
+          "hybrid_moe": "hybrid_moe_tp_tiny"}
 #: the dense family is served in bf16 too (the all-reduce then sums bf16 partials, as on a GPU)
-SERVED = {"dense": ("fp32", "bf16"), "hybrid": ("fp32",)}
-#: requests and engine pool per family: the TP engine tests' (tp_engine_workers, tp_hybrid_workers)
-TRAFFIC = {"dense": (ew.requests, ew.ENGINE), "hybrid": (hw.requests, hw.ENGINE)}
+SERVED = {"dense": ("fp32", "bf16"), "hybrid": ("fp32",), "mla_moe": ("fp32",), "hybrid_moe": ("fp32",)}
+#: requests and engine pool per family: the TP engine tests' (tp_engine_workers, tp_hybrid_workers,
+#: tp_moe_engine_workers)
+TRAFFIC = {"dense": (ew.requests, ew.ENGINE), "hybrid": (hw.requests, hw.ENGINE),
+           "mla_moe": (mew.requests, mew.ENGINE), "hybrid_moe": (mew.requests, mew.ENGINE)}
 LENGTHS = (6, 2, 5)
 MOE_MODEL = "mla_moe_tp_tiny"
 BUILDS = tuple((COMPOSITION, m) for m in MODELS.values()) + (("isoexec_tp4", "dense_tp_tiny"),
@@ -59,8 +64,8 @@ BUILDS = tuple((COMPOSITION, m) for m in MODELS.values()) + (("isoexec_tp4", "de
 
 def variant_native_moe_contract():
     """native.yaml's contract of ``mla_moe_tp_tiny`` with tp claimed ``variant`` over [1, 2]: valid,
-    but its MoE regions are the stock ones (torch_moe_*), which the tensor-parallel MoE layer's
-    expert exchange cannot run."""
+    its MoE regions the stock ones (torch_moe_*), which the tensor-parallel MoE layer's expert
+    exchange runs on the rows it deals out."""
     c = build_contract("mla_moe", "native", "cpu", MOE_MODEL)
     topology = tuple(TopologyClaim("tp", "variant", (1, 2), "stock-all-reduce") if t.axis == "tp" else t
                      for t in c.claims.topology)
@@ -158,7 +163,7 @@ def cases(job: dict, rank: int) -> dict:
     res["dense/fp32/isoexec_tp4_engine"] = serve("dense", tensor_parallel(model), contract)
     # refusals inside the group, before any collective: every rank raises, none waits
     f32 = torch.float32
-    res["refuse/stock_moe"] = tw._refusal(lambda: tensor_parallel(
+    res["served/stock_moe"] = tw._refusal(lambda: tensor_parallel(
         tw.model_and_contract(f32, "variant_native", MOE_MODEL)[0]))
     res["refuse/native_pinned"] = tw._refusal(lambda: tensor_parallel(
         model_and_contract("dense", f32, "native")[0]))
