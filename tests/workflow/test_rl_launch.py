@@ -74,6 +74,23 @@ def test_paper_config_plans_every_rl_run_under_torchrun(tmp_path):
                        f"--out {out}"), cmd
 
 
+def test_two_gpu_config_plans_the_tensor_parallel_pair_under_torchrun_on_two_gpus(tmp_path):
+    """configs/h200x2.yaml (the 2-GPU run): every rl_run of the native_tp4 / isoexec_tp4 pair, each
+    engine at TP = 2, runs under torchrun on the machine's two GPUs and asks for both."""
+    wf = copy_workflow(tmp_path)
+    r = snakemake(wf, "-n", "--configfile", "configs/h200x2.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = re.findall(r"^Job \d+: rl_run (\w+) (\w+) seed (\d+) on 2 GPUs: (.*)$", r.stdout, re.M)
+    assert sorted((f, a) for f, a, _, _ in lines) == [(f, a) for f in ("dense", "hybrid") for a in ("isoexec", "native")]
+    for fam, arm, seed, cmd in lines:
+        out = f"results/h200x2/runs/{fam}/{arm}/seed{seed}"
+        assert cmd == (f"torchrun --standalone --nproc_per_node=2 -m isoexec.cli run --config {out}/rl_config.json "
+                       f"--out {out}"), cmd
+    cfg = yaml.safe_load((REPO / "configs/h200x2.yaml").read_text())
+    assert cfg["gpus"] == 2 and {a["composition"]: a["settings"]["engine_tp"] for a in cfg["rl"]["arms"].values()} == \
+        {"native_tp4": 2, "isoexec_tp4": 2}
+
+
 def test_one_gpu_and_cpu_runs_stay_one_process(tmp_path):
     wf = copy_workflow(tmp_path)
     r = snakemake(wf, "-n", "--configfile", "configs/h200.yaml")   # gpus: 1
