@@ -21,7 +21,8 @@ collective adds the ranks' sums in its order). Here the sum keeps the reference 
     by owner (not summed with zeros from the others: a -0 would become +0).
 
 So TP = 1, 2 and 4 all give ``token_logprobs_reference`` of one process, bit for bit, on every rank
-(and ``token_logprobs`` on CPU, which runs that reference). TP = 1 needs no process group.
+(and ``token_logprobs`` on CPU, which runs that reference). TP = 1 needs no process group; there
+the one rank runs ``token_logprobs`` itself, the kernel whose schedule the pieces take apart.
 
 On a GPU the vocabulary-parallel logprob follows the Triton kernel instead, since that is what
 ``token_logprobs`` runs there (one program per row walking chunks of ``BLOCK_V`` = 4096 logits
@@ -50,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from isoexec_kernels import _ref
-from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V, triton_shards
+from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V, token_logprobs, triton_shards
 from isoexec_kernels.logprob.shards import leaf_sums, lse_from_leaf_sums, row_max, token_grad
 
 from .collectives import gather_in_rank_order, group_size_rank
@@ -193,6 +194,11 @@ def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *
     if rows and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
         raise ValueError(f"vocab-parallel logprob: targets span [{int(targets.min())}, {int(targets.max())}], "
                          f"outside the vocabulary [0, {vocab_size})")
+    if tp == 1 and schedule == ("triton" if logits.is_cuda else "reference"):
+        # one rank holds every chunk: the kernel token_logprobs runs on this device is this
+        # schedule in one launch (the pieces and their chain are that kernel taken apart), as
+        # row_parallel_linear takes the one-launch walk at tp = 1
+        return token_logprobs(logits, targets)
     if schedule == "triton":
         return _VocabLogprobTritonFn.apply(logits, targets, group, tp, rank, bounds, vocab_size)
     return _VocabLogprobFn.apply(logits, targets, group, tp, rank, bounds)

@@ -74,7 +74,7 @@ def test_triton_schedule_refuses_fewer_chunks_than_ranks(tp_vocab_triton_worlds)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_schedule_slices_equal_token_logprobs_on_cuda_bitwise(V, dtype):
     # the pieces each rank would run, composed in one process for TP = 1, 2, 4, 8 against the one-row
-    # kernel that token_logprobs runs on CUDA; 151937 is a vocabulary that is not a multiple of 16
+    # kernel that token_logprobs runs on CUDA (which the one process of TP = 1 calls itself); 151937 is a vocabulary that is not a multiple of 16
     # (the slice kernel's unspecialised compilation); 13000 has 4 chunks (TP = 8 falls back to leaves)
     from isoexec.dist import vocab_parallel_token_logprobs, vocab_shard_range
     from isoexec_kernels.logprob import BLOCK_V, token_logprobs
@@ -87,7 +87,7 @@ def test_triton_schedule_slices_equal_token_logprobs_on_cuda_bitwise(V, dtype):
         want = token_logprobs(z, t)
         got = vocab_parallel_token_logprobs(z, t, vocab_size=V)   # one process: TP = 1 on CUDA
         assert dw.bit_report(got, want)["differing"] == 0, (V, dtype, rows, "tp=1")
-        for tp in (2, 4, 8):
+        for tp in (1, 2, 4, 8):
             bounds = [vocab_shard_range(V, tp, r) for r in range(tp)]
             if any(a % BLOCK_V for a, _ in bounds):
                 continue
