@@ -28,9 +28,12 @@ what it knows of the address's alignment: it specialises integer arguments that 
 16. The one-row kernel sees the row stride V; a slice sees its own width. Slices start on
 ``BLOCK_V`` boundaries, so when V is a multiple of 16 every slice's width is too and both kernels
 are specialised alike; when it is not, the slice kernel is compiled without specialising its stride
-and width (``do_not_specialize``), as the one-row kernel sees them (pass ``vocab_size``). A row
-stride other than the row's length on the one-row side is outside this promise: the GPU gate
-(tests/dist/test_vocab_parallel_triton.py) is what checks it on a device.
+and width (``do_not_specialize``), as the one-row kernel sees them (pass ``vocab_size``). Compiled
+for sm90 on a CPU, the two kernels' reductions do get one blocked layout, for V = 151,936 and for
+V = 151,937, and the specialised compilation on a whole-chunk slice of the latter would not
+(tests/kernels/test_logprob_triton_shards_layout.py). A row stride other than the row's length on
+the one-row side is outside this promise; the GPU test (tests/dist/test_vocab_parallel_triton.py)
+checks the bits on a device.
 
 Not differentiable by themselves: ``isoexec.dist.vocab_parallel_logprob`` wraps them (its backward
 is the one-row kernel's elementwise pass on each slice, given the row's m and log s).
