@@ -10,7 +10,9 @@ group's size:
   L/tp leaf partials in fp32, all L gathered, added in leaf order on every rank) against
   ``all_reduce_row_parallel_linear`` (each rank's K shard in one GEMM, the bf16 partials
   all-reduced: the row-parallel linear of Megatron and vLLM); o_proj and down_proj of Qwen3-0.6B
-  and Qwen3-8B;
+  and Qwen3-8B. ``owners_ms`` / ``owners_vs_stock`` / ``owners_same_bits``: the same with
+  ``combine="owners"`` (each rank sums its block of the output columns, the blocks gathered), the
+  measurement that decides between the two combines;
 - ``vocab_logprob``: ``vocab_parallel_token_logprobs`` (the Triton schedule on CUDA: chunk maxes
   and chunk sums gathered, the chain on every rank) against
   ``all_reduce_vocab_parallel_token_logprobs`` (max, sum-exp and target logit all-reduced);
@@ -95,12 +97,17 @@ def _row_parallel_rows(tp: int, rank: int, device: str, dtype, shapes, ms, L: in
             xs = x[:, k0:k1].contiguous()
             with torch.no_grad():
                 ours_out = row_parallel_linear(xs, ws, in_features=K, leaves=L)
+                owners_out = row_parallel_linear(xs, ws, in_features=K, leaves=L, combine="owners")
                 stock_out = all_reduce_row_parallel_linear(xs, ws)
                 one = linear(x, w, leaves=L)
                 ours = _timed_ms(lambda: row_parallel_linear(xs, ws, in_features=K, leaves=L), device, None)
+                owners = _timed_ms(lambda: row_parallel_linear(xs, ws, in_features=K, leaves=L, combine="owners"),
+                                   device, None)
                 stock = _timed_ms(lambda: all_reduce_row_parallel_linear(xs, ws), device, None)
             r = row({"op": "row_parallel", "shape": name, "M": m, "K": K, "N": N, "leaves": L, "tp": tp,
-                     "same_bits": _same(ours_out, one), "stock_same_bits": _same(stock_out, one)},
+                     "same_bits": _same(ours_out, one), "stock_same_bits": _same(stock_out, one),
+                     "owners_ms": round(owners, 6), "owners_vs_stock": round(stock / owners, 4),
+                     "owners_same_bits": _same(owners_out, one)},
                     "all_reduce", stock, ours)
             rows.append(r)
             print_rows([r], ["op", "shape", "M", "tp"], log)

@@ -1,7 +1,8 @@
 """The collective steps the parallel layers use, and why no other.
 
 Only ``all_gather`` (tensor parallelism) and ``all_to_all`` (expert parallelism: rows sent to the
-rank that owns their expert and back) move data between ranks here. Both copy bytes and add
+rank that owns their expert and back; the row-parallel linear's column owners: each rank's partials
+of a block of output columns sent to that block's owner) move data between ranks here. Both copy bytes and add
 nothing, so what a rank receives is bit for bit what the others computed, in rank order; any sum
 that follows runs on every rank in one order the caller fixes. ``all_reduce(SUM)`` would be shorter, but it adds in an order
 chosen by the backend from the group size, the tensor size and the algorithm (ring, tree,

@@ -19,7 +19,10 @@ at every tp) and tp must divide it:
      loop: the same bits;
   3. the L/tp partials of every rank are gathered (``all_gather``, a copy) into all L partials in
      leaf order, and every rank adds them left to right, adds the bias and rounds once, exactly
-     the single-process epilogue.
+     the single-process epilogue. (``combine="owners"``: each rank receives only its block of the
+     output columns of every rank's partials (``all_to_all``, a copy), runs that epilogue on the
+     block, and the rounded blocks are gathered; the epilogue is elementwise, so the same bits
+     with less traffic and one more collective: ``COMBINES``.)
 
 At tp = 1 the one rank calls ``linear(x, w, b, leaves=L)`` itself: the Triton kernel walks the L
 leaves in one launch with the same arithmetic (``row_parallel_linear_by_partials`` keeps the
@@ -57,24 +60,44 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from isoexec_kernels import _ref
 from isoexec_kernels.gemm import leaf_partials, leaf_sum, linear
 from isoexec_kernels.gemm.reference import _GRAD_BIAS_LEAF
 
-from .collectives import gather_in_rank_order, group_size_rank
+from .collectives import all_to_all_rows, gather_in_rank_order, group_size_rank
 from .partition import row_shard_leaves
 
 
+#: how the ranks' leaf partials become the output (``row_parallel_linear``'s ``combine``), both the
+#: same bits: ``gather``, every rank receives all L partials and sums every column (one
+#: ``all_gather`` of L/tp fp32 [M, N] a rank); ``owners``, rank q receives every rank's partials of
+#: its own block of the N columns only (``all_to_all``), sums that block and the rounded blocks are
+#: gathered (``all_gather`` of [M, N/tp] in the output dtype): two collectives instead of one, but
+#: at tp = 2 and L = 4 a rank receives 4 + 1 bytes per output element instead of 8 (fp32 partials,
+#: then bf16 outputs), against a bf16 ring all-reduce's 2. Which is faster at which M is for the
+#: 2-GPU run to measure (``isoexec bench tp_dist`` times both); ``gather`` stays the default.
+COMBINES = ("gather", "owners")
+
+
+def _column_blocks(N: int, tp: int) -> list[tuple[int, int]]:
+    """Rank q's block of the N output columns, ``[q N / tp, (q + 1) N / tp)``."""
+    return [(q * N // tp, (q + 1) * N // tp) for q in range(tp)]
+
+
 class _LeafSumFn(torch.autograd.Function):
-    """This rank's leaf partials [L/tp, M, N] -> the rounded output [M, N], the same on every rank."""
+    """This rank's leaf partials [L/tp, M, N] -> the rounded output [M, N], the same on every rank
+    (``combine``: ``COMBINES``)."""
 
     @staticmethod
-    def forward(ctx, partials, bias, group, tp, out_dtype):
+    def forward(ctx, partials, bias, group, tp, out_dtype, combine="gather"):
         per, M, N = partials.shape
-        every = gather_in_rank_order(partials, group, tp).reshape(tp * per, M, N)  # leaf order
         ctx.per = per
         ctx.bias_dtype = None if bias is None else bias.dtype
+        if combine == "owners" and tp > 1:
+            return _sum_by_column_owners(partials, bias, group, tp, out_dtype)
+        every = gather_in_rank_order(partials, group, tp).reshape(tp * per, M, N)  # leaf order
         # left to right from the first leaf as it is, the bias, one rounding (one launch on CUDA)
         return leaf_sum(every, bias, out_dtype)
 
@@ -86,11 +109,28 @@ class _LeafSumFn(torch.autograd.Function):
         g_bias = None
         if ctx.bias_dtype is not None and ctx.needs_input_grad[1]:
             g_bias = _ref.batch_sum0(g, _GRAD_BIAS_LEAF).to(ctx.bias_dtype)
-        return g_partials, g_bias, None, None, None
+        return g_partials, g_bias, None, None, None, None
+
+
+def _sum_by_column_owners(partials, bias, group, tp: int, out_dtype):
+    """``combine="owners"``: every rank's partials of rank q's column block go to rank q
+    (``all_to_all``, raw bytes), which adds its block's L partials in leaf order, adds the bias and
+    rounds once (``leaf_sum``: elementwise, so a block's elements get the bits the whole [M, N]
+    would), then the rounded blocks are gathered in rank order (a copy)."""
+    per, M, N = partials.shape
+    _, rank = group_size_rank(group)
+    blocks = _column_blocks(N, tp)
+    a, b = blocks[rank]
+    send = torch.cat([partials[:, :, c0:c1].reshape(-1) for c0, c1 in blocks])   # rank order
+    recv = all_to_all_rows(send, [per * M * (c1 - c0) for c0, c1 in blocks], [per * M * (b - a)] * tp, group, tp)
+    mine = leaf_sum(recv.reshape(tp * per, M, b - a), None if bias is None else bias[a:b], out_dtype)  # leaf order
+    widest = max(c1 - c0 for c0, c1 in blocks)
+    every = gather_in_rank_order(F.pad(mine, (0, widest - (b - a))), group, tp)
+    return torch.cat([every[q, :, :c1 - c0] for q, (c0, c1) in enumerate(blocks)], dim=1)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        in_features: int, leaves: int, group=None) -> torch.Tensor:
+                        in_features: int, leaves: int, group=None, combine: str = "gather") -> torch.Tensor:
     """``x_full @ w_full.T (+ bias)`` from this rank's K shard, the bits of
     ``isoexec_kernels.gemm.linear(x_full, w_full, bias, leaves=leaves)`` on every rank whatever the
     group size (module docstring).
@@ -100,15 +140,18 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     weight: ``[N, k1 - k0]`` the same columns of the weight; bias: ``[N]``, the same on every rank,
     or None; in_features: the whole K; leaves: L, the K leaves of the schedule, divisible by tp;
     group: the tensor-parallel process group (None: the default group, or one process if none is
-    initialised). Returns ``[..., N]`` in x's dtype, replicated. Differentiable (deterministic,
-    not tp-invariant backward)."""
+    initialised); combine: how the ranks' partials are brought together at tp > 1 (``COMBINES``:
+    the same bits either way). Returns ``[..., N]`` in x's dtype, replicated. Differentiable
+    (deterministic, not tp-invariant backward)."""
+    if combine not in COMBINES:
+        raise ValueError(f"row-parallel linear: unknown combine {combine!r}; expected one of {', '.join(COMBINES)}")
     tp, rank = _rank_leaves(x, weight, bias, in_features, leaves, group)
     if tp == 1:
         # one rank holds every leaf: the invariant linear's own walk of the L leaves is this
         # schedule in one launch (each leaf from +0, the sums left to right, the bias, one
         # rounding), without L fp32 partials written, stacked and read back
         return linear(x, weight, bias, leaves=leaves)
-    return _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank)
+    return _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank, combine)
 
 
 def row_parallel_linear_by_partials(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -138,14 +181,14 @@ def _rank_leaves(x, weight, bias, in_features, leaves, group):
     return tp, rank
 
 
-def _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank):
+def _by_leaf_partials(x, weight, bias, in_features, leaves, group, tp, rank, combine="gather"):
     N = weight.shape[0]
     per = leaves // tp
     # this rank's leaves, each alone with an fp32 output (the leaf's accumulator as the whole K
     # loop holds it), in one launch on CUDA
     partials = leaf_partials(x.reshape(-1, x.shape[-1]), weight, in_features=in_features, leaves=leaves,
                              first_leaf=rank * per, count=per)
-    out = _LeafSumFn.apply(partials, bias, group, tp, x.dtype)
+    out = _LeafSumFn.apply(partials, bias, group, tp, x.dtype, combine)
     return out.reshape(*x.shape[:-1], N)
 
 

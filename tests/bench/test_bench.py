@@ -161,6 +161,7 @@ def test_bench_tp_dist_under_torchrun_on_two_gloo_ranks_keeps_one_process_bits_a
     assert {r["op"] for r in rows} == {"row_parallel", "vocab_logprob"} and all(r["tp"] == 2 for r in rows)
     # ours keeps the one-process bits at tp = 2; the stock all-reduce row-parallel sum does not everywhere
     assert all(r["same_bits"] for r in rows), rows
+    assert all(r["owners_same_bits"] and r["owners_ms"] > 0 for r in rows if r["op"] == "row_parallel"), rows
     assert not all(r["stock_same_bits"] for r in rows if r["op"] == "row_parallel"), rows
 
 

@@ -103,7 +103,13 @@ def _row_case(i: int, tp: int, rank: int) -> dict:
     name, K, L, N, dt, with_bias = ROW_CASES[i]
     x, w, b, probe = row_inputs(i)
     k0, k1 = row_shard_range(K, L, tp, rank)
-    out = {"out": row_parallel_linear(x[..., k0:k1], w[:, k0:k1], b, in_features=K, leaves=L)}
+    out = {"out": row_parallel_linear(x[..., k0:k1], w[:, k0:k1], b, in_features=K, leaves=L),
+           "owners": row_parallel_linear(x[..., k0:k1], w[:, k0:k1], b, in_features=K, leaves=L, combine="owners")}
+    # the column owners' combine through autograd: the same gradients as the gather's (run 0 below)
+    xs = x[..., k0:k1].clone().requires_grad_()
+    ws = w[:, k0:k1].clone().requires_grad_()
+    (row_parallel_linear(xs, ws, b, in_features=K, leaves=L, combine="owners").float() * probe).sum().backward()
+    out["owners_gx"], out["owners_gw"] = xs.grad, ws.grad
     for run in (0, 1):   # the backward twice: deterministic
         xs = x[..., k0:k1].clone().requires_grad_()
         ws = w[:, k0:k1].clone().requires_grad_()

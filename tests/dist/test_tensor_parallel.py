@@ -48,6 +48,21 @@ def test_row_parallel_linear_tp1_tp2_tp4_bitwise_equal(worlds, i):
 
 
 @pytest.mark.parametrize("i", range(len(dw.ROW_CASES)), ids=[c[0] for c in dw.ROW_CASES])
+def test_row_parallel_column_owners_combine_gives_the_same_bits_and_gradients_as_the_gather(worlds, i):
+    # combine="owners": each rank sums its block of the output columns (all_to_all of the partials),
+    # the rounded blocks gathered; N = 24 over 4 ranks is 6 columns a rank
+    name, K, L = dw.ROW_CASES[i][:3]
+    x, w, b, _ = dw.row_inputs(i)
+    _assert_all_equal(_every_rank(worlds, f"row/{name}", "owners"), linear(x, w, b, leaves=L), name)
+    for ws, ranks in worlds.items():
+        for r, res in enumerate(ranks):
+            res = res[f"row/{name}"]
+            for g in ("gx", "gw"):
+                rep = dw.bit_report(res[f"owners_{g}"], res[f"{g}0"])
+                assert rep["differing"] == 0, (name, ws, r, g, rep)
+
+
+@pytest.mark.parametrize("i", range(len(dw.ROW_CASES)), ids=[c[0] for c in dw.ROW_CASES])
 def test_row_parallel_linear_equals_single_process_linear_with_the_same_leaves(worlds, i):
     name, K, L, N, dt, _ = dw.ROW_CASES[i]
     x, w, b, _ = dw.row_inputs(i)
