@@ -133,20 +133,38 @@ def test_dry_run_of_the_h200_config_asks_for_a_gpu(wf):
     assert "gpu=1" in gates_job
 
 
+PAPER_MISSING = ("checkpoints.dense is not set", "checkpoints.hybrid is not set", "checkpoints.mla_moe is not set",
+                 "checkpoints.hybrid_moe is not set", "rl.dataset 'data/dapo-math-17k.parquet' does not exist",
+                 "set rl.enabled: false")
+
+
 def test_paper_config_refuses_rl_without_checkpoints_and_data(wf):
-    """configs/paper.yaml runs RL on real weights and DAPO-Math-17k: until both are there it stops
+    """configs/paper.yaml runs RL on real weights and DAPO-Math-17k: until both are there a run stops
     before any job with one line naming what is missing, instead of random weights."""
-    r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml")
+    r = snakemake(wf, "--cores", "1", "--configfile", "configs/paper.yaml")
     assert r.returncode != 0
     assert not (wf / "results/paper").exists(), "a refused config wrote into its results folder"
-    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
-    for missing in ("checkpoints.dense is not set", "checkpoints.hybrid is not set", "checkpoints.mla_moe is not set",
-                    "checkpoints.hybrid_moe is not set",
-                    "rl.dataset 'data/dapo-math-17k.parquet' does not exist", "set rl.enabled: false"):
+    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start:"))
+    for missing in PAPER_MISSING:
         assert missing in line, missing
+    # a checkpoint that is named but is no checkpoint is bad input: refused by a dry run too
     bad = write_config(wf / "bad_ckpt.yaml", f"checkpoints: {{dense: {wf / 'nowhere'}, hybrid: {wf}}}\n")
     r = snakemake(wf, "-n", "--cores", "1", "--configfile", "configs/paper.yaml", str(bad))
     assert r.returncode != 0 and "is not a Hugging Face checkpoint folder (no config.json)" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("flag", ["-n", "-np", "--dry-run"])
+def test_paper_config_dry_run_previews_the_8_gpu_launch_before_checkpoints_and_data_exist(wf, flag):
+    """On a fresh machine a dry run of configs/paper.yaml shows the plan the runs will have (real
+    weights: no warm-up; torchrun on 8 GPUs) and says in one line what the real run still needs."""
+    r = snakemake(wf, flag, "--cores", "1", "--configfile", "configs/paper.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    line = next(ln for ln in out.splitlines() if ln.startswith("config: the RL runs cannot start yet:"))
+    for missing in PAPER_MISSING + ("this dry run shows the plan", "a real run refuses"):
+        assert missing in line, missing
+    assert job_stats(out)["rl_run"] == 8 and "rl_warmup" not in job_stats(out)
+    assert "torchrun --standalone --nproc_per_node=8 -m isoexec.cli run --config results/paper/runs/dense/isoexec/" in out
 
 
 def test_paper_config_dry_runs_with_checkpoints_and_data(wf):

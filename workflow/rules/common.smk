@@ -262,8 +262,10 @@ WARMUP_VIEW = json.loads(next(iter(_WARMUP_VIEWS))) if _WARMUP_VIEWS else {}
 
 def _random_weights(family):
     """The runs of `family` start from random weights: no `checkpoints.<family>`, and no checkpoint in
-    the RL settings (both are loaded as they are, without a warm-up)."""
+    the RL settings (both are loaded as they are, without a warm-up), and no rl.require_checkpoints
+    (under which a run has real weights or does not start)."""
     return (RL_ON and not (config.get("checkpoints") or {}).get(family)
+            and not RL_CONF.get("require_checkpoints", False)
             and not any(arm_settings(a).get("checkpoint") for a in RL_ARMS))
 
 
@@ -303,24 +305,31 @@ def rl_settings(wildcards):
     return s
 
 
+def _rl_missing():
+    """What the RL runs wait for that is simply not there yet (empty: nothing): with
+    rl.require_checkpoints a `checkpoints.<family>` for every family, and the rl.dataset file unless
+    it is `synthetic`. A dry run shows the plan without them; a real run refuses."""
+    out = []
+    ckpts = config.get("checkpoints") or {}
+    if RL_CONF.get("require_checkpoints", False):
+        out += [f"checkpoints.{f} is not set (rl.require_checkpoints: true; random weights and a character "
+                "tokenizer are not the paper's setup)" for f in FAMILIES if not ckpts.get(f)]
+    ds = RL_CONF.get("dataset", "synthetic")
+    if ds != "synthetic" and not Path(ds).exists():
+        out.append(f"rl.dataset {ds!r} does not exist (download DAPO-Math-17k, verl parquet schema, to that path)")
+    return out
+
+
 def _rl_refusals():
-    """Why the RL runs cannot start as configured (empty: they can). Real weights: with
-    rl.require_checkpoints every family needs `checkpoints.<family>`; a checkpoint named anywhere must
-    be a folder with a config.json. Data: rl.dataset must exist unless it is `synthetic`. The shared
-    warm-up: every arm must have the settings it reads."""
+    """Why the RL runs cannot start as configured, whatever is downloaded (empty: they can): a
+    checkpoint named anywhere must be a folder with a config.json; the shared warm-up: every arm must
+    have the settings it reads."""
     out = []
     ckpts = config.get("checkpoints") or {}
     for f in FAMILIES:
         path = ckpts.get(f)
-        if not path:
-            if RL_CONF.get("require_checkpoints", False):
-                out.append(f"checkpoints.{f} is not set (rl.require_checkpoints: true; random weights and a "
-                           "character tokenizer are not the paper's setup)")
-        elif not (Path(path) / "config.json").is_file():
+        if path and not (Path(path) / "config.json").is_file():
             out.append(f"checkpoints.{f} {path!r} is not a Hugging Face checkpoint folder (no config.json)")
-    ds = RL_CONF.get("dataset", "synthetic")
-    if ds != "synthetic" and not Path(ds).exists():
-        out.append(f"rl.dataset {ds!r} does not exist (download DAPO-Math-17k, verl parquet schema, to that path)")
     views = [json.loads(v) for v in _WARMUP_VIEWS]
     if (len(views) > 1 and any(map(_random_weights, FAMILIES))
             and any(int(v.get("warmup_sft_steps", 0)) > 0 for v in views)):
@@ -335,9 +344,27 @@ def _rl_refusals():
     return out
 
 
-if RL_ON and (_why := _rl_refusals()):
+def _dry_run_requested():
+    """Whether Snakemake was started as a dry run (`-n`, alone or among other one-letter flags such as
+    `-np`, or `--dry-run`). The executor that knows it is not chosen yet while the Snakefile is read,
+    so the command line is asked; anything else, a run through Snakemake's Python API included,
+    counts as a real run, which refuses what is missing."""
+    for a in sys.argv[1:]:
+        if a in ("--dry-run", "--dryrun", "--just-print") or (
+                a.startswith("-") and not a.startswith("--") and a[1:].isalpha() and "n" in a[1:]):
+            return True
+    return False
+
+
+DRY_RUN = _dry_run_requested()
+if RL_ON and (_why := ([] if DRY_RUN else _rl_missing()) + _rl_refusals()):
     raise WorkflowError("config: the RL runs cannot start: " + "; ".join(_why)
                         + "; fill these in, or set rl.enabled: false to run only the contracts and gates")
+if RL_ON and DRY_RUN and (_waiting := _rl_missing()):
+    # a dry run previews the plan the runs will have once their inputs are there (the launch commands
+    # of a multi-GPU config among it); the real run refuses above until then
+    print("config: the RL runs cannot start yet: " + "; ".join(_waiting) + "; this dry run shows the plan they "
+          "will have; a real run refuses until these are filled in (or set rl.enabled: false)", file=sys.stderr)
 
 
 def rl_data_input(wildcards):
