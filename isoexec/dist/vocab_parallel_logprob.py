@@ -204,6 +204,39 @@ def vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *
     return _VocabLogprobFn.apply(logits, targets, group, tp, rank, bounds)
 
 
+class _AllReduceVocabLogprobFn(torch.autograd.Function):
+    """The stock vocabulary-parallel logprob (``all_reduce_vocab_parallel_token_logprobs``); the
+    backward is local, as the Triton schedule's: (onehot - exp((z - m) - log s)) * dy on the slice."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, tp, v0, v1):
+        z = logits.reshape(-1, v1 - v0).float()
+        tg = targets.reshape(-1).long()
+        m = z.max(dim=-1).values
+        if tp > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        s = torch.exp(z - m[:, None]).sum(dim=-1)
+        own = (tg >= v0) & (tg < v1)
+        local_t = tg - v0
+        zt = torch.where(own, z.gather(1, local_t.clamp(0, v1 - v0 - 1)[:, None])[:, 0], torch.zeros_like(m))
+        if tp > 1:
+            dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
+            dist.all_reduce(zt, op=dist.ReduceOp.SUM, group=group)
+        log_s = torch.log(s)
+        ctx.save_for_backward(logits, m, log_s, local_t)
+        ctx.shape = logits.shape
+        return ((zt - m) - log_s).reshape(targets.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        logits, m, log_s, local_t = ctx.saved_tensors
+        z = logits.reshape(-1, logits.shape[-1]).float()
+        p = torch.exp((z - m[:, None]) - log_s[:, None])
+        cols = torch.arange(z.shape[1], device=z.device)
+        g = ((cols[None, :] == local_t[:, None]).float() - p) * dy.reshape(-1, 1).float()
+        return g.to(logits.dtype).reshape(ctx.shape), None, None, None, None, None
+
+
 def all_reduce_vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
                                              group=None) -> torch.Tensor:
     """The stock vocabulary-parallel logprob (the vocabulary-parallel cross-entropy of Megatron and
@@ -212,18 +245,10 @@ def all_reduce_vocab_parallel_token_logprobs(logits: torch.Tensor, targets: torc
     rank holds it) all-reduced (SUM), ``logprob = (z_t - m) - log(s)``, in fp32 torch ops. Its
     bits depend on tp twice (each rank sums its slice in one go; the collective adds the ranks'
     sums in an order of its own) and are no kernel's: the negative control of the tests and the
-    baseline of ``isoexec bench tp_dist``. Forward only."""
+    baseline of ``isoexec bench tp_dist``, and the trainer cases' logprob of the native composition
+    under tensor parallelism (``native_tp4``; ``torch_log_softmax``'s vocabulary-parallel form, as
+    Megatron's vocabulary-parallel cross-entropy is the stock log-softmax's). Differentiable in
+    logits, with no communication in the backward."""
     tp, rank = group_size_rank(group)
     v0, v1 = vocab_shard_range(vocab_size, tp, rank)
-    z = logits.reshape(-1, v1 - v0).float()
-    tg = targets.reshape(-1).long()
-    m = z.max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    s = torch.exp(z - m[:, None]).sum(dim=-1)
-    own = (tg >= v0) & (tg < v1)
-    zt = torch.where(own, z.gather(1, (tg - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0], torch.zeros_like(m))
-    if tp > 1:
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
-        dist.all_reduce(zt, op=dist.ReduceOp.SUM, group=group)
-    return ((zt - m) - torch.log(s)).reshape(targets.shape)
+    return _AllReduceVocabLogprobFn.apply(logits, targets, group, tp, v0, v1)

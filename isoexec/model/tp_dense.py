@@ -39,9 +39,10 @@ rank refuses and none waits in a collective.
 
 Under the native composition (``native_tp4``) every region runs its stock kernel as in one process,
 on the rank's columns or heads: the column-parallel linears are ``torch_linear`` on the rank's rows
-of the weight, the row-parallel sums are all-reduced (above), and the trainer cases' token logprob,
-which has no vocabulary-parallel form for a stock kernel, gathers whole rows and runs the contract's
-``logprob`` kernel on them. Its bits are close to one process's, not equal, and depend on tp
+of the weight, the row-parallel sums are all-reduced (above), and the trainer cases' token logprob is
+the stock vocabulary-parallel one (``all_reduce_vocab_parallel_token_logprobs``: the row max, each
+rank's sum-exp and the target's logit all-reduced, as Megatron's vocabulary-parallel cross-entropy;
+at tp = 1 the contract's ``torch_log_softmax`` on the whole rows). Its bits are close to one process's, not equal, and depend on tp
 (tests/dist/test_tp_native.py).
 
 The engine runs on it too (``engine_prefill``, ``engine_decode``, when the contract declares them):
@@ -70,8 +71,8 @@ from isoexec_kernels.gemm import k_leaves_for
 
 from .. import registry
 from ..contract import K_LEAVES, ExecutionContract
-from ..dist import (all_reduce_row_parallel_linear, column_shard_range, replicated_input, row_parallel_linear,
-                    vocab_parallel_token_logprobs, vocab_shard_range)
+from ..dist import (all_reduce_row_parallel_linear, all_reduce_vocab_parallel_token_logprobs, column_shard_range,
+                    replicated_input, row_parallel_linear, vocab_parallel_token_logprobs, vocab_shard_range)
 from ..dist.collectives import gather_in_rank_order, group_size_rank
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
@@ -394,13 +395,20 @@ class TensorParallelDense(nn.Module):
     def logprobs_from_logits(self, logits: torch.Tensor, targets: torch.Tensor, case: str) -> torch.Tensor:
         """fp32 token logprobs of ``logits`` as :meth:`logits` returns them for ``case``: whole
         rows (engine cases) through the contract's ``logprob`` region, as one process computes them;
-        vocabulary slices (trainer cases) through ``vocab_parallel_token_logprobs``, or, under
-        another logprob kernel than ``VOCAB_PARALLEL_LOGPROB``, gathered into whole rows for it."""
+        vocabulary slices (trainer cases) through ``vocab_parallel_token_logprobs``; under the stock
+        ``torch_log_softmax`` (native_tp4) at tp > 1 through its stock vocabulary-parallel form,
+        ``all_reduce_vocab_parallel_token_logprobs`` (max, sum-exp and target logit all-reduced, as
+        Megatron's vocabulary-parallel cross-entropy: no rank holds whole rows); under another
+        kernel gathered into whole rows for it."""
         logprob = self._plan(case)["logprob"]
         if case in ENGINE_CASES:
             return logprob(logits, targets)
-        if logprob.record.impl_id != VOCAB_PARALLEL_LOGPROB:
-            # a stock kernel has no vocabulary-parallel form: it runs on whole rows, as in one process
+        impl = logprob.record.impl_id
+        if impl == STOCK_TWINS[VOCAB_PARALLEL_LOGPROB] and self.tp > 1:
+            return all_reduce_vocab_parallel_token_logprobs(logits, targets, vocab_size=self.cfg.vocab_size,
+                                                            group=self.group)
+        if impl != VOCAB_PARALLEL_LOGPROB:
+            # a kernel without a vocabulary-parallel form runs on whole rows, as in one process
             return logprob(self._whole_rows(logits), targets)
         return vocab_parallel_token_logprobs(logits, targets, vocab_size=self.cfg.vocab_size, group=self.group)
 

@@ -130,6 +130,9 @@ def test_native_tp_trainer_logprobs_and_gradients_are_close_to_one_process(tp_na
     cols = model.cfg.q_size // nw.WORLD
     for rank, r in enumerate(tp_native_worlds):
         t = r["dense/fp32/trainer"]
+        # the stock vocabulary-parallel logprob (all-reduced max, sum-exp, target logit), no rank
+        # gathering whole logits rows: once for trainer_score, once for trainer_fwd
+        assert t["calls"] == {"vocab_all_reduce": 2, "whole_rows": 0}, t["calls"]
         assert float((t["score"] - score).abs().max()) <= ATOL["fp32"]
         assert rel(t["grad_o"], model.layers[0].o_weight.grad[:, rank * cols:(rank + 1) * cols]) <= 1e-4
         v0, v1 = t["vocab_range"]

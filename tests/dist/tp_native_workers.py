@@ -121,7 +121,26 @@ def serve(family: str, model, contract) -> dict:
 def trainer(tpm) -> dict:
     """trainer_score token logprobs of a packed batch, and trainer_fwd's gradients of this rank's
     o_proj shard (layer 0) and of the embedding rows of its vocabulary slice (tied to the lm_head)
-    after a backward of the token logprobs' sum."""
+    after a backward of the token logprobs' sum; and how often the stock vocabulary-parallel logprob
+    ran and whole logits rows were gathered meanwhile."""
+    calls = {"vocab_all_reduce": 0, "whole_rows": 0}
+    real = tp_dense.all_reduce_vocab_parallel_token_logprobs, tp_dense._WholeRows.apply
+
+    def counting(name, f):
+        def run(*a, **kw):
+            calls[name] += 1
+            return f(*a, **kw)
+        return run
+
+    tp_dense.all_reduce_vocab_parallel_token_logprobs = counting("vocab_all_reduce", real[0])
+    tp_dense._WholeRows.apply = counting("whole_rows", real[1])
+    try:
+        return {**_trainer(tpm), "calls": calls}
+    finally:
+        tp_dense.all_reduce_vocab_parallel_token_logprobs, tp_dense._WholeRows.apply = real
+
+
+def _trainer(tpm) -> dict:
     ids, targets = tw.inputs(tpm.cfg.vocab_size, LENGTHS)
     with torch.no_grad():
         batch = ForwardBatch.packed(LENGTHS, "trainer_score", "cpu")
