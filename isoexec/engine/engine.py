@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..contract import ExecutionContract, HandshakeResult, offer, receive
+from ..dist.lazy_parameters import shape_of
 from ..errors import BindingRefused
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -269,7 +270,9 @@ class Engine:
         if remote is None:
             raise ValueError("update_weights: no trainer contract to handshake with; pass trainer_contract")
         result = self.handshake(remote)                  # refuses before anything changes
-        src = dict(weights.named_parameters()) if isinstance(weights, nn.Module) else dict(weights)
+        # a mapping is read name by name below and not copied: a lazily gathered one (a sharded
+        # trainer's gathered_parameters) then holds one whole parameter at a time
+        src = dict(weights.named_parameters()) if isinstance(weights, nn.Module) else weights
         if hasattr(self.model, "shard_weights"):         # a tensor-parallel model: its rank's shards
             src = self.model.shard_weights(src)
         params = dict(self.model.named_parameters())
@@ -277,14 +280,14 @@ class Engine:
         if missing or extra:
             raise ValueError(f"update_weights: parameter names differ (missing {missing[:5]}, unexpected "
                              f"{extra[:5]})")
-        for name, p in params.items():
-            if tuple(src[name].shape) != tuple(p.shape):
-                raise ValueError(f"update_weights: {name} has shape {tuple(src[name].shape)}, the model "
+        for name, p in params.items():                   # shapes first, without reading a value
+            if shape_of(src, name) != tuple(p.shape):
+                raise ValueError(f"update_weights: {name} has shape {shape_of(src, name)}, the model "
                                  f"{tuple(p.shape)}")
         self._ahead = None                               # a step planned ahead ran on the old weights
         self.scheduler.preempt_all()                     # KV (and recurrent state) are stale now
         self.runner.reset_state(None)                    # every recurrent-state slot starts from zero
         for name, p in params.items():
-            p.copy_(src[name])
+            p.copy_(src[name])                           # read, copied, dropped: one at a time
         self.weight_version += 1
         return result

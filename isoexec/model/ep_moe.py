@@ -61,6 +61,7 @@ from torch import nn
 from ..contract import ExecutionContract
 from ..dist.collectives import group_size_rank
 from ..dist.expert_parallel import ExpertParallelGroup
+from ..dist.lazy_parameters import ShardedView
 from ..dist.partition import expert_shard_range
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
@@ -185,13 +186,12 @@ class ExpertParallelMoe(nn.Module):
                                  f"{', '.join(sorted(self.plans)) or 'no trainer case'})")
         return self.plans[case]
 
-    def shard_weights(self, full) -> dict:
+    def shard_weights(self, full) -> ShardedView:
         """This rank's part of a full state dict (the one-process model's names, e.g. a trainer's
-        ``full_parameters()``): its experts' rows of the expert weights, the rest whole; names this
-        model does not hold pass through unchanged."""
-        own = dict(self.named_parameters())
-        return {name: cut_parameter(self.cfg, self.ep, self.rank, name, t) if name in own else t
-                for name, t in full.items()}
+        ``full_parameters()``): its experts' rows of the expert weights, the rest whole, each cut
+        when read (``ShardedView``); names this model does not hold pass through unchanged."""
+        return ShardedView(full, lambda name, t: cut_parameter(self.cfg, self.ep, self.rank, name, t),
+                           dict(self.named_parameters()))
 
 
 class ExpertParallelMlaMoe(ExpertParallelMoe, MlaMoeModel):

@@ -74,6 +74,7 @@ from ..contract import K_LEAVES, ExecutionContract
 from ..dist import (all_reduce_row_parallel_linear, all_reduce_vocab_parallel_token_logprobs, column_shard_range,
                     replicated_input, row_parallel_linear, vocab_parallel_token_logprobs, vocab_shard_range)
 from ..dist.collectives import gather_in_rank_order, group_size_rank
+from ..dist.lazy_parameters import ShardedView
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
 from ..errors import BindingRefused
@@ -275,12 +276,12 @@ class TensorParallelDense(nn.Module):
                                  f"declares {', '.join(sorted(self.plans)) or 'no case'})")
         return self.plans[case]
 
-    def shard_weights(self, full) -> dict:
+    def shard_weights(self, full) -> ShardedView:
         """This rank's shards of a full state dict (``DenseModel`` names, e.g. the trainer's
-        ``full_parameters()``), under this model's names; names this model does not hold pass
-        through unchanged (so ``Engine.update_weights`` reports them)."""
-        own = dict(self.named_parameters())
-        return {name: self.cut_parameter(name, t) if name in own else t for name, t in full.items()}
+        ``full_parameters()`` or ``gathered_parameters()``), under this model's names, each cut
+        when it is read (``ShardedView``: a lazily gathered source stays lazy); names this model
+        does not hold pass through unchanged (so ``Engine.update_weights`` reports them)."""
+        return ShardedView(full, self.cut_parameter, dict(self.named_parameters()))
 
     @staticmethod
     def _leaves(plan: ExecutionPlan, op: str, n_full: int, k: int) -> int | None:

@@ -23,8 +23,10 @@ ranks ``[g * t, (g + 1) * t)``. What a rank does in one step:
 - **the live check.** Each rank also counts the tokens its own engine sampled whose logprob
   differs (bitwise) from the trainer's score; the counts are gathered, written to the metrics as
   ``live_check_differing_per_rank``, and any non-zero count stops every rank before the backward.
-- **weight sync.** ``full_parameters()`` gathers the fp32 masters whole on every rank (under
-  ``trainer_ep`` the expert slices too, over their ep group); each rank's
+- **weight sync.** ``gathered_parameters()`` gathers the fp32 masters whole on every rank, one
+  parameter at a time as the engine reads it (under ``trainer_ep`` the expert slices too, over
+  their ep group; isoexec/dist/lazy_parameters.py), so a rank holds one whole parameter at a time,
+  not the model's fp32 copy; each rank's
   engine runs the contract handshake with the trainer contract of rank 0 (its encoded bytes,
   broadcast once and checked equal to every rank's own) and copies them in.
 

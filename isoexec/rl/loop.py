@@ -519,8 +519,9 @@ class RLRun:
         t0 = self._clock()
         if self.distributed:
             # the trainer's shards gathered whole (fp32 masters; the engine's copy_ rounds them to
-            # its dtype as the single-process trainer rounds its masters into its parameters)
-            self.engine.update_weights(self.trainer.full_parameters(), trainer_contract=self.trainer_contract)
+            # its dtype as the single-process trainer rounds its masters into its parameters), one
+            # parameter at a time as the engine reads them, not the model's whole fp32 copy at once
+            self.engine.update_weights(self.trainer.gathered_parameters(), trainer_contract=self.trainer_contract)
         else:
             self.engine.update_weights(self.trainer_model, trainer_contract=self.contract)
         return self._clock() - t0

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from isoexec.dist.collectives import gather_in_rank_order
+from isoexec.dist.lazy_parameters import GatheredParameters
 from isoexec.dist.mesh import DP, EP, EP_REPLICA, check_dp_mesh, check_ep_size, dp_mesh, ep_mesh
 from isoexec.dist.partition import expert_shard_range
 from isoexec.errors import BindingRefused
@@ -122,12 +123,25 @@ class ExpertParallelTrainer(FSDPTrainer):
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by the one-process model's names (fp32 masters; frozen ones
-        too): the shards gathered, the expert slices gathered over the ep group; a collective."""
+        too): the shards gathered, the expert slices gathered over the ep group; a collective. All
+        at once: the weight sync reads :meth:`gathered_parameters`."""
+        return dict(self.gathered_parameters())
+
+    def gathered_parameters(self) -> GatheredParameters:
+        """:meth:`full_parameters` read one parameter at a time (``GatheredParameters``)."""
         free_params(self.model)
         masters = self.optimizer.masters
-        return {n: self._whole_experts(n) if n in masters else p.detach().full_tensor() if hasattr(p, "full_tensor")
-                else p.detach().to(torch.float32, copy=True)     # frozen: replicated, whole on every rank
-                for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+        E = num_routed_experts(self.model.cfg)
+
+        def gather(name: str) -> torch.Tensor:
+            p = params[name].detach()
+            if name in masters:
+                return self._whole_experts(name)
+            return p.full_tensor() if hasattr(p, "full_tensor") else p.to(torch.float32, copy=True)  # frozen: whole
+
+        shapes = {n: (E, *masters[n].shape[1:]) if n in masters else tuple(p.shape) for n, p in params.items()}
+        return GatheredParameters(shapes, gather)
 
     # --------------------------------------------------------------------------- checkpoints
     def _state(self) -> dict:

@@ -65,6 +65,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 
+from isoexec.dist.lazy_parameters import GatheredParameters
 from isoexec.dist.mesh import DP, check_dp_mesh, dp_mesh
 from isoexec.dist.partition import sequence_share
 from isoexec.model.batch import ForwardBatch
@@ -259,11 +260,21 @@ class FSDPTrainer(Trainer):
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered whole (fp32 masters), by name, frozen ones too (an engine's
         weight update takes every parameter: GLM's router correction bias is frozen); a collective:
-        every rank calls it."""
+        every rank calls it. All at once: the weight sync reads :meth:`gathered_parameters`."""
+        return dict(self.gathered_parameters())
+
+    def gathered_parameters(self) -> GatheredParameters:
+        """:meth:`full_parameters` read one parameter at a time (``GatheredParameters``: each read a
+        collective, in the same order on every rank), so that a weight sync holds one whole
+        parameter at a time, not the model's whole fp32 copy."""
         free_params(self.model)
-        return {n: p.detach().full_tensor() if hasattr(p, "full_tensor")
-                else p.detach().to(torch.float32, copy=True)          # frozen: whole on every rank
-                for n, p in self.model.named_parameters()}
+        params = dict(self.model.named_parameters())
+
+        def gather(name: str) -> torch.Tensor:
+            p = params[name].detach()
+            return p.full_tensor() if hasattr(p, "full_tensor") else p.to(torch.float32, copy=True)  # frozen: whole
+
+        return GatheredParameters({n: tuple(p.shape) for n, p in params.items()}, gather)
 
     def state_dict(self) -> dict:
         """The trainer's state for ``torch.distributed.checkpoint``: model and optimizer from
