@@ -24,11 +24,28 @@ pytestmark = [
 ]
 
 
+def _interpreter_unusable() -> str | None:
+    """Why the Triton interpreter cannot run here (None: it can). Triton 3.6's interpreter fails
+    inside any kernel loop with numpy 2.3 or later (seen on the GPU machine: numpy 2.5), as
+    tests/kernels/conftest.py notes for the kernel folder's interpreter checks."""
+    import numpy
+    import triton
+
+    if triton.__version__.startswith("3.6") and tuple(int(v) for v in numpy.__version__.split(".")[:2]) >= (2, 3):
+        return f"triton 3.6's interpreter needs numpy < 2.3 (have {numpy.__version__})"
+    return None
+
+
+interpreted = pytest.mark.skipif(importlib.util.find_spec("triton") is not None and _interpreter_unusable() is not None,
+                                 reason="the Triton interpreter cannot run here (numpy >= 2.3 with triton 3.6)")
+
+
 def _reports(worlds, field, want_field):
     return {f"{name} TP={tp} rank {r}": dw.bit_report(res[name][field], res[name][want_field])
             for tp, ranks in worlds.items() for r, res in enumerate(ranks) for name, _, _ in vw.CASES}
 
 
+@interpreted
 def test_vocab_parallel_triton_schedule_tp1_tp2_tp4_bitwise_equal_to_the_one_row_kernel(tp_vocab_triton_worlds):
     reps = _reports(tp_vocab_triton_worlds, "out", "want")
     bad = {k: v for k, v in reps.items() if v["differing"]}
@@ -40,12 +57,14 @@ def test_vocab_parallel_triton_schedule_tp1_tp2_tp4_bitwise_equal_to_the_one_row
     assert torch.isfinite(want).all()
 
 
+@interpreted
 def test_vocab_parallel_triton_schedule_gradient_slices_equal_the_one_row_backward(tp_vocab_triton_worlds):
     reps = _reports(tp_vocab_triton_worlds, "grad", "want_grad")
     bad = {k: v for k, v in reps.items() if v["differing"]}
     assert not bad, f"differing gradient elements per rank: {bad}"
 
 
+@interpreted
 def test_stock_all_reduce_logprob_does_not_give_the_one_row_kernel_bits(tp_vocab_triton_worlds):
     """Negative control: the max all-reduced, each rank's sum-exp and the target logit summed by
     all_reduce(SUM); it must differ from the one-row kernel somewhere."""
@@ -58,6 +77,7 @@ def test_stock_all_reduce_logprob_does_not_give_the_one_row_kernel_bits(tp_vocab
     assert any(counts.values()), counts
 
 
+@interpreted
 def test_triton_schedule_refuses_fewer_chunks_than_ranks(tp_vocab_triton_worlds):
     assert all(ranks[0]["refuse/v5000"] == "accepted" for tp, ranks in tp_vocab_triton_worlds.items() if tp < 4)
     for res in tp_vocab_triton_worlds[4]:

@@ -69,7 +69,7 @@ import tp_native_workers  # noqa: E402
 import vocab_triton_workers  # noqa: E402
 
 # part -> (round, world sizes, what one rank runs: fn(job, world_size, rank) -> results); the worlds
-# of round 1 start after every world of round 0 has ended
+# of a round start after every world of the rounds before it has ended
 PARTS = {
     "tp_kernels": (0, dist_workers.WORLD_SIZES, lambda job, ws, rank: dist_workers._cases(ws, rank)),
     "tp_model": (0, (tp_model_workers.WORLD,), lambda job, ws, rank: tp_model_workers.world_cases(job["tp_model"], rank)),
@@ -91,7 +91,7 @@ PARTS = {
                     lambda job, ws, rank: fsdp_workers.plan_resume(job["fsdp"], ws, rank)),
     "tp_vocab_triton": (2, (vocab_triton_workers.WORLD,), lambda job, ws, rank: vocab_triton_workers.world_cases(rank)),
 }
-# rounds whose worlds run Triton kernels in its CPU interpreter: Triton must be imported with
+# rounds whose worlds run Triton kernels in Triton's CPU interpreter: Triton must be imported with
 # TRITON_INTERPRET=1 already set, so their ranks are spawned with it (and no other world is)
 INTERPRETER_ROUNDS = {2}
 
