@@ -39,6 +39,14 @@ def gather_in_rank_order(t: torch.Tensor, group, tp: int) -> torch.Tensor:
     return torch.stack(parts).view(t.dtype).reshape(tp, *t.shape)
 
 
+def gather_columns_in_rank_order(part: torch.Tensor, widths: list[int], group, tp: int) -> torch.Tensor:
+    """Every rank's ``part [..., widths[r]]`` side by side in rank order, ``[..., sum(widths)]``: the
+    blocks padded to the widest to travel (``gather_in_rank_order``), the padding dropped. A copy."""
+    widest = max(widths)
+    every = gather_in_rank_order(torch.nn.functional.pad(part, (0, widest - part.shape[-1])), group, tp)
+    return torch.cat([every[r, ..., :w] for r, w in enumerate(widths)], dim=-1)
+
+
 def sum_in_rank_order(t: torch.Tensor, group, tp: int) -> torch.Tensor:
     """The sum of every rank's ``t``, the same bits on every rank: gathered, then added left to
     right in rank order (rank 0's taken as it is). Deterministic for a given tp, not invariant

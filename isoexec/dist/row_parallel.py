@@ -60,13 +60,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from isoexec_kernels import _ref
 from isoexec_kernels.gemm import leaf_partials, leaf_sum, linear
 from isoexec_kernels.gemm.reference import _GRAD_BIAS_LEAF
 
-from .collectives import all_to_all_rows, gather_in_rank_order, group_size_rank
+from .collectives import all_to_all_rows, gather_columns_in_rank_order, gather_in_rank_order, group_size_rank
 from .partition import row_shard_leaves
 
 
@@ -124,9 +123,7 @@ def _sum_by_column_owners(partials, bias, group, tp: int, out_dtype):
     send = torch.cat([partials[:, :, c0:c1].reshape(-1) for c0, c1 in blocks])   # rank order
     recv = all_to_all_rows(send, [per * M * (c1 - c0) for c0, c1 in blocks], [per * M * (b - a)] * tp, group, tp)
     mine = leaf_sum(recv.reshape(tp * per, M, b - a), None if bias is None else bias[a:b], out_dtype)  # leaf order
-    widest = max(c1 - c0 for c0, c1 in blocks)
-    every = gather_in_rank_order(F.pad(mine, (0, widest - (b - a))), group, tp)
-    return torch.cat([every[q, :, :c1 - c0] for q, (c0, c1) in enumerate(blocks)], dim=1)
+    return gather_columns_in_rank_order(mine, [c1 - c0 for c0, c1 in blocks], group, tp)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from isoexec_kernels import _ref
 from isoexec_kernels.logprob import BLOCK_V, REF_LEAF_V, token_logprobs, triton_shards
 from isoexec_kernels.logprob.shards import leaf_sums, lse_from_leaf_sums, row_max, token_grad
 
-from .collectives import gather_in_rank_order, group_size_rank
+from .collectives import gather_columns_in_rank_order, gather_in_rank_order, group_size_rank
 from .partition import vocab_shard_range
 
 #: the schedules of ``isoexec_kernels.logprob.token_logprobs``: its reference (CPU) and its Triton
@@ -72,13 +71,6 @@ def _owner_pick(values: torch.Tensor, tg: torch.Tensor, bounds) -> torch.Tensor:
     starts = torch.tensor([a for a, _ in bounds[1:]], dtype=torch.long, device=tg.device)
     owner = (tg[:, None] >= starts[None, :]).sum(dim=1)
     return values[owner, torch.arange(tg.shape[0], device=tg.device)]
-
-
-def _gather_ragged(mine: torch.Tensor, counts: list[int], group, tp: int, rank: int) -> torch.Tensor:
-    """Every rank's ``[R, counts[r]]`` side by side in rank order, ``[R, sum(counts)]`` (padded to the
-    largest count for the gather, the padding dropped)."""
-    every = gather_in_rank_order(F.pad(mine, (0, max(counts) - counts[rank])), group, tp)
-    return torch.cat([every[r, :, :counts[r]] for r in range(tp)], dim=1)
 
 
 class _VocabLogprobFn(torch.autograd.Function):
@@ -99,8 +91,7 @@ class _VocabLogprobFn(torch.autograd.Function):
         counts = [_leaf_count(a, b) for a, b in bounds]
         mine = torch.cat([leaf_sums(z2[a:b].float(), m[a:b]) for a, b in chunks], dim=1) if R else \
             m.new_zeros((counts[rank], 0))
-        every = gather_in_rank_order(F.pad(mine, (0, 0, 0, max(counts) - counts[rank])), group, tp)
-        all_sums = torch.cat([every[r, :counts[r]] for r in range(tp)])  # every leaf, vocabulary order
+        all_sums = gather_columns_in_rank_order(mine.t(), counts, group, tp).t()  # every leaf, vocabulary order
         lse_rel = lse_from_leaf_sums(all_sums)
 
         own = (tg >= v0) & (tg < v1)
@@ -137,15 +128,16 @@ class _VocabLogprobTritonFn(torch.autograd.Function):
         # the target's logit as stored, in fp32 (the one-row kernel's load), from this rank or 0
         zt_mine = torch.where(own, z2.gather(1, local_t.clamp(0, v1 - v0 - 1)[:, None])[:, 0].float(),
                               torch.zeros(R, dtype=torch.float32, device=z2.device))
-        # one gather: this rank's chunk maxes, then its target logits in the last column
-        maxes = F.pad(triton_shards.chunk_maxes_triton(z2), (0, max(counts) - counts[rank]))
-        every = gather_in_rank_order(torch.cat([maxes, zt_mine[:, None]], dim=1), group, tp)
-        chunk_max = torch.cat([every[r, :, :counts[r]] for r in range(tp)], dim=1)   # vocabulary order
-        zt = _owner_pick(every[:, :, -1], tg, bounds)
+        # one gather: this rank's target logits (first column), then its chunk maxes
+        every = gather_columns_in_rank_order(torch.cat([zt_mine[:, None], triton_shards.chunk_maxes_triton(z2)], dim=1),
+                                             [1 + c for c in counts], group, tp)
+        starts = [sum(1 + c for c in counts[:r]) for r in range(tp)]
+        zt = _owner_pick(every[:, starts].t(), tg, bounds)
+        chunk_max = torch.cat([every[:, s + 1:s + 1 + c] for s, c in zip(starts, counts)], dim=1)   # vocabulary order
         prefix = triton_shards.prefix_maxes_triton(chunk_max)
         first = v0 // BLOCK_V
         sums = triton_shards.chunk_sums_triton(z2, prefix, first, vocab_size)
-        lp, stats = triton_shards.chain_triton(prefix, _gather_ragged(sums, counts, group, tp, rank), zt)
+        lp, stats = triton_shards.chain_triton(prefix, gather_columns_in_rank_order(sums, counts, group, tp), zt)
         ctx.save_for_backward(z2, local_t, stats)
         ctx.shape = logits.shape
         return lp.reshape(targets.shape)

@@ -73,7 +73,7 @@ from .. import registry
 from ..contract import K_LEAVES, ExecutionContract
 from ..dist import (all_reduce_row_parallel_linear, all_reduce_vocab_parallel_token_logprobs, column_shard_range,
                     replicated_input, row_parallel_linear, vocab_parallel_token_logprobs, vocab_shard_range)
-from ..dist.collectives import gather_in_rank_order, group_size_rank
+from ..dist.collectives import gather_columns_in_rank_order, group_size_rank
 from ..dist.lazy_parameters import ShardedView
 from ..enforce import ExecutionPlan, RuntimeFacts, check_topology
 from ..envinfo import runtime_arch
@@ -211,12 +211,7 @@ class _WholeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, part, ranges, group, rank):
         ctx.cols = ranges[rank]
-        tp = len(ranges)
-        width = max(b - a for a, b in ranges)
-        padded = part.new_zeros(part.shape[0], width)
-        padded[:, :part.shape[1]] = part
-        parts = gather_in_rank_order(padded, group, tp)
-        return torch.cat([parts[r, :, :b - a] for r, (a, b) in enumerate(ranges)], dim=-1)
+        return gather_columns_in_rank_order(part, [b - a for a, b in ranges], group, len(ranges))
 
     @staticmethod
     def backward(ctx, grad):

@@ -28,6 +28,7 @@ in the test process. Contracts and model configs come built in the job.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 
 sys.modules.setdefault("fla", None)
@@ -85,11 +86,12 @@ def model_and_contract(family: str, dtype, composition: str = COMPOSITION):
     return tw.model_and_contract(dtype, composition, MODELS[family])
 
 
-def counted_sums(fn):
-    """``(fn(), {"leaves": calls, "all_reduce": calls})``: ``fn`` run with the two row-parallel sums
-    of tp_dense (where every tensor-parallel model calls them, ``_row_parallel``) counted."""
-    calls = {"leaves": 0, "all_reduce": 0}
-    real = tp_dense.row_parallel_linear, tp_dense.all_reduce_row_parallel_linear
+def counted_calls(fn, targets: dict):
+    """``(fn(), {name: calls})``: ``fn`` run with each of ``targets`` (``name: (owner, attribute)``,
+    looked up at call time where tp_dense calls it) wrapped to count its calls, then restored as it
+    was (a class's own descriptor included)."""
+    calls = {name: 0 for name in targets}
+    saved = {name: inspect.getattr_static(owner, attr) for name, (owner, attr) in targets.items()}
 
     def counting(name, f):
         def run(*a, **kw):
@@ -97,12 +99,20 @@ def counted_sums(fn):
             return f(*a, **kw)
         return run
 
-    tp_dense.row_parallel_linear = counting("leaves", real[0])
-    tp_dense.all_reduce_row_parallel_linear = counting("all_reduce", real[1])
+    for name, (owner, attr) in targets.items():
+        setattr(owner, attr, counting(name, getattr(owner, attr)))
     try:
         return fn(), calls
     finally:
-        tp_dense.row_parallel_linear, tp_dense.all_reduce_row_parallel_linear = real
+        for name, (owner, attr) in targets.items():
+            setattr(owner, attr, saved[name])
+
+
+def counted_sums(fn):
+    """``(fn(), {"leaves": calls, "all_reduce": calls})``: ``fn`` run with the two row-parallel sums
+    of tp_dense (where every tensor-parallel model calls them, ``_row_parallel``) counted."""
+    return counted_calls(fn, {"leaves": (tp_dense, "row_parallel_linear"),
+                              "all_reduce": (tp_dense, "all_reduce_row_parallel_linear")})
 
 
 def serve(family: str, model, contract) -> dict:
@@ -123,21 +133,10 @@ def trainer(tpm) -> dict:
     o_proj shard (layer 0) and of the embedding rows of its vocabulary slice (tied to the lm_head)
     after a backward of the token logprobs' sum; and how often the stock vocabulary-parallel logprob
     ran and whole logits rows were gathered meanwhile."""
-    calls = {"vocab_all_reduce": 0, "whole_rows": 0}
-    real = tp_dense.all_reduce_vocab_parallel_token_logprobs, tp_dense._WholeRows.apply
-
-    def counting(name, f):
-        def run(*a, **kw):
-            calls[name] += 1
-            return f(*a, **kw)
-        return run
-
-    tp_dense.all_reduce_vocab_parallel_token_logprobs = counting("vocab_all_reduce", real[0])
-    tp_dense._WholeRows.apply = counting("whole_rows", real[1])
-    try:
-        return {**_trainer(tpm), "calls": calls}
-    finally:
-        tp_dense.all_reduce_vocab_parallel_token_logprobs, tp_dense._WholeRows.apply = real
+    res, calls = counted_calls(lambda: _trainer(tpm), {
+        "vocab_all_reduce": (tp_dense, "all_reduce_vocab_parallel_token_logprobs"),
+        "whole_rows": (tp_dense._WholeRows, "apply")})
+    return {**res, "calls": calls}
 
 
 def _trainer(tpm) -> dict:
