@@ -378,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pp = sub.add_parser("plan", help="memory per GPU of a workflow config's runs (exit 1 if one does not fit)")
     pp.add_argument("--config", required=True, help="workflow config YAML (configs/paper.yaml, configs/h200.yaml, ...)")
-    pp.add_argument("--gpu-memory-gib", type=float, help="memory of one GPU in GiB (default: 80, an H100 80 GB)")
+    pp.add_argument("--gpu-memory-gib", type=float,
+                    help="memory of one GPU in GiB (default: the config's gpu_memory_gib, else 80, an H100 80 GB)")
     pp.add_argument("--markdown", help="also write the plan as markdown to this file")
     pp.set_defaults(func=cmd_plan)
 

@@ -23,13 +23,16 @@ class MemoryPlan:
 
 def memory_plan(config_path: str, gpu_memory_gib: float | None = None) -> MemoryPlan:
     """Plan the runs of the workflow config at ``config_path`` on GPUs of ``gpu_memory_gib`` GiB
-    (default: the figure for the config's arch, ``rows.DEFAULT_GPU_MEMORY_GIB``)."""
+    (default: the config's own ``gpu_memory_gib``, else the figure for its arch,
+    ``rows.DEFAULT_GPU_MEMORY_GIB``)."""
     if gpu_memory_gib is not None and not gpu_memory_gib > 0:
         raise ConfigError(f"--gpu-memory-gib {gpu_memory_gib}: must be a positive number of GiB")
-    wf = read_workflow_config(config_path)
-    if gpu_memory_gib is None:
+    wf = read_workflow_config(config_path)     # its schema refuses a gpu_memory_gib that is not > 0
+    if gpu_memory_gib is not None:
+        gib, note = gpu_memory_gib, "--gpu-memory-gib"
+    elif wf.gpu_memory_gib is not None:
+        gib, note = wf.gpu_memory_gib, "gpu_memory_gib of the config; --gpu-memory-gib overrides it"
+    else:
         gib, why = default_gpu_memory(wf.arch)
         note = f"default for arch {wf.arch}: {why}; set with --gpu-memory-gib"
-    else:
-        gib, note = gpu_memory_gib, "--gpu-memory-gib"
     return MemoryPlan(wf, [plan_row(s, int(gib * GIB)) for s in wf.shapes], gib, note)

@@ -92,6 +92,7 @@ class WorkflowPlan:
     merged_over: str | None
     shapes: list[RunShape] = field(default_factory=list)
     nodes: int = 1
+    gpu_memory_gib: float | None = None     # the config's `gpu_memory_gib`: one GPU's memory (None: not set)
 
     @property
     def dp(self) -> int:
@@ -160,7 +161,8 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
     dataset = rl.get("dataset", _default(schema, "rl", "dataset"))
     seed = int((rl.get("seeds") or [0])[0])
     plan = WorkflowPlan(path=path, run_name=data["run_name"], arch=arch, gpus=gpus, nodes=nodes,
-                        rl_enabled=bool(rl.get("enabled", False)), merged_over=merged_over)
+                        rl_enabled=bool(rl.get("enabled", False)), merged_over=merged_over,
+                        gpu_memory_gib=data.get("gpu_memory_gib"))
     rows: dict[tuple, RunShape] = {}
     for family in families:
         name = data["models"][family]

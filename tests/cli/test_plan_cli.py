@@ -55,6 +55,23 @@ def test_the_gpu_memory_option_replaces_the_default(tmp_path, capsys):
     assert "GPU memory: 80 GiB per GPU (default for arch cpu" in capsys.readouterr().out
 
 
+def test_the_configs_gpu_memory_replaces_the_default_and_the_option_replaces_it(tmp_path, capsys):
+    assert main(["plan", "--config", _config(tmp_path, gpu_memory_gib=0.001)]) == 1
+    out = capsys.readouterr().out
+    assert "GPU memory: 0.001 GiB per GPU (gpu_memory_gib of the config; --gpu-memory-gib overrides it)" in out
+    assert "does not fit" in out
+    assert main(["plan", "--config", _config(tmp_path, gpu_memory_gib=0.001), "--gpu-memory-gib", "80"]) == 0
+    assert "GPU memory: 80 GiB per GPU (--gpu-memory-gib)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value,needle", [(0, "0 is less than or equal to the minimum of 0"),
+                                          (-1, "-1 is less than or equal to the minimum of 0"),
+                                          ("lots", "'lots' is not of type 'number'"),
+                                          (True, "True is not of type 'number'")])
+def test_a_bad_gpu_memory_in_the_config_is_one_line(tmp_path, capsys, value, needle):
+    _refused(capsys, ["plan", "--config", _config(tmp_path, gpu_memory_gib=value)], "$.gpu_memory_gib", needle)
+
+
 def test_an_unknown_config_path_is_one_line(tmp_path, capsys):
     _refused(capsys, ["plan", "--config", str(tmp_path / "nope.yaml")], "nope.yaml", "not found")
 

@@ -91,6 +91,48 @@ def test_two_gpu_config_plans_the_tensor_parallel_pair_under_torchrun_on_two_gpu
         {"native_tp4": 2, "isoexec_tp4": 2}
 
 
+def test_eight_gpu_config_plans_every_familys_tensor_parallel_pair_under_torchrun_on_eight_gpus(tmp_path):
+    """configs/h200x8.yaml (the 8-GPU run): the native_tp4 / isoexec_tp4 pair of all four families at
+    the paper's model sizes, each engine at TP = 2, runs under torchrun on the machine's eight GPUs,
+    from random weights with no warm-up job."""
+    wf = copy_workflow(tmp_path)
+    r = snakemake(wf, "-n", "--configfile", "configs/h200x8.yaml")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = re.findall(r"^Job \d+: rl_run (\w+) (\w+) seed (\d+) on 8 GPUs: (.*)$", r.stdout, re.M)
+    assert len(lines) == job_stats(r.stdout)["rl_run"]
+    assert sorted((f, a) for f, a, _, _ in lines) == [(f, a) for f in sorted(FAMILIES) for a in ("isoexec", "native")]
+    for fam, arm, seed, cmd in lines:
+        out = f"results/h200x8/runs/{fam}/{arm}/seed{seed}"
+        assert cmd == (f"torchrun --standalone --nproc_per_node=8 -m isoexec.cli run --config {out}/rl_config.json "
+                       f"--out {out}"), cmd
+    assert "rl_warmup" not in job_stats(r.stdout)      # warmup_sft_steps: 0, no one-GPU warm-up of a 35B model
+    cfg = yaml.safe_load((REPO / "configs/h200x8.yaml").read_text())
+    assert cfg["gpus"] == 8 and {a["composition"]: a["settings"]["engine_tp"] for a in cfg["rl"]["arms"].values()} == \
+        {"native_tp4": 2, "isoexec_tp4": 2}
+    paper = yaml.safe_load((REPO / "configs/paper.yaml").read_text())
+    assert cfg["models"] == paper["models"] and cfg["rl"]["settings"]["steps"] >= 10
+
+
+def test_eight_gpu_config_fits_the_plan_on_h200s(tmp_path):
+    """`isoexec plan --config configs/h200x8.yaml` (the config's gpu_memory_gib: 139): a row per
+    family and distinct arm, each at dp 8 and engine TP 2, and every one fits; with the engines
+    whole (engine_tp 1) hybrid_moe's rows do not."""
+    from isoexec.plan import memory_plan
+
+    plan = memory_plan(str(REPO / "configs/h200x8.yaml"))
+    assert plan.gpu_gib == 139 and plan.gpu_note.startswith("gpu_memory_gib of the config")
+    assert {r.shape.family for r in plan.rows} == set(FAMILIES)
+    assert {a for r in plan.rows for a in r.shape.arms} == {"isoexec", "native"}
+    assert all((r.shape.dp, r.shape.engine_tp) == (8, 2) for r in plan.rows)
+    assert plan.fits, [(r.shape.family, r.shape.arms, r.verdict()) for r in plan.rows if not r.fits]
+    cfg = yaml.safe_load((REPO / "configs/h200x8.yaml").read_text())
+    for arm in cfg["rl"]["arms"].values():
+        arm["settings"]["engine_tp"] = 1
+    (tmp_path / "whole.yaml").write_text(yaml.safe_dump(cfg))
+    whole = memory_plan(str(tmp_path / "whole.yaml"))
+    assert sorted(r.shape.family for r in whole.rows if not r.fits) == ["hybrid_moe", "hybrid_moe"]
+
+
 def test_one_gpu_and_cpu_runs_stay_one_process(tmp_path):
     wf = copy_workflow(tmp_path)
     r = snakemake(wf, "-n", "--configfile", "configs/h200.yaml")   # gpus: 1
