@@ -60,6 +60,8 @@ VARIANTS = {   # name: (decode, the state's value dtype)
     # row-inverse and W/M parts in 64-column blocks, W/M on 4 warps)
     "rows_before_57e4664": (_row_decode(row_bv=64, row_warps=2, stack=False, inv_bk=64, wm_bk=64, wm_warps=4),
                             torch.bfloat16),
+    # the completion kernel with a program per lane (and head), as before COMPLETE_LANES
+    "complete_lanes1": (_row_decode(complete_lanes=1), torch.bfloat16),
 }
 """Decode choices besides the pinned one, each checked for bits against the trainer and the pinned
 decode and timed in the same run."""

@@ -376,45 +376,56 @@ def _cpr4_row_kernel(
 
 @jit
 def _cpr4_complete_kernel(
-    k_ptr, gc_ptr, s_ptr, sop_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, H, DK, DV,
-    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, VT_PER: tl.constexpr,
+    k_ptr, gc_ptr, s_ptr, sop_ptr, vn_ptr, fill_ptr, slot_ptr, pos_ptr, B, H, DK, DV,
+    C: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, VT_PER: tl.constexpr, LANES: tl.constexpr,
     OP_DT: tl.constexpr, DOT_DT: tl.constexpr, PREC: tl.constexpr, HAS_OP: tl.constexpr,
 ):
-    # One program per (VT_PER Dv tiles, value head h, lane b), after the row kernel: where this step
-    # completed the chunk (t = C - 1), the boundary carried across it as the state kernel carries it
-    # (the decay on the Vn side from the unrounded Vn rows, k read as it is, the old state as the
-    # dot's accumulator), tile by tile; every other program returns at once (most of them: one lane
-    # in C completes a chunk per step, so VT_PER > 1 launches fewer programs that do nothing). A
-    # kernel of its own, not a branch of the row kernel: there its tiles raised the registers of every
-    # step (H200, efdb0dd: the row kernel 0.92 ms per step instead of 0.73). The step's last kernel,
-    # its first program per lane moves the slot's fill on.
+    # One program per (VT_PER Dv tiles, value head h, LANES lanes), after the row kernel: for each
+    # of its lanes b where this step completed the chunk (t = C - 1), the boundary carried across it
+    # as the state kernel carries it (the decay on the Vn side from the unrounded Vn rows, k read as
+    # it is, the old state as the dot's accumulator), tile by tile; the other lanes are skipped. One
+    # lane in C completes a chunk per step, so most programs of a program-per-lane grid had nothing
+    # to do, and launching them was most of this kernel's time (0.026 ms a step at 256 lanes on the
+    # H200, 1345a25): LANES > 1 and VT_PER > 1 launch fewer. Which program carries a lane changes
+    # nothing in its arithmetic. A kernel of its own, not a branch of the row kernel: there its tiles
+    # raised the registers of every step (H200, efdb0dd: the row kernel 0.92 ms per step instead of
+    # 0.73). The step's last kernel: the head-0, first-tile program of each lane moves its fill on.
     vp = tl.program_id(0)
     h = tl.program_id(1)
-    b = tl.program_id(2)
-    t = tl.load(pos_ptr + b)
-    s = tl.load(slot_ptr + b).to(tl.int64)
-    tl.store(fill_ptr + s, (t + 1) % C, mask=(vp == 0) & (h == 0))
-    if t != C - 1:
-        return
-    r0 = s * C
     rows = tl.arange(0, C)
     dk = tl.arange(0, DKP)
     km = dk < DK
-    G = tl.load(gc_ptr + (r0 + rows) * H + h)
-    gl = tl.load(gc_ptr + (r0 + C - 1) * H + h)
-    Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None], other=0.0)
-    for j in tl.static_range(VT_PER):
-        dv = (vp * VT_PER + j) * BV + tl.arange(0, BV)
-        vm = dv < DV
-        Vn = tl.load(vn_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=vm[None, :], other=0.0)
-        Vd = Vn * tl.exp(gl - G)[:, None]
-        sp = s_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
-        S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
-        Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl), input_precision=PREC)
-        tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
-        if HAS_OP:   # the operand copy the row kernel reads (round to nearest even, as torch's)
-            sq = sop_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
-            tl.store(sq, Sn.to(sop_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
+    # the program's lanes' positions and slots in one load each (not one dependent load a lane)
+    lane = tl.arange(0, LANES)
+    bs = tl.program_id(2) * LANES + lane
+    live = bs < B
+    ts = tl.load(pos_ptr + bs, mask=live, other=0)
+    ss = tl.load(slot_ptr + bs, mask=live, other=0).to(tl.int64)
+    tl.store(fill_ptr + ss, (ts + 1) % C, mask=live & (vp == 0) & (h == 0))
+    due = live & (ts == C - 1)
+    if tl.sum(due.to(tl.int32), axis=0) > 0:   # most programs: none of their lanes completes
+        for li in tl.range(0, LANES, num_stages=1):   # one lane at a time: no software pipelining across lanes
+            if tl.sum((due & (lane == li)).to(tl.int32), axis=0) > 0:
+                s = tl.sum(tl.where(lane == li, ss, 0), axis=0)
+                r0 = s * C
+                G = tl.load(gc_ptr + (r0 + rows) * H + h)
+                gl = tl.load(gc_ptr + (r0 + C - 1) * H + h)
+                Kt = tl.load(k_ptr + ((r0 + rows[None, :]) * H + h) * DK + dk[:, None], mask=km[:, None],
+                             other=0.0)
+                for j in tl.static_range(VT_PER):
+                    dv = (vp * VT_PER + j) * BV + tl.arange(0, BV)
+                    vm = dv < DV
+                    Vn = tl.load(vn_ptr + ((r0 + rows[:, None]) * H + h) * DV + dv[None, :], mask=vm[None, :],
+                                 other=0.0)
+                    Vd = Vn * tl.exp(gl - G)[:, None]
+                    sp = s_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+                    S = tl.load(sp, mask=km[:, None] & vm[None, :], other=0.0)
+                    Sn = tl.dot(Kt.to(OP_DT).to(DOT_DT), Vd.to(OP_DT).to(DOT_DT), S * tl.exp(gl),
+                                input_precision=PREC)
+                    tl.store(sp, Sn, mask=km[:, None] & vm[None, :])
+                    if HAS_OP:   # the operand copy the row kernel reads (round to nearest even, as torch's)
+                        sq = sop_ptr + (s * H + h) * (DK * DV) + dk[:, None] * DV + dv[None, :]
+                        tl.store(sq, Sn.to(sop_ptr.dtype.element_ty), mask=km[:, None] & vm[None, :])
 
 
 def append_token(state: GDNState, q, k, v, g, beta, slots) -> tuple[torch.Tensor, torch.Tensor]:
@@ -492,6 +503,14 @@ H200 at c158c85, decode of 256 lanes in graphs (Dv 128: four of the fp32 state k
 tiles): 0.4491 ms at 1, 0.4483 at 2, 0.4441 at 4, the same bits. The row-inverse and W/M parts as
 one launch (``FUSED_PREP``) took 0.5193 ms, the same bits."""
 
+COMPLETE_LANES = 8
+"""Lanes per program of the completion kernel (a power of two): their positions and slots are read
+in one load each, and only a program with a completing lane loops over its lanes (at 1: a program
+per lane and head, 8,192 at 256 lanes x 32 heads, most of which only move the fill on). H100 at
+c5f7fe1 + this change (``scripts/cpr4_probe.py``, decode of 256 lanes in graphs): 0.4106 ms at 8
+against 0.4165 at 1, 0 differing outputs, boundaries and graph replays; ``isoexec bench cpr`` decode
+0.4076 ms against 0.4152 before (results/h100/PROVENANCE.md)."""
+
 
 def check_chunk_form_state(state: GDNState, v: torch.Tensor) -> None:
     """A state version 4 can run on: the open chunk's queries and rows of Vn and T allocated, and
@@ -515,7 +534,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
                             wm_warps: int | None = None, row_bv: int | None = None,
                             s_once: bool | None = None, fused_prep: bool | None = None,
                             complete_tiles: int | None = None, stack: bool | None = None,
-                            inv_bk: int | None = None, wm_bk: int | None = None) -> torch.Tensor:
+                            inv_bk: int | None = None, wm_bk: int | None = None,
+                            complete_lanes: int | None = None) -> torch.Tensor:
     """Engine decode by rows (module docstring), one token per lane; ``choice`` the pinned
     ``NativeWYChoice`` (CPR version 4's); ``row_tile``: rows of the operand tiles (default
     ``ROW_TILE``, at most C); ``row_warps`` / ``wm_warps``: the row and W/M kernels' warps (default
@@ -523,7 +543,8 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     ``s_once``: the row kernel's q S as one dot over Dk from the state tile it
     already holds (default: on a GPU) instead of BK blocks read again; ``fused_prep``: the row-inverse
     and W/M parts as one launch on the inverse kernel's warps (default ``FUSED_PREP``);
-    ``complete_tiles``: Dv tiles per completion program (default ``COMPLETE_TILES``); ``stack``: the
+    ``complete_tiles`` / ``complete_lanes``: Dv tiles and lanes per completion program (default
+    ``COMPLETE_TILES`` / ``COMPLETE_LANES``); ``stack``: the
     row kernel's W_t S and q_t S as one dot (default ``ROW_STACK``; with ``s_once`` only); ``inv_bk`` /
     ``wm_bk``: the Dk blocks of the row-inverse and W/M parts on a GPU (default ``INV_BK`` / ``WM_BK``,
     at most the choice's BK).
@@ -531,6 +552,9 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     graph can capture it); padded lanes point at a scratch slot and touch only that slot."""
     check_chunk_form_state(state, v)
     C = chunk
+    lanes = complete_lanes or COMPLETE_LANES
+    if lanes < 1 or lanes & (lanes - 1):   # before anything is written to the state
+        raise ValueError(f"complete_lanes must be a power of two, got {lanes}")
     B = q.shape[0]
     S_, H, Dk = state.buf_k.shape[0], state.buf_k.shape[2], state.buf_k.shape[3]
     Dv = state.buf_v.shape[3]
@@ -587,12 +611,14 @@ def cpr4_decode_rows_triton(q, k, v, g, beta, slots, state: GDNState, choice, *,
     sbv = state_tile(choice, torch.float32, DVP)
     n_vt = -(-Dv // sbv)
     per = min(complete_tiles or COMPLETE_TILES, n_vt)
-    _cpr4_complete_kernel[(-(-n_vt // per), H, B)](
+    lanes = min(lanes, next_pow2(B))
+    _cpr4_complete_kernel[(-(-n_vt // per), H, -(-B // lanes))](
         bk, gc, state.boundary, s_op, state.buf_vn, state.fill, sl, pos32,
-        H, Dk, Dv, C=C, DKP=DKP, BV=sbv, VT_PER=per, **num, HAS_OP=copies, num_warps=choice.state_warps)
+        B, H, Dk, Dv, C=C, DKP=DKP, BV=sbv, VT_PER=per, LANES=lanes, **num, HAS_OP=copies,
+        num_warps=choice.state_warps)
     return o
 
 
-__all__ = ["COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_BV", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_chunk_form_state",
+__all__ = ["COMPLETE_LANES", "COMPLETE_TILES", "FUSED_PREP", "INV_BK", "ROW_BV", "ROW_STACK", "ROW_TILE", "ROW_WARPS", "WM_BK", "WM_WARPS", "append_token", "check_chunk_form_state",
            "check_value_dtype",
            "cpr4_decode_rows_triton"]

@@ -222,6 +222,25 @@ def test_the_triton_engine_prefill_refuses_two_sequences_on_one_slot_before_any_
     assert all(torch.equal(a, b) for a, b in zip(before, st.tensors())), "the refused call changed the state"
 
 
+def test_the_row_decode_refuses_a_completion_lane_count_that_is_no_power_of_two_before_any_launch():
+    C4 = _cpr4()
+    inp = make_inputs([3], Hk=1, H=2, Dk=16, Dv=16, seed=45, v_dtype=torch.bfloat16)
+    st = GDNState.allocate(2, 2, 16, 16, "cpu", chunk=16, with_q=True, value_dtype=torch.bfloat16)
+    before = [t.clone() for t in st.tensors()]
+    with pytest.raises(ValueError, match="complete_lanes must be a power of two, got 3"):
+        _decode_rows(complete_lanes=3)(*(x[:1] for x in inp[:5]), torch.tensor([1]), st, chunk=16)
+    assert all(torch.equal(a, b) for a, b in zip(before, st.tensors())), "the refused call changed the state"
+
+
+def _decode_rows(**kw):
+    """The row decode with the pinned choice and ``kw`` (cpr4_decode_rows_triton's options)."""
+    from isoexec_kernels.gdn_core import cpr_row_decode as RD
+
+    def dec(q, k, v, g, beta, sl, state, *, chunk):
+        return RD.cpr4_decode_rows_triton(q, k, v, g, beta, sl, state, _cpr4().CPR4_CHOICE, chunk=chunk, **kw)
+    return dec
+
+
 def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
     C4 = _cpr4()
     # C = 16 (lens [26, 5, 35]): a prefill piece across a chunk boundary from a partly filled chunk
@@ -231,8 +250,10 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
     # C = 64 (lens [70]): a piece across the boundary from a partly filled chunk, then decode steps
     # (C = 64 decode in every row block and its completion: the row decode case; lanes side by side:
     # C = 16)
-    plan16 = [("prefill", {0: 5, 1: 0, 2: 2}), ("prefill", {0: 8, 2: 27}), ("decode", [0, 1, 2]),
-              ("decode", [0, 2]), ("decode", [0, 1, 2]), ("prefill", {0: 6, 1: 2}), ("decode", [0, 1, 2]),
+    # (the decode lists' order is the lanes': sequences 2 and 0, which complete chunks, on lanes 1
+    # and 2, so that with two lanes per completion program they sit in different programs)
+    plan16 = [("prefill", {0: 5, 1: 0, 2: 2}), ("prefill", {0: 8, 2: 27}), ("decode", [1, 2, 0]),
+              ("decode", [2, 0]), ("decode", [1, 2, 0]), ("prefill", {0: 6, 1: 2}), ("decode", [1, 2, 0]),
               ("prefill", {0: 2, 2: 2}), ("decode", [0])]
     plan64 = [("prefill", {0: 30}), ("prefill", {0: 37})] + [("decode", [0])] * 3
     for C, lens, seed, plan in ((16, [26, 5, 35], 30, plan16), (64, [70], 31, plan64)):
@@ -242,7 +263,9 @@ def interp_case_cpr4_trainer_engine_split_and_decode_give_the_same_bits(kb):
         assert kb.rel_l2(trainer, want) < 3e-2, "bf16 operands (truncated by the interpreter)"
         st = GDNState.allocate(len(lens) + 2, 2, 16, 16, "cpu", chunk=C, with_q=True)
         slots = list(range(len(lens) + 1, 0, -1))[:len(lens)]
-        o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, C4.cpr4_decode_triton, C)
+        # three lanes on completion programs of two lanes each: the second program's block is
+        # partial, and the two lanes that complete a chunk in one step fall in either program
+        o = run_engine(inp, lens, plan, slots, st, C4.cpr4_engine_triton, _decode_rows(complete_lanes=2), C)
         kb.assert_bitwise(o, trainer, f"engine split + decode by rows == trainer, C={C}")
         # (the prefix decode, the row decode's yardstick on the GPU, gives the trainer's bits in the
         # next two cases: fp32 values, and bf16 values in a bf16 value buffer)
@@ -317,9 +340,11 @@ def interp_case_cpr4_decode_choices_and_a_bf16_value_buffer_keep_the_trainer_bit
     # complete_tiles=2 (until this was cut for the CPU's time) made the bf16 value buffer run's
     # launches, with the fp32 value buffer the other cases take; the fused-prep run asks for 2
     # explicitly, so that it stays covered if the default changes
-    assert min(RD.COMPLETE_TILES, 64 // 32) == 2
+    assert min(RD.COMPLETE_TILES, 64 // 32) == 2 and RD.COMPLETE_LANES >= len(slots)
     for label, kw, vdt in (("fused prep, two Dv tiles per completion program", dict(fused_prep=True, complete_tiles=2),
                             torch.float32),
+                           # a completion program per lane (the two lanes share one by default)
+                           ("one lane per completion program", dict(complete_lanes=1), torch.float32),
                            ("bf16 value buffer", {}, torch.bfloat16),
                            ("by prefix, bf16 value buffer", None, torch.bfloat16)):
         def dec(q, k, v, g, beta, sl, state, *, chunk):
