@@ -33,6 +33,13 @@ from launch import nodes_error  # noqa: E402 - workflow/scripts/launch.py
 if _nodes_error := nodes_error(config):
     raise WorkflowError(_nodes_error)
 
+# the per-family keys (rl.family_settings, gates.models) likewise, one line naming the key: their family
+# names, and the gate models (they must exist and have the run models' layer dimensions)
+from config_checks import per_family_error  # noqa: E402 - workflow/scripts/config_checks.py
+
+if _family_error := per_family_error(config, f"{workflow.basedir}/workflow/schemas/config.schema.yaml"):
+    raise WorkflowError(_family_error)
+
 validate(config, "workflow/schemas/config.schema.yaml")
 
 

@@ -9,16 +9,17 @@ The config is read as the workflow reads it, so the plan is of the runs Snakemak
 2. checked against the workflow's schema (``workflow/schemas/config.schema.yaml``, which refers to the
    package's RL schema for ``rl.settings``), its defaults filled in for the keys read here;
 3. per family and arm (``rl.arms``, by default one per composition), the settings a run gets
-   (``rl.settings`` with the arm's overrides, as ``workflow/rules/common.smk: rl_settings``), checked by
-   ``RLConfig.from_dict``; the engine it builds is ``rl.loop.engine_config``; the page size and GDN
-   chunk are those of the arm's contract.
+   (``rl.settings``, then the family's ``rl.family_settings`` overrides, then the arm's, as
+   ``workflow/rules/common.smk: arm_settings``), checked by ``RLConfig.from_dict``; the engine it
+   builds is ``rl.loop.engine_config``; the page size and GDN chunk are those of the arm's contract.
 
 ``gpus`` (per node) times ``nodes`` is the data-parallel size of the trainer (FSDP2). The engine is whole on every GPU, or,
-with ``rl.settings.engine_tp: t`` (any family), sharded over t GPUs: its weights are
+with ``engine_tp: t`` in a run's settings (any family), sharded over t GPUs: its weights are
 the largest rank's shards (``tensor_parallel.rank_parameter_count``), its KV pages hold
 ``num_kv_heads / t`` heads and its recurrent-state slots ``1 / t`` of the value heads and conv channels.
-With ``rl.settings.trainer_ep: e`` (the MoE families) the trainer is the expert-parallel one: the
-routed experts over groups of e GPUs (``expert_slices``), the rest sharded by FSDP2 over every GPU.
+With ``trainer_ep: e`` (the MoE families, e.g. in ``rl.family_settings``) the trainer is the
+expert-parallel one: the routed experts over groups of e GPUs (``expert_slices``), the rest sharded
+by FSDP2 over every GPU.
 Settings either run would refuse are refused here by the run's own checks: ``check_trainer_ep``
 (e must divide the world, and a one-process run has no experts to deal) and, as
 ``ExpertParallelTrainer`` does before its meshes, ``ep_moe.check_ep`` on the model with the arm's
@@ -158,6 +159,7 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
     if missing:
         raise ConfigError(f"{what} {path!r}: `models` has no entry for {', '.join(missing)}")
     arms = rl.get("arms") or {c: {"composition": c} for c in compositions}   # the workflow's default arms
+    family_settings = rl.get("family_settings") or {}
     dataset = rl.get("dataset", _default(schema, "rl", "dataset"))
     seed = int((rl.get("seeds") or [0])[0])
     plan = WorkflowPlan(path=path, run_name=data["run_name"], arch=arch, gpus=gpus, nodes=nodes,
@@ -172,7 +174,8 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
         cfg = FAMILY_CONFIGS[family].from_hf(model["hf_config"])
         for arm, spec in arms.items():
             comp = spec["composition"]
-            settings = merge_config(rl.get("settings") or {}, spec.get("settings") or {})
+            settings = merge_config(merge_config(rl.get("settings") or {}, family_settings.get(family) or {}),
+                                    spec.get("settings") or {})
             where = f"{what} {path!r}: rl settings of {family} arm {arm}"
             try:
                 run = RLConfig.from_dict({**settings, "family": family, "composition": comp, "model": name,

@@ -140,3 +140,47 @@ def test_a_pair_under_tensor_parallelism_is_planned_with_its_engine_cut(tmp_path
     d["compositions"] = ["native"]
     with pytest.raises(ConfigError, match="rl settings of dense arm native: topology refused: tp=2"):
         read_workflow_config(_write(tmp_path, d, "native.yaml"))
+
+
+def test_family_settings_come_between_the_shared_settings_and_the_arms(tmp_path):
+    """rl.family_settings: a family's overrides over rl.settings (mappings merged key by key), an
+    arm's over both; the other families keep rl.settings."""
+    d = tiny(families=["dense", "mla_moe"], models={"dense": "dense_tiny", "mla_moe": "mla_moe_tiny"})
+    d["rl"]["settings"]["engine"] = {"max_num_seqs": 8}
+    d["rl"]["family_settings"] = {"mla_moe": {"engine": {"num_pages": 100}, "max_response_tokens": 24}}
+    d["rl"]["arms"] = {"iso": {"composition": "isoexec"},
+                       "small": {"composition": "native", "settings": {"engine": {"num_pages": 50}}}}
+    rows = {(s.family, s.arms): s for s in read_workflow_config(_write(tmp_path, d)).shapes}
+    default_pages = 8 * 40 // 16 + 64
+    assert {k: (s.num_pages, s.max_num_seqs, s.longest_sequence) for k, s in rows.items()} == {
+        ("dense", ("iso",)): (default_pages, 8, 40), ("dense", ("small",)): (50, 8, 40),
+        ("mla_moe", ("iso",)): (100, 8, 48), ("mla_moe", ("small",)): (50, 8, 48)}
+
+
+def test_trainer_ep_for_the_moe_families_alone(tmp_path):
+    """trainer_ep where only the families with routed experts take it: under isoexec_ep4 the mla_moe
+    row is planned at ep 2 and hybrid_moe's at ep 1. The same setting for every family would be
+    refused for one without routed experts, and the tensor-parallel compositions, which pin ep to 1,
+    refuse it for a MoE family (configs/h200x8.yaml's pair: its MoE families cannot take trainer_ep)."""
+    d = tiny(arch="sm90", gpus=2, families=["mla_moe", "hybrid_moe"], compositions=["isoexec_ep4"],
+             models={"mla_moe": "mla_moe_tiny", "hybrid_moe": "hybrid_moe_tiny"})
+    d["rl"]["family_settings"] = {"mla_moe": {"trainer_ep": 2}}
+    rows = {s.family: s.trainer_ep for s in read_workflow_config(_write(tmp_path, d)).shapes}
+    assert rows == {"mla_moe": 2, "hybrid_moe": 1}
+    d = tiny(arch="sm90", gpus=2, families=["mla_moe"], compositions=["isoexec_tp4", "native_tp4"],
+             models={"mla_moe": "mla_moe_tp_tiny"})
+    d["rl"]["family_settings"] = {"mla_moe": {"trainer_ep": 2}}
+    with pytest.raises(ConfigError, match=r"rl settings of mla_moe arm isoexec_tp4: topology refused: ep=2 is not in "
+                                          r"the proven domain \[1\]"):
+        read_workflow_config(_write(tmp_path, d, "tp4.yaml"))
+
+
+def test_an_unknown_family_in_family_settings_is_refused_in_one_line(tmp_path):
+    d = tiny()
+    d["rl"]["family_settings"] = {"moe": {"steps": 2}}
+    with pytest.raises(ConfigError, match=r"\$\.rl\.family_settings.*'moe' is not one of") as e:
+        read_workflow_config(_write(tmp_path, d))
+    assert "\n" not in str(e.value)
+    d["rl"]["family_settings"] = {"dense": {"trainer_ep": "eight"}}
+    with pytest.raises(ConfigError, match=r"rl\.family_settings\.dense\.trainer_ep: 'eight' is not of type 'integer'"):
+        read_workflow_config(_write(tmp_path, d, "type.yaml"))

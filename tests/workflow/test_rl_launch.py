@@ -111,6 +111,13 @@ def test_eight_gpu_config_plans_every_familys_tensor_parallel_pair_under_torchru
         {"native_tp4": 2, "isoexec_tp4": 2}
     paper = yaml.safe_load((REPO / "configs/paper.yaml").read_text())
     assert cfg["models"] == paper["models"] and cfg["rl"]["settings"]["steps"] >= 10
+    # the gates of every family run its layer-dimension model (gates.models), the runs the paper's
+    gates = {re.search(r"wildcards: family=(\w+)", j).group(1): j for j in r.stdout.split("rule gates:\n")[1:]}
+    assert sorted(gates) == sorted(FAMILIES)
+    for fam, job in gates.items():
+        want = cfg["gates"]["models"][fam]
+        assert want.endswith("_dims") and f"configs/models/{want}.yaml" in job.split("\n[", 1)[0], (fam, job)
+        assert f"configs/models/{cfg['models'][fam]}.yaml" not in job.split("\n[", 1)[0], (fam, job)
 
 
 def test_eight_gpu_config_fits_the_plan_on_h200s(tmp_path):

@@ -328,7 +328,7 @@ def test_schema_fills_defaults(wf):
     assert cfg["results_dir"] == "results" and cfg["figures_dir"] == "paper_figures"
 
 
-@pytest.mark.parametrize("name", ["config", "h200", "paper"])
+@pytest.mark.parametrize("name", ["config", "h200", "h200x2", "h200x8", "paper"])
 def test_shipped_configs_validate_on_their_own(name):
     from snakemake.utils import validate
     import yaml

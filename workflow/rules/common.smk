@@ -123,12 +123,30 @@ def model_name(family):
     return config["models"][family]
 
 
-def model_file(wildcards):
-    """The model config YAML of a family (declared as an input, so editing it reruns the jobs)."""
-    name = model_name(wildcards.family)
+def _model_yaml(name):
     if name.endswith((".yaml", ".yml")) or "/" in name:
         return name
     return f"configs/models/{name}.yaml"
+
+
+def model_file(wildcards):
+    """The model config YAML of a family (declared as an input, so editing it reruns the jobs)."""
+    return _model_yaml(model_name(wildcards.family))
+
+
+# The gates rule's model per family: `gates.models.<family>` where set (a model with the run model's
+# layer dimensions and fewer layers, for a run model whose whole-model gates do not fit one GPU; the
+# Snakefile checked that the dimensions agree: admission matches gate results by region, kernel and
+# constants, not by model), else the family's `models` entry.
+GATE_MODELS = dict(config["gates"].get("models") or {})
+
+
+def gate_model_name(family):
+    return GATE_MODELS.get(family) or model_name(family)
+
+
+def gate_model_file(wildcards):
+    return _model_yaml(gate_model_name(wildcards.family))
 
 
 def composition_file(wildcards):
@@ -224,9 +242,15 @@ def _merged(base, over):
     return out
 
 
-def arm_settings(arm):
-    """`rl.settings` with the arm's overrides."""
-    return _merged(RL_CONF.get("settings") or {}, RL_ARMS[arm]["settings"])
+# Settings overrides per family (`rl.family_settings`; e.g. trainer_ep for the families with routed
+# experts only), applied between `rl.settings` and an arm's.
+RL_FAMILY_SETTINGS = {f: dict(s or {}) for f, s in (RL_CONF.get("family_settings") or {}).items()}
+
+
+def arm_settings(family, arm):
+    """`rl.settings`, then the family's overrides, then the arm's (mappings merged key by key)."""
+    return _merged(_merged(RL_CONF.get("settings") or {}, RL_FAMILY_SETTINGS.get(family, {})),
+                   RL_ARMS[arm]["settings"])
 
 
 def rl_dataset():
@@ -254,10 +278,19 @@ def _warmup_view(s):
     return out
 
 
-_WARMUP_VIEWS = {}   # the warm-up's settings -> the arms that have them (one entry; more are refused, _rl_refusals)
-for _arm in RL_ARMS:
-    _WARMUP_VIEWS.setdefault(json.dumps(_warmup_view(arm_settings(_arm)), sort_keys=True), []).append(_arm)
-WARMUP_VIEW = json.loads(next(iter(_WARMUP_VIEWS))) if _WARMUP_VIEWS else {}
+# per family: the warm-up's settings -> the arms that have them (one entry a family; more are
+# refused, _rl_refusals). Families may differ (rl.family_settings): each has warm-ups of its own.
+_WARMUP_VIEWS = {f: {} for f in FAMILIES}
+for _family in FAMILIES:
+    for _arm in RL_ARMS:
+        _WARMUP_VIEWS[_family].setdefault(json.dumps(_warmup_view(arm_settings(_family, _arm)), sort_keys=True),
+                                          []).append(_arm)
+
+
+def warmup_view(family):
+    """The settings the warm-up of `family` reads (those of its first arm; arms that differ are refused)."""
+    views = _WARMUP_VIEWS.get(family) or {}
+    return json.loads(next(iter(views))) if views else {}
 
 
 def _random_weights(family):
@@ -266,12 +299,12 @@ def _random_weights(family):
     (under which a run has real weights or does not start)."""
     return (RL_ON and not (config.get("checkpoints") or {}).get(family)
             and not RL_CONF.get("require_checkpoints", False)
-            and not any(arm_settings(a).get("checkpoint") for a in RL_ARMS))
+            and not any(arm_settings(family, a).get("checkpoint") for a in RL_ARMS))
 
 
 def warmup_applies(family):
     """A shared warm-up for `family`: random weights and warmup_sft_steps > 0."""
-    return _random_weights(family) and int(WARMUP_VIEW.get("warmup_sft_steps", 0)) > 0
+    return _random_weights(family) and int(warmup_view(family).get("warmup_sft_steps", 0)) > 0
 
 
 def warmup_dir(family, seed):
@@ -281,8 +314,8 @@ def warmup_dir(family, seed):
 def warmup_settings(wildcards):
     """The RL settings `isoexec warmup` gets: those the warm-up reads, and the run's identity (no
     composition: the warm-up runs the native one)."""
-    return {**WARMUP_VIEW, "family": wildcards.family, "model": model_name(wildcards.family), "arch": ARCH,
-            "seed": int(wildcards.seed), "dataset": rl_dataset()}
+    return {**warmup_view(wildcards.family), "family": wildcards.family, "model": model_name(wildcards.family),
+            "arch": ARCH, "seed": int(wildcards.seed), "dataset": rl_dataset()}
 
 
 def rl_warmup_input(wildcards):
@@ -290,9 +323,10 @@ def rl_warmup_input(wildcards):
 
 
 def rl_settings(wildcards):
-    """The RLConfig of one run: `rl.settings` with the arm's overrides, the run's identity filled in."""
+    """The RLConfig of one run: `rl.settings` with the family's and the arm's overrides, the run's
+    identity filled in."""
     comp = arm_composition(wildcards.arm)
-    s = arm_settings(wildcards.arm)
+    s = arm_settings(wildcards.family, wildcards.arm)
     s.update(family=wildcards.family, composition=comp, model=model_name(wildcards.family),
              arch=ARCH, seed=int(wildcards.seed),
              contract=str(Path(contract_path(wildcards.family, comp, "")).resolve()))
@@ -330,17 +364,23 @@ def _rl_refusals():
         path = ckpts.get(f)
         if path and not (Path(path) / "config.json").is_file():
             out.append(f"checkpoints.{f} {path!r} is not a Hugging Face checkpoint folder (no config.json)")
-    views = [json.loads(v) for v in _WARMUP_VIEWS]
-    if (len(views) > 1 and any(map(_random_weights, FAMILIES))
-            and any(int(v.get("warmup_sft_steps", 0)) > 0 for v in views)):
+    differing = {}   # (the arms' grouping, the keys) -> the families whose arms differ so
+    for f in FAMILIES:
+        views = [json.loads(v) for v in _WARMUP_VIEWS[f]]
+        if not (len(views) > 1 and _random_weights(f) and any(int(v.get("warmup_sft_steps", 0)) > 0 for v in views)):
+            continue
+
         def differs(get):
             return len({json.dumps(get(w)) for w in views}) > 1
 
         keys = sorted({k for v in views for k in v if k != "train" and differs(lambda w: w.get(k))}
                       | {f"train.{k}" for v in views for k in v["train"] if differs(lambda w: w["train"].get(k))})
-        out.append(f"rl.arms {' vs '.join(', '.join(a) for a in _WARMUP_VIEWS.values())} differ in {', '.join(keys)}, "
-                   "which the supervised warm-up reads (one warm-up per family and seed, shared by every arm); "
-                   "set them in rl.settings")
+        groups = " vs ".join(", ".join(a) for a in _WARMUP_VIEWS[f].values())
+        differing.setdefault((groups, ", ".join(keys)), []).append(f)
+    for (groups, keys), fams in differing.items():
+        which = "" if len(fams) == len(FAMILIES) else f" ({', '.join(fams)})"
+        out.append(f"rl.arms {groups} differ in {keys}{which}, which the supervised warm-up reads (one warm-up per "
+                   "family and seed, shared by every arm); set them in rl.settings or rl.family_settings")
     return out
 
 
