@@ -38,10 +38,12 @@ from ..engine import Engine, EngineConfig, SamplingParams
 from ..engine.engine import contract_page_size
 from ..engine.kv_pool_bytes import kv_bytes_per_page
 from ..engine.warmup import warm_up_engine
+from ..enforce import RuntimeFacts, check_topology
+from ..envinfo import runtime_arch
 from ..errors import ConfigError, IsoExecError
 from ..model import save_checkpoint
 from ..model.ep_moe import EP_FAMILIES
-from ..model.tensor_parallel import TENSOR_PARALLEL, tensor_parallel
+from ..model.tensor_parallel import TENSOR_PARALLEL, tensor_parallel, tp_serving_problems
 from ..paths import atomic_write
 from ..train.precompile import warm_up_kernel_shapes
 from ..train.trainer import TrainBatch, TrainConfig, Trainer
@@ -177,6 +179,15 @@ def kv_page(cfg: RLConfig, model_cfg, contract) -> tuple[Optional[int], int]:
     if cfg.kv_cache_gib is None:
         return None, page_size
     return kv_bytes_per_page(model_cfg, page_size, shared_warmup.resolved_dtype(cfg), cfg.engine_tp), page_size
+
+
+def check_engine_topology(model, tp: int) -> None:
+    """Refuse what the tensor-parallel engine's constructor (``tensor_parallel``) refuses at size
+    ``tp``, with its own check, before anything is cut: ``model`` is a model of the run's family
+    with the run's contract installed (a distributed run asks on the trainer's model, before the
+    trainer's first collective, and builds and cuts the engine's model once the trainer is sharded)."""
+    arch = "cpu" if model.embed.device.type == "cpu" else runtime_arch()
+    check_topology(model.contract, RuntimeFacts(arch=arch, tp=tp), tp_serving_problems(model, model.contract, tp))
 
 
 def derive_seed(*parts: Any) -> int:
@@ -355,17 +366,23 @@ class RLRun:
         where = dict(dtype=dtype, device=device, contract=self.contract)
         self.trainer_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=cfg.seed,
                                              checkpoint=cfg.checkpoint, **where).model
-        # no weights of its own: the trainer's are copied in at every weight sync
-        self.engine_model = installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None,
-                                            **where).model
+
+        def engine_model():
+            # no weights of its own: the trainer's are copied in at every weight sync
+            return installed_model(cfg.family, cfg.composition, cfg.arch, cfg.model, seed=None, **where).model
+
         # engine groups: ranks [g * tp, (g + 1) * tp) share one engine sharded over them (a whole
-        # engine per rank at tp = 1); group g serves its deal of each round's prompts. Cut here,
-        # before the trainer's first collective: a tp the contract does not claim is refused on
-        # every rank alike (TopologyRefused)
+        # engine per rank at tp = 1); group g serves its deal of each round's prompts. Created and
+        # checked here, before the trainer's first collective: a tp the contract does not claim is
+        # refused on every rank alike (TopologyRefused), by the check the cut itself makes
         self.engine_groups, self.engine_group = self.world // cfg.engine_tp, self.rank // cfg.engine_tp
+        engine_group = None
         if cfg.engine_tp > 1:
             groups = rl_dist.engine_groups(self.world, cfg.engine_tp)   # every rank creates every group
-            self.engine_model = tensor_parallel(self.engine_model, groups[self.engine_group])
+            engine_group = groups[self.engine_group]
+            check_engine_topology(self.trainer_model, cfg.engine_tp)
+        if not self.distributed:
+            self.engine_model = engine_model()
         # sized now, so that a kv_cache_gib too small for one sequence refuses before any work
         self.engine_cfg = engine_config(cfg, self.engine_groups, *kv_page(cfg, self.trainer_model.cfg, self.contract))
         self.problems, self._prompt_ids, self.prompts_filtered_overlong = run_problems(cfg, self.tok, self.log)
@@ -389,6 +406,11 @@ class RLRun:
                 raise ConfigError("distributed run: the ranks built different trainer contracts (ranks "
                                   f"{[r for r, x in enumerate(theirs) if x != theirs[0]]} differ from rank 0)")
             self.trainer_contract = decode(rl_dist.broadcast_bytes(mine))
+            # the engine's model only now, with the trainer's in fp32 shards: its whole copy (and
+            # the tensor-parallel cut made from it) never sits beside the trainer's whole copy
+            self.engine_model = engine_model()
+            if engine_group is not None:
+                self.engine_model = tensor_parallel(self.engine_model, engine_group)
         else:
             self.trainer = Trainer(self.trainer_model, train_cfg)
         self.stream = PromptStream(self.problems, cfg.prompts_per_step, cfg.seed)

@@ -6,7 +6,10 @@ and an untied lm_head). Each parameter becomes a DTensor sharded along dim 0 ove
 optimizer steps the shards (``adamw.py``).
 
 Precision: the sharded parameters are fp32 and are the optimizer's master weights. A model built
-in bf16 is converted to fp32 first and computes in bf16 through FSDP2's ``MixedPrecisionPolicy``
+in bf16 is converted to fp32 one unit at a time, each just before ``fully_shard`` cuts it (so a
+rank holds at most one unit whole in fp32 beside the rest of the model still in bf16 and the
+shards made so far; converting the whole model first held it all in fp32 at once: 4 bytes per
+parameter on every rank, 139 GB for Qwen3.5-35B-A3B), and computes in bf16 through FSDP2's ``MixedPrecisionPolicy``
 (``param_dtype`` bf16): each shard is rounded to bf16 before the all-gather, which is
 ``master.to(bf16)``, the value ``MasterAdamW.sync_params`` writes into a single process's bf16
 parameters. Gradients are reduced in fp32 (``reduce_dtype``) and stay fp32 on the shards, as the
@@ -115,6 +118,15 @@ def _routed_experts_sharded(model: nn.Module, ignored) -> bool:
     return any(is_expert_weight(n) and p not in ignored for n, p in model.named_parameters())
 
 
+def _to_fp32(params: Iterable[nn.Parameter], ignored) -> None:
+    """Convert ``params`` to fp32 in place, but for ``ignored`` ones and those fp32 already (one
+    parameter at a time: its compute-dtype data is dropped as its fp32 copy replaces it)."""
+    with torch.no_grad():
+        for p in params:
+            if p not in ignored and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+
+
 def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = ()) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (a 1-D ``dp`` mesh); returns it. ``ignored``:
     parameters FSDP2 leaves alone (module docstring). See the module docstring for the units, the
@@ -129,18 +141,19 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
     dtype = compute_dtype(model, ignored)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"shard_model: parameters are {dtype}; the trainer computes in fp32 or bf16")
-    if dtype != torch.float32:
-        # the shards are the fp32 masters; compute stays in `dtype` (the ignored parameters too)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p not in ignored:
-                    p.data = p.data.to(torch.float32)
     mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32,
                               cast_forward_inputs=False)
     kw = dict(mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    # the shards are the fp32 masters; compute stays in `dtype` (the ignored parameters too). Each
+    # unit is converted just before its fully_shard, which copies it into fp32 shards and drops
+    # the whole: one unit's whole fp32 copy at a time beside the rest still in `dtype` (converting
+    # the model first held all of it whole in fp32 at once). The conversion is exact either way.
     for layer in model.layers:
+        _to_fp32(layer.parameters(), ignored)
         fully_shard(layer, reshard_after_forward=True, **kw)
-    # the root stays gathered after its forward: lm_head runs after hidden_states returns
+    # the root: every parameter outside the layers (those are fp32 shards by now); it stays
+    # gathered after its forward: lm_head runs after hidden_states returns
+    _to_fp32(model.parameters(), ignored)
     fully_shard(model, reshard_after_forward=False, **kw)
     for unit in units(model):
         unit.set_gradient_divide_factor(1.0)
