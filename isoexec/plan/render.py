@@ -100,14 +100,15 @@ def tables(rows: list[PlanRow]) -> list[Table]:
     # the trainer's expert-parallel size, where a row has one (a config without leaves the table as it was)
     ep = any(r.shape.trainer_ep > 1 for r in rows)
     head = ["family", "arms", "params", "dp", "engine TP", *(["trainer EP"] if ep else []),
-            *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state", "activations", "total", "GPU", "verdict"]
+            *[STATE_LABELS[s] for s in STATES], "KV pool", "GDN state", "activations", "total", "build peak", "GPU",
+            "verdict"]
     body = []
     for r in rows:
         s = r.shape
         body.append([s.family, ", ".join(s.arms), _count(r.params.total), str(s.dp), str(s.engine_tp),
                      *([str(s.trainer_ep)] if ep else []), *[_gib(r.states[k]) for k in STATES], _gib(r.kv_pool),
                      _gib(r.recurrent_state) if r.recurrent_state else "-", _gib(r.activations), _gib(r.total),
-                     _gib(r.capacity), r.verdict()])
+                     _gib(r.build), _gib(r.capacity), r.verdict()])
     out.append(Table("Per GPU, GiB", head, body, set(range(2, len(head) - 1))))
     return out
 
@@ -127,7 +128,9 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
                       f"{' without its routed experts' if r.experts else ''} {_count(r.units.layer)}: gathered "
                       f"{_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
                       f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "")
-                   + (_expert_note(r) if r.experts else "") + ".")
+                   + (_expert_note(r) if r.experts else "")
+                   + (f"; build: sharding the trainer {_gib(r.build_trainer)}, then the engine's model "
+                      f"{_gib(r.build_engine)} GiB" if r.units else "") + ".")
         if line not in out:   # the arms of a family that differ only in their engine state say it once
             out.append(line)
     if any(r.experts for r in rows):
@@ -148,7 +151,17 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         "engine.* of the config over one running sequence and full-length KV pages for every sequence of a "
         "step that its engine group serves: prompts are dealt whole to dp / engine_tp groups), sized by the engine's own allocators; page size and GDN chunk from the arm's contract.",
         "Peak = every state held at once + the larger of the trainer's and the engine's activations "
-        "(rollout and training alternate).",
+        "(rollout and training alternate): the `total` column. The verdict takes the larger of it and the "
+        "`build peak`, what a GPU holds while the run builds its models: in one process the trainer's model, the "
+        "engine's and the fp32 masters (within the total); under torchrun (dp > 1, isoexec.rl.loop.RLRun) first "
+        "the trainer's model whole in the compute dtype, which FSDP2 shards one unit at a time, each converted to "
+        "its fp32 masters just before (isoexec.dist.fsdp.shard): the units not yet sharded in the compute dtype, "
+        "one unit whole in fp32 and the fp32 shards so far"
+        + (" (with trainer_ep > 1 also the whole model the run built, alive until the expert-parallel trainer "
+           "has cut and sharded its copy, and the GPU's expert slice)" if any(r.experts for r in rows) else "")
+        + "; then, with the trainer sharded, the engine's model whole in the compute dtype, plus its "
+        "tensor-parallel shards at engine_tp > 1 (cut before the whole copy goes). AdamW's moments, the KV "
+        "pool and the state slots come after both.",
         "FSDP2 (dp > 1, isoexec.dist.fsdp.shard): one unit per decoder layer plus the root; trainer weights are the "
         f"root and {GATHERED_LAYERS} layers gathered in the compute dtype (each layer is gathered for its forward "
         "and again for its backward and freed after each; FSDP2 prefetches one more), gradients the fp32 shards "

@@ -8,6 +8,24 @@ weights and the gradients: ``states.FsdpUnits``), plus the larger of the two pha
 synchronous loop; the gradients are freed between mini-batches, so adding them to the rollout's
 activations overstates that phase a little, never the training one).
 
+Building the models comes before all of that and has a peak of its own (``build_bytes``); the
+verdict takes the larger of the two. One process builds the trainer's model, the engine's and the
+fp32 masters, all within the steady state. A distributed run (``RLRun`` under torchrun, dp > 1)
+builds in two phases on every GPU:
+
+1. the trainer: its model whole in the compute dtype, which ``shard_model`` turns into fp32 shards
+   one FSDP2 unit at a time (each unit converted to fp32 just before its ``fully_shard``): at a
+   unit's ``fully_shard`` the units after it in the compute dtype, the unit whole in fp32 and the
+   fp32 shards made so far, its own included; the frozen parameters stay whole in fp32. Under the
+   expert-parallel trainer the model the run built stays whole beside the trainer's cut of it
+   (this GPU's expert slice and a copy of everything else) until the trainer is built;
+2. the engine, only once the trainer is sharded: the trainer's fp32 shards (and the expert slice
+   with its fp32 masters) beside the engine's model whole in the compute dtype and, with
+   ``engine_tp`` > 1, the shards its tensor-parallel cut clones before the whole copy goes.
+
+AdamW's moments, the KV pool and the state slots come later (the first step, the engine's
+constructor): they are in the steady state only.
+
 With ``trainer_ep`` > 1 the routed experts leave the FSDP2 layout: the parameters FSDP2 still
 shards take ``bytes_per_param`` at dp = every GPU, this GPU's expert slice takes
 ``expert_slices``'s bytes (the largest rank's slice), and the gradient in flight is the larger of
@@ -51,6 +69,8 @@ class PlanRow:
     units: FsdpUnits | None = None    # the FSDP2 units (dp > 1), counted into weights and grads
     experts: ExpertSlices | None = None          # trainer_ep > 1: this GPU's routed-expert slice
     expert_per_param: BytesPerParam | None = None   # trainer_ep > 1: the experts' bytes per parameter
+    build_trainer: int = 0        # bytes at the peak of building (and sharding) the trainer
+    build_engine: int = 0         # bytes at the peak of building (and cutting) the engine's model
 
     @property
     def activations(self) -> int:
@@ -58,11 +78,21 @@ class PlanRow:
 
     @property
     def total(self) -> int:
+        """The steady state's peak: every state held at once, plus the larger phase's activations."""
         return sum(self.states.values()) + self.kv_pool + self.recurrent_state + self.activations
 
     @property
+    def build(self) -> int:
+        """The peak while the run builds its models (module docstring)."""
+        return max(self.build_trainer, self.build_engine)
+
+    @property
+    def peak(self) -> int:
+        return max(self.total, self.build)
+
+    @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.peak <= self.capacity
 
     def pages_that_fit(self) -> int:
         """The most KV pages with which the row would fit, everything else as planned (may be <= 0)."""
@@ -76,12 +106,19 @@ class PlanRow:
         """fits (and what is left), or by how much not, and whether fewer KV pages would do."""
         gib = lambda b: f"{b / GIB:,.1f} GiB"  # noqa: E731
         if self.fits:
-            return f"fits, {gib(self.capacity - self.total)} free"
+            return f"fits, {gib(self.capacity - self.peak)} free" + (
+                " at the build's peak" if self.build > self.total else "")
+        if self.build > self.total:       # building the models is what does not fit
+            after = (f"the steady state fits, {gib(self.capacity - self.total)} free" if self.total <= self.capacity
+                     else f"the steady state is over by {gib(self.total - self.capacity)}")
+            return f"does not fit: building the models is over by {gib(self.build - self.capacity)} ({after})"
         out = f"does not fit: over by {gib(self.total - self.capacity)}"
         s = self.shape
         rest = self.total - self.kv_pool - self.capacity       # over (> 0) or under without the KV pool
         if not self.kv_pool or rest > 0:
             return out + (f" ({gib(rest)} without the KV pool)" if self.kv_pool else "")
+        if self.build > self.capacity:    # fewer pages would not shrink the build
+            return out + f"; building the models is over too, by {gib(self.build - self.capacity)}"
         n, need = self.pages_that_fit(), -(-s.longest_sequence // s.page_size)
         if n < need:
             return out + f"; {n:,} KV pages would fit, one whole sequence needs {need:,}"
@@ -108,8 +145,10 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
         # FSDP2's reduce-scatter runs in the backward, the expert weights' after it: never at once
         states["grads"] += max(units.grads_in_flight_bytes(shape.dtype),
                                experts.grads_in_flight_bytes(shape.dtype) if experts else 0)
+    engine_whole = states["engine"]
     if shape.engine_tp > 1:     # a tensor-parallel engine: this GPU's shards, not the whole model
         states["engine"] = engine_weight_elements(shape.family, cfg, shape.engine_tp) * b
+    build_trainer, build_engine = build_bytes(shape, params, states, units, experts, engine_whole)
     return PlanRow(
         shape=shape, params=params, per_param=pp, states=states,
         kv_pool=kv_pool_bytes(cfg, shape.num_pages, shape.page_size, shape.dtype, shape.engine_tp),
@@ -119,4 +158,29 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
             cfg, micro_batch_tokens(shape.micro_batch_budget, shape.longest_sequence), b,
             checkpointing=shape.activation_checkpointing),
         engine_activations=engine_activation_bytes(cfg, shape.max_num_batched_tokens, shape.max_num_seqs, b),
-        capacity=capacity_bytes, units=units, experts=experts, expert_per_param=expert_pp)
+        capacity=capacity_bytes, units=units, experts=experts, expert_per_param=expert_pp,
+        build_trainer=build_trainer, build_engine=build_engine)
+
+
+def build_bytes(shape: RunShape, params: ParamCount, states: dict, units: FsdpUnits | None,
+                experts: ExpertSlices | None, engine_whole: int) -> tuple[int, int]:
+    """(bytes at the peak of building the trainer, bytes at the peak of building the engine's
+    model) on one GPU (module docstring). ``states``: the row's steady states, ``engine_whole`` the
+    engine's whole model in bytes."""
+    if units is None:    # one process: both models and the fp32 masters, built one after the other
+        held = states["weights"] + states["engine"] + states["master"]
+        return held, held
+    b, dp, frozen = DTYPE_BYTES[shape.dtype], shape.dp, params.frozen * FROZEN_BYTES
+    order = units.order
+    # the trainer's model as shard_model meets it: beside it, the frozen parameters (fp32, whole);
+    # under the expert-parallel trainer this GPU's expert slice and the whole model the run built
+    beside = frozen
+    if experts is not None:
+        beside += experts.slice * b + params.trainable * b + frozen
+    trainer = beside + max(b * sum(order[k + 1:]) + 4 * order[k] + 4 * sum(order[:k + 1]) // dp
+                           for k in range(len(order)))
+    # the trainer sharded (its fp32 shards, frozen parameters, expert slice and its fp32 masters),
+    # then the engine's model whole and, at engine_tp > 1, the shards cut from it
+    sharded = 4 * sum(order) // dp + frozen + (experts.slice * (b + 4) if experts is not None else 0)
+    engine = sharded + engine_whole + (states["engine"] if shape.engine_tp > 1 else 0)
+    return trainer, engine

@@ -141,6 +141,10 @@ class FsdpUnits:
 
     root: int
     layer: int
+    #: elements the trainer's FSDP2 manages in each unit, in the order ``shard_model`` shards them
+    #: (the layers in order, then the root), without what it leaves out (frozen parameters; the
+    #: routed experts under the expert-parallel trainer): what building the trainer walks through
+    order: tuple[int, ...] = ()
 
     def gathered_bytes(self, dtype: str) -> int:
         """Trainer weights under FSDP2: the root and ``GATHERED_LAYERS`` layers in ``dtype``."""
@@ -164,6 +168,11 @@ def fsdp_units(family: str, cfg, trainer_ep: int = 1) -> FsdpUnits:
         return sum(p.numel() for n, p in named
                    if trainer_ep == 1 or (p.requires_grad and not is_expert_weight(n)))
 
+    def sharded(named) -> int:     # what the trainers hand FSDP2: never the frozen ones
+        return sum(p.numel() for n, p in named
+                   if p.requires_grad and (trainer_ep == 1 or not is_expert_weight(n)))
+
     layers = {id(p) for p in model.layers.parameters()}
-    return FsdpUnits(root=managed((n, p) for n, p in model.named_parameters() if id(p) not in layers),
-                     layer=max(managed(L.named_parameters()) for L in model.layers))
+    root = [(n, p) for n, p in model.named_parameters() if id(p) not in layers]
+    return FsdpUnits(root=managed(root), layer=max(managed(L.named_parameters()) for L in model.layers),
+                     order=(*(sharded(L.named_parameters()) for L in model.layers), sharded(root)))

@@ -12,7 +12,8 @@ router bias stay out of FSDP2), with a spy that records the model's parameters a
 - the units are sharded in order: the layers, then the root;
 - the bits are those of the old order: every rank's local shard is bitwise the fp32 conversion of
   its dim-0 chunk of the whole bf16 parameter (``torch.chunk``, FSDP2's cut), and what stays out of
-  FSDP2 keeps its dtype and bits (the frozen bias whole, this rank's expert slice).
+  FSDP2 keeps its dtype and bits (the frozen bias whole, this rank's expert slice);
+- the memory plan's build figures (isoexec/plan/rows.py) are what the ranks held, to the byte.
 """
 
 from __future__ import annotations
@@ -76,3 +77,40 @@ def test_the_shards_are_the_fp32_chunks_of_the_whole_bf16_parameters_bitwise(wor
     for n in world[0][name]["shards"]:
         both = torch.cat([world[r][name]["shards"][n][0] for r in range(bw.WORLD)])
         assert both.numel() == sum(world[r][name]["shards"][n][1].numel() for r in range(bw.WORLD))
+
+
+def _plan_row(family: str, model: str, ep: int, engine_tp: int = 1):
+    from isoexec.compose import load_model_config
+    from isoexec.model_config import FAMILY_CONFIGS
+    from isoexec.plan.rows import GIB, plan_row
+    from isoexec.plan.workflow_config import RunShape
+
+    cfg = FAMILY_CONFIGS[family].from_hf(load_model_config(model)["hf_config"])
+    shape = RunShape(family=family, model=model, cfg=cfg, arms=("x",), dtype="bfloat16", dp=bw.WORLD,
+                     engine_tp=engine_tp, num_pages=8, page_size=16, num_state_slots=0, gdn_chunk=0, max_num_seqs=2,
+                     max_num_batched_tokens=64, micro_batch_budget=64, longest_sequence=32, trainer_ep=ep)
+    return plan_row(shape, 80 * GIB)
+
+
+@pytest.mark.parametrize("name", list(bw.CASES))
+def test_the_plans_build_peak_is_what_sharding_the_trainer_holds(world, name):
+    """The memory plan's build figures (isoexec/plan/rows.py, ``build_bytes``) against the
+    parameters the ranks held: the trainer's phase is the largest, over the fully_shard calls, of
+    the units still in bf16 + the unit whole in fp32 + the shards so far and the unit's own, beside
+    what stays out of FSDP2 (and, under the EP trainer, the whole model the caller holds); the
+    engine's phase starts from what the built trainer holds (its shards, what stays out, the expert
+    slices' fp32 masters), to which the plan adds the engine's whole bf16 model."""
+    from isoexec.assembly import installed_model
+
+    family, model, ep = world[0][name]["case"]
+    row = _plan_row(family, model, ep)
+    measured, built = [], []
+    for res in world:
+        r = res[name]
+        beside = r["left_out_bytes"] + r["caller_bytes"]
+        measured.append(max(c["compute"] + c["fp32_whole"] + c["shards"] + c["unit_shards"] for c in r["calls"]) + beside)
+        built.append(r["built_bytes"])
+    assert row.build_trainer == max(measured), (name, row.build_trainer, measured)
+    engine = sum(p.nbytes for p in installed_model(family, bw.CASES[name][2], "cpu", model, dtype=torch.bfloat16,
+                                                   seed=None).model.parameters())
+    assert row.build_engine == max(built) + engine, (name, row.build_engine, built, engine)
