@@ -22,7 +22,8 @@ control: no promise about the bits of a token when the batch changes.
     experts: every dispatched row is x[token] (gathered in dispatch order), then ONE
       ``torch._grouped_mm`` over all experts for gate_up (each expert's row range times its
       [H, 2I] weight, the group ends passed as int32 offsets), F.silu(gate) * up (two roundings),
-      and one ``torch._grouped_mm`` for down. Experts with no rows are empty groups.
+      and one ``torch._grouped_mm`` for down. Experts with no rows are empty groups; a dispatch of
+      no row at all runs no GEMM and returns ``reference.no_rows`` (zero weight gradients).
     combine: each row times its routing weight (dtype promotion as in transformers: the sigmoid
       router's fp32 weights give fp32 products, the softmax router's x-dtype weights x-dtype
       ones), the rows put back in (token, slot) order, a token's k rows summed by ``torch.sum``
@@ -60,7 +61,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .reference import dispatch_in_order
+from .reference import dispatch_in_order, no_rows
 from .types import Dispatch, MoEWeights, ROUTER_SIGMOID_GROUP_TOPK, ROUTER_SOFTMAX_TOPK, RouterSpec, Routing
 
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "eager")
@@ -212,16 +213,21 @@ def _cuda_sync_reason(x: torch.Tensor) -> str | None:
 def moe_experts_native(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The grouped_mm experts: x[token] in dispatch order, one ``torch._grouped_mm`` for gate_up,
     F.silu(gate) * up, one for down; rows [T*k, H] in dispatch order. Operands torch._grouped_mm
-    refuses (:func:`grouped_mm_unsupported`) run the per-expert F.linear loop instead."""
+    refuses (:func:`grouped_mm_unsupported`) run the per-expert F.linear loop instead. The
+    stacked weights get a whole gradient in every backward: torch._grouped_mm's (an expert with no
+    rows is an empty group, whose slice is zeros on the CPU; on CUDA torch's kernel fills it,
+    reported as zeros on sm90 and not always on sm100 in pytorch issue 172439, not checked here),
+    the loop's (each expert's weight an index of the stacked one: zeros for an idle expert), and
+    with no row at all ``reference.no_rows``'s zeros."""
     why = grouped_mm_unsupported(x, gate_up, down)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         sync = why or _cuda_sync_reason(x)
         if sync is not None:
             raise RuntimeError(f"moe_experts_native: cannot run inside a CUDA graph capture: {sync}")
+    if disp.token.numel() == 0:
+        return no_rows(x, gate_up, down)   # no grouped GEMM of no row; the weights get zero gradients
     if why is not None:
         return _experts_loop(x, disp, gate_up, down)
-    if disp.token.numel() == 0:
-        return x.new_zeros((0, x.shape[-1]))
     ends = disp.offsets[1:].to(torch.int32)          # group e ends at row ends[e] (torch's offs)
     h = torch._grouped_mm(x[disp.token], gate_up.transpose(-2, -1), offs=ends)
     gate, up = h.chunk(2, dim=-1)
@@ -230,7 +236,9 @@ def moe_experts_native(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, d
 
 def _experts_loop(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Fallback for unaligned operands: per expert with rows, F.linear, F.silu(gate) * up, F.linear
-    on its rows (the offsets read on the host)."""
+    on its rows (the offsets read on the host). No row at all: ``reference.no_rows``."""
+    if disp.token.numel() == 0:
+        return no_rows(x, gate_up, down)
     out = x.new_empty((disp.token.numel(), x.shape[-1]))
     offs = disp.offsets.tolist()
     for e in range(len(offs) - 1):

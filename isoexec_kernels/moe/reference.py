@@ -125,10 +125,38 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear, 
     return linear(act(linear(x, gate_up)), down)
 
 
+class _NoRowsFn(torch.autograd.Function):
+    """The experts region's output when no row was dispatched, kept in the graph: its backward
+    gives x, gate_up and down zero gradients of their own shapes (module function ``no_rows``)."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (x, gate_up, down)]
+        return x.new_empty((0, x.shape[-1]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(torch.zeros(shape, dtype=dtype, device=device) if need else None
+                     for (shape, dtype, device), need in zip(ctx.like, ctx.needs_input_grad))
+
+
+def no_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The expert output rows [0, H] (x's dtype) of a dispatch with no row (a batch of no token),
+    differentiable: the stacked weights get a zero gradient, not none, as they get zeros for every
+    idle expert when some expert has rows. So a backward of no token gives every parameter of the
+    layer a gradient, as a backward of tokens does: the FSDP2 trainer's lockstep empty passes rely
+    on it (isoexec/dist/fsdp/shard.py). Every experts region returns this for no rows."""
+    return _NoRowsFn.apply(x, gate_up, down)
+
+
 def experts_forward(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor,
                     linear=linear_reference, act=silu_and_mul_reference) -> torch.Tensor:
     """Expert output rows [T*k, H] in dispatch order (x's dtype): each expert's SwiGLU on the rows
-    it owns (api.py's docstring, step 4). Experts with no rows are skipped."""
+    it owns (api.py's docstring, step 4). Experts with no rows are skipped: their slices of the
+    stacked weights' gradients are zeros (each expert's weight is an index of the stacked one).
+    No row at all: :func:`no_rows`."""
+    if disp.token.numel() == 0:
+        return no_rows(x, gate_up, down)
     out = torch.empty((disp.token.numel(), x.shape[-1]), dtype=x.dtype, device=x.device)
     offs = disp.offsets.tolist()
     for e in range(len(offs) - 1):

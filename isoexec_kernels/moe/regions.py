@@ -64,7 +64,10 @@ def moe_dispatch(ids: torch.Tensor, num_experts: int) -> Dispatch:
 def moe_experts(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Region ``experts``: each expert's SwiGLU on the rows it owns (invariant GEMM, position-free
     activation): a row's output does not depend on how many rows its expert received. CUDA: the
-    Triton grouped GEMM; elsewhere the reference loop (with autograd) or its bits in one pass."""
+    Triton grouped GEMM; elsewhere the reference loop (with autograd) or its bits in one pass.
+    Under autograd the stacked weights get a whole gradient in every backward, zeros for an idle
+    expert, and zeros for both when no row was dispatched (``reference.no_rows`` on the loop, the
+    Triton backward's own zeros)."""
     if want_triton(x):
         return experts_forward_triton(x, disp, gate_up, down)
     if not (torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)):

@@ -38,7 +38,9 @@ then summed in fp32 over a fixed [T, k] layout (``Dispatch.row_of_pair``: no sca
 and rounded once. The weight gradient ``dW[e] = g[rows_e]^T @ x[idx[rows_e]]`` is
 :func:`_grouped_wgrad_kernel`: one program per (expert, n-tile, k-tile) walking its expert's rows
 in order in blocks of ``BLOCK_R`` (fp32 accumulator, one rounding to W's dtype; an expert with no
-rows gets zeros). No float64 anywhere on this path.
+rows gets zeros, and a dispatch of no row at all, a batch of no token, zeros for every expert, so the
+weights get a gradient in every backward; the input gradient of no row is empty, as is the
+output). No float64 anywhere on this path.
 """
 
 from __future__ import annotations
@@ -259,7 +261,8 @@ class _GroupedLinearFn(torch.autograd.Function):
                 rows = _grouped(g, w.transpose(1, 2), offsets, None, g.shape[0], torch.float32)
                 T = row_of_pair.numel() // ctx.top_k
                 # each token's k rows in slot order, summed in fp32 over a fixed layout
-                gx = rows[row_of_pair].view(T, ctx.top_k, -1).sum(1).to(x.dtype)
+                # (the width named: a view of no row cannot infer it)
+                gx = rows[row_of_pair].view(T, ctx.top_k, rows.shape[1]).sum(1).to(x.dtype)
         if ctx.needs_input_grad[1]:
             gw = _wgrad(g, x.to(w.dtype), offsets, idx, w.shape[0], w.dtype)
         return gx, gw, None, None, None, None

@@ -4,8 +4,9 @@ expert loop (``reference.experts_forward``).
 Three kinds of check, as for the linear (test_gemm.py):
   * interpreter (``interp_case_*``, run in the TRITON_INTERPRET=1 subprocess of conftest.py;
     fp32/fp16): correctness against float64 with experts of 0 rows, 1 row and more rows than a
-    tile, run-to-run determinism, gradients. Under the interpreter ``tl.dot`` is numpy's matmul
-    on the host BLAS, whose bits for a row may follow the tile shape and the row's place in it, so
+    tile, run-to-run determinism, gradients (zero weight gradients for a dispatch of no row).
+    Under the interpreter ``tl.dot`` is numpy's matmul on the host BLAS, whose bits for a row may
+    follow the tile shape and the row's place in it, so
     bit equality is asserted only where both sides issue the same ``tl.dot`` operands: the grouped
     kernel against the linear's pointer kernel at the same tile (each expert's m-tiles start at
     its first row, as in the linear applied to that expert's rows alone), and a token whose tile
@@ -320,6 +321,22 @@ def interp_case_experts_gradients_match_float64_and_repeat_bitwise(kb):
     assert float(got[1][2].abs().max()) == 0.0, "the expert with no rows got a weight gradient"
     for name, a, b in zip(("x", "gate_up", "down"), grads(), got):
         kb.assert_bitwise(a, b, f"grad {name}: twice")
+
+
+def interp_case_experts_of_no_row_give_zero_weight_gradients(kb):
+    # a batch of no token (the FSDP2 trainer's empty pass): the forward launches nothing, and the
+    # backward returns zeros for both stacked weights (not None: every rank's reduce-scatter must
+    # see the same parameters) and an empty input gradient, for the gathered gate_up as well
+    for dtype in (torch.float32, torch.float16):
+        g, _, x, gate_up, down = _interp_loads_case(kb, dtype, seed=26)
+        empty = moe.dispatch(torch.zeros(0, 2, dtype=torch.long), gate_up.shape[0])
+        leaves = [x[:0].clone().requires_grad_(), gate_up.clone().requires_grad_(), down.clone().requires_grad_()]
+        y = mtk.experts_forward_triton(leaves[0], empty, leaves[1], leaves[2])
+        assert y.shape == (0, x.shape[1]) and y.dtype == dtype and y.requires_grad
+        y.backward(torch.zeros_like(y))
+        for name, t in zip(("x", "gate_up", "down"), leaves):
+            assert t.grad is not None and t.grad.shape == t.shape and t.grad.dtype == dtype, (dtype, name)
+            assert int(torch.count_nonzero(t.grad)) == 0, (dtype, name)
 
 
 @pytest.mark.parametrize("case", sorted(n for n in list(globals()) if n.startswith("interp_case_")))

@@ -3,7 +3,8 @@ regions of native.py): run in sequence, the regions give the whole-layer twins' 
 regions are transformers' grouped_mm path (stable expert sort, torch._grouped_mm, a weighted sum
 per token), computing the eager loop's layer, with no host synchronisation, and falling back to
 the loop for operands torch._grouped_mm refuses; the router computes the Qwen-style shared-expert
-gate. The tests marked gpu capture the stock regions (and the native mla_moe engine's decode
+gate; every CPU path of both experts regions gives the stacked weights a whole gradient, zeros where
+no row reached them, a dispatch of no row included. The tests marked gpu capture the stock regions (and the native mla_moe engine's decode
 steps) in CUDA graphs."""
 
 import pytest
@@ -290,6 +291,62 @@ def test_routing_weights_and_expert_weights_get_gradients():
     grads = torch.autograd.grad(out.square().sum(), params)
     assert all(bool(torch.isfinite(g).all()) and bool((g != 0).any()) for g in grads)
 
+
+
+# Every CPU path of the experts region's two implementations under autograd (the Triton grouped
+# GEMM's own backward, moe_experts_loop's CUDA path: test_moe_grouped_gemm.py, under the
+# interpreter): name -> (the region, the intermediate size that sends it down that path)
+_EXPERTS_IMPLS = {
+    "moe_experts_loop": (moe_experts, 16),                       # the per-expert loop of the invariant linear
+    "torch_moe_experts/grouped_mm": (moe_experts_native, 16),    # aligned operands: torch._grouped_mm
+    "torch_moe_experts/loop": (moe_experts_native, 6),           # I = 6 is unaligned in fp32 and bf16: F.linear loop
+}
+
+
+def _experts_grads(name, dtype, T, ids=None, E=8, H=32, seed=11):
+    """(rows, [grad x, grad gate_up, grad down], the leaves) of ``name`` on T tokens (``ids`` [T, 2]
+    chosen by the caller, none when T = 0) for a random output gradient."""
+    fn, inter = _EXPERTS_IMPLS[name]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype).requires_grad_()
+    gate_up = (0.2 * torch.randn(E, 2 * inter, H, generator=g)).to(dtype).requires_grad_()
+    down = (0.2 * torch.randn(E, H, inter, generator=g)).to(dtype).requires_grad_()
+    if fn is moe_experts_native:
+        assert (grouped_mm_unsupported(x, gate_up, down) is None) == name.endswith("grouped_mm")
+    ids = torch.zeros(0, 2, dtype=torch.long) if ids is None else ids
+    d = (moe_dispatch_native if fn is moe_experts_native else moe_dispatch)(ids, E)
+    rows = fn(x, d, gate_up, down)
+    dy = torch.randn(rows.shape, generator=g).to(dtype)
+    rows.backward(dy)
+    return rows, [x.grad, gate_up.grad, down.grad], (x, gate_up, down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(_EXPERTS_IMPLS))
+def test_experts_of_no_row_give_the_weights_zero_gradients(name, dtype):
+    """A batch of no token (the FSDP2 trainer's lockstep empty pass) still runs each implementation
+    of the experts region in the graph: its backward gives x and both stacked weights zeros of
+    their shapes and dtypes, not None, as a backward of tokens gives every weight a gradient
+    (isoexec/dist/fsdp/shard.py: every rank's reduce-scatter must see the same parameters)."""
+    rows, grads, leaves = _experts_grads(name, dtype, T=0)
+    assert rows.shape == (0, 32) and rows.dtype == dtype and rows.requires_grad
+    for what, gr, t in zip(("x", "gate_up", "down"), grads, leaves):
+        assert gr is not None, f"{name}: {what} got no gradient"
+        assert gr.shape == t.shape and gr.dtype == t.dtype, what
+        assert int(torch.count_nonzero(gr)) == 0, what
+
+
+@pytest.mark.parametrize("name", sorted(_EXPERTS_IMPLS))
+def test_an_expert_with_no_rows_gets_a_zero_slice_of_a_whole_gradient(name):
+    """Tokens routed to experts 0-3 only: each implementation gives the stacked weights a whole
+    gradient, zeros in the slices of experts 4-7 and not in the others'."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2].sort().values for _ in range(9)])
+    _, grads, leaves = _experts_grads(name, torch.float32, T=9, ids=ids)
+    for gr, t in zip(grads[1:], leaves[1:]):
+        assert gr is not None and gr.shape == t.shape
+        assert int(torch.count_nonzero(gr[4:])) == 0
+        assert all(bool(gr[e].abs().max() > 0) for e in range(4))
 
 # ------------------------------------------------------------------------------ on the GPU
 def _gpu_layer(kind, E=16, H=256, inter=128, seed=0):
