@@ -32,7 +32,8 @@ PART_FIXTURES = {"tp_kernel_worlds": ("tp_kernels",), "tp_model_worlds": ("tp_mo
                  "tp_moe_worlds": ("tp_moe",), "tp_moe_engine_worlds": ("tp_moe_engine",),
                  "tp_native_worlds": ("tp_native",), "tp_vocab_triton_worlds": ("tp_vocab_triton",),
                  "fsdp_trainer_worlds": ("fsdp_trainer",), "fsdp_determinism_worlds": ("fsdp_determinism",),
-                 "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume"), "fsdp_layer_worlds": ("fsdp_layers",)}
+                 "fsdp_checkpoint_worlds": ("fsdp_save", "fsdp_resume"), "fsdp_layer_worlds": ("fsdp_layers",),
+                 "fsdp_moe_worlds": ("fsdp_moe",)}
 WAIT_S = 1800   # the fixtures give up on the worlds after this long
 # the output files are <folder>/run.out and run.err; run.rc appears (atomically) when it ends
 _RUN_TO_FILES = '"$@" > "$0/run.out" 2> "$0/run.err"; echo $? > "$0/run.rc.tmp"; mv "$0/run.rc.tmp" "$0/run.rc"'
@@ -235,3 +236,11 @@ def fsdp_layer_worlds(dist_worlds):
     import fsdp_layer_workers
 
     return _part(dist_worlds, "fsdp_layers")[fsdp_layer_workers.WORLD]
+
+
+@pytest.fixture(scope="session")
+def fsdp_moe_worlds(dist_worlds):
+    """[rank results] of the FSDP2 trainer on the MoE models, in its world of fsdp_moe_workers.WORLD."""
+    import fsdp_moe_workers
+
+    return _part(dist_worlds, "fsdp_moe")[fsdp_moe_workers.WORLD]

@@ -14,8 +14,9 @@ the Qwen3.5-MoE-style one cut to 7 experts (3 and 4 per rank), under ``isoexec_e
   the uninterrupted run bitwise;
 - an ep the contract does not claim, an ep that does not divide the world and a family without
   experts are refused on every rank before any collective, in one line;
-- on a torch whose FSDP2 lacks ``set_reduce_scatter_unused_params`` (torch 2.11) the trainer still
-  shards an MoE model: FSDP2 manages no expert weight (a process group of one, in this process).
+- on a torch whose FSDP2 lacks ``set_reduce_scatter_unused_params`` (torch 2.11) the trainer shards
+  an MoE model and steps as with it: FSDP2 manages no expert weight (a process group of one, in this
+  process; ``shard_model`` shards the experts of the plain FSDP2 trainer too, test_fsdp_moe.py).
 """
 
 from __future__ import annotations
@@ -194,24 +195,23 @@ def test_unclaimed_ep_ep_not_dividing_the_world_and_no_experts_are_refused_on_ev
         assert msgs == [msgs[0]] * WS
 
 
-def test_without_the_unused_params_switch_the_ep_trainer_still_shards_an_moe_model(group_of_one, job, monkeypatch):
-    """torch 2.11's FSDP2 lacks ``set_reduce_scatter_unused_params``: ``shard_model`` refuses an MoE
-    model whose experts it would shard, and the expert-parallel trainer, whose experts FSDP2 does
-    not manage, shards it and steps (one process, ep = 1: the same weights as with the switch)."""
+def test_without_the_unused_params_switch_the_ep_trainer_shards_an_moe_model_and_steps_the_same(
+        group_of_one, job, monkeypatch):
+    """torch 2.11's FSDP2 lacks ``set_reduce_scatter_unused_params``: the expert-parallel trainer,
+    whose experts FSDP2 does not manage, shards the MoE model and steps without it to the weights
+    it reaches with it (one process, ep = 1)."""
     from torch.distributed.fsdp import FSDPModule
 
     from isoexec.dist.fsdp import ExpertParallelTrainer
-    from isoexec.dist.fsdp.shard import shard_model
-    from isoexec.dist.mesh import dp_mesh
 
     def one_call():
         t = ExpertParallelTrainer(ew.build_model(job, "glm"), ew.config(), 1)
+        assert hasattr(t.model, "set_reduce_scatter_unused_params") == hasattr(FSDPModule,
+                                                                               "set_reduce_scatter_unused_params")
         ew.train_calls(t)
         return t.full_parameters()
 
     with_switch = one_call()
     if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
-    with pytest.raises(ValueError, match="set_reduce_scatter_unused_params"):
-        shard_model(ew.build_model(job, "glm"), dp_mesh())
     assert _differing(one_call(), with_switch) == 0

@@ -27,6 +27,9 @@ need runs in the same world of each size, one after the other, in the order of `
   test_fsdp_trainer.py, test_fsdp_determinism.py)
 - ``fsdp_layers``: the FSDP2 trainer's model watched at every layer's entry at dp = 2: when each
   layer is gathered and freed (fsdp_layer_workers.py; test_fsdp_per_layer.py)
+- ``fsdp_moe``: the FSDP2 trainer on the MoE models (experts sharded) at dp = 2, with FSDP2's
+  set_reduce_scatter_unused_params and without it, a rank running an empty pass
+  (fsdp_moe_workers.py; test_fsdp_moe.py)
 - ``fsdp_save`` in the world of 2, then ``fsdp_resume`` in a second world of 2 started after the
   first is torn down (test_fsdp_checkpoint.py: a resume is only a resume in a new world)
 - ``tp_vocab_triton``: the vocabulary-parallel logprob's Triton schedule at TP = 1, 2 and 4 in a
@@ -59,6 +62,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import dist_workers  # noqa: E402
 import ep_model_workers  # noqa: E402
 import fsdp_layer_workers  # noqa: E402
+import fsdp_moe_workers  # noqa: E402
 import fsdp_workers  # noqa: E402
 import tp_engine_workers  # noqa: E402
 import tp_hybrid_workers  # noqa: E402
@@ -86,6 +90,7 @@ PARTS = {
                          lambda job, ws, rank: fsdp_workers.plan_determinism(job["fsdp"], ws, rank)),
     "fsdp_layers": (0, (fsdp_layer_workers.WORLD,),
                     lambda job, ws, rank: fsdp_layer_workers.plan(job["fsdp"], ws, rank)),
+    "fsdp_moe": (0, (fsdp_moe_workers.WORLD,), lambda job, ws, rank: fsdp_moe_workers.plan(job["fsdp_moe"], ws, rank)),
     "fsdp_save": (0, (fsdp_workers.CHECKPOINT_DP,), lambda job, ws, rank: fsdp_workers.plan_save(job["fsdp"], ws, rank)),
     "fsdp_resume": (1, (fsdp_workers.CHECKPOINT_DP,),
                     lambda job, ws, rank: fsdp_workers.plan_resume(job["fsdp"], ws, rank)),
@@ -168,7 +173,7 @@ def failure(part: str, by_size: dict[int, list[dict]]) -> str | None:
 def make_job(parts, folder: Path) -> dict:
     """The ranks' inputs for ``parts`` (contracts and model configs built here, once)."""
     job = {}
-    if any(p.startswith("fsdp") for p in parts):
+    if any(p.startswith("fsdp") and p != "fsdp_moe" for p in parts):
         job["fsdp"] = fsdp_workers.make_job(str(folder / "checkpoint"))
     if "tp_model" in parts or "tp_engine" in parts:
         job["tp_model"] = tp_model_workers.make_job()
@@ -180,6 +185,8 @@ def make_job(parts, folder: Path) -> dict:
         job["tp_native"] = tp_native_workers.make_job()
     if "ep_model" in parts:
         job["ep_model"] = ep_model_workers.make_job()
+    if "fsdp_moe" in parts:
+        job["fsdp_moe"] = fsdp_moe_workers.make_job()
     return job
 
 

@@ -17,9 +17,22 @@ single process accumulates its bf16 gradients into fp32 masters.
 
 Gradient reduction: a plain sum (divide factor 1: the loss of each rank is already its share of
 the global mini-batch loss, ``trainer.py``), by ``RankOrderReduceScatter`` (rank order, fixed
-bits). Parameters no token of a rank reached still take part with zero gradients
-(``set_reduce_scatter_unused_params``), so every rank's reduce-scatter has the same size even when
-ranks route to different experts.
+bits). FSDP2 reduce-scatters, per unit, the parameters that have a gradient after the backward, so
+every rank's backward must give the same parameters a gradient, or the ranks' reduce-scatters
+differ in size. The models give every parameter that requires one a gradient in every backward,
+including a backward of no token (the lockstep's empty passes, ``trainer.py``): a parameter no
+token reached gets zeros. The routed experts are stacked parameters (``experts_gate_up``
+[E, 2I, H], ``experts_down`` [E, H, I] per layer), so an expert a rank routed no row to is a zero
+slice of a gradient the layer's other experts fill; and when no expert has a row (a pass of no
+token), every implementation of the ``experts`` region still returns a result in the graph whose
+backward gives both stacked weights zeros (``isoexec_kernels.moe.reference.no_rows``; the Triton
+grouped GEMM's backward gives zeros for no row itself). Where FSDP2 has
+``set_reduce_scatter_unused_params`` (torch 2.13) it is switched on as well (FSDP2 then
+reduce-scatters zeros for a parameter without a gradient), so the same parameters take part either
+way and the sums are the same bits; torch 2.11's FSDP2 lacks it, and shards every family,
+the MoE families with their experts included, on the models' gradients alone. Tested on the CPU
+with the switch removed (tests/train/test_empty_pass_gradients.py, tests/dist/test_fsdp_moe.py);
+not yet on a GPU under torch 2.11 (docs/scale_out.md says what that leaves).
 
 Parameters left out (``ignored``): the expert-parallel trainer keeps each rank's routed-expert
 slices out of FSDP2 (``fully_shard``'s ``ignored_params``): they differ from rank to rank (FSDP2
@@ -29,11 +42,7 @@ and their gradients are reduced over other ranks than the replicated parameters'
 conversion and the mixed-precision cast (the optimizer keeps their fp32 masters), and no FSDP2
 collective reads them. Both trainers (``ep_trainer.py`` and ``trainer.py``) leave the frozen
 parameters out too (GLM's router correction bias: fp32 in a bf16 model, which the mixed-precision
-cast would round to bf16; replicated, with no gradient to reduce). Every parameter FSDP2 still manages in an MoE model (attention or Gated
-DeltaNet, router, shared expert, norms, embedding, lm_head) is reached by every token, so each
-rank's backward gives all of them a gradient: torch 2.11's FSDP2, which lacks
-``set_reduce_scatter_unused_params``, shards such a model too; only an MoE model whose experts
-FSDP2 would shard is refused there.
+cast would round to bf16; replicated, with no gradient to reduce).
 
 When parameters are gathered: one layer at a time. FSDP2's hooks fire around a module's forward
 method; the unified models run each decoder layer through ``model.run_layer(L, layer_fn, x)`` (the
@@ -81,8 +90,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from isoexec.model.ep_moe import is_expert_weight
-
 from .reduce_scatter import RankOrderReduceScatter
 
 # FSDP2 warns when a forward method returns a view (hidden_states ends in a reshape): an in-place
@@ -108,14 +115,6 @@ def compute_dtype(model: nn.Module, ignored=frozenset()) -> torch.dtype:
         raise ValueError(f"shard_model: the model's parameters have several dtypes {sorted(map(str, dtypes))}; "
                          "the trainer shards a model built in one dtype (fp32 or bf16)")
     return dtypes.pop()
-
-
-def _routed_experts_sharded(model: nn.Module, ignored) -> bool:
-    """Whether FSDP2 would manage a routed-expert weight of an MoE-family model (one some rank's
-    tokens may not reach)."""
-    if getattr(model, "family", "dense") not in ("mla_moe", "hybrid_moe"):
-        return False
-    return any(is_expert_weight(n) and p not in ignored for n, p in model.named_parameters())
 
 
 def _to_fp32(params: Iterable[nn.Parameter], ignored) -> None:
@@ -160,13 +159,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
         unit.set_force_sum_reduction_for_comms(True)
         unit.set_custom_reduce_scatter(RankOrderReduceScatter())
     if hasattr(model, "set_reduce_scatter_unused_params"):
+        # torch 2.13: zeros for a parameter without a gradient. Without it (torch 2.11) the models'
+        # own zero gradients keep the ranks' parameter lists equal (module docstring)
         model.set_reduce_scatter_unused_params(True)
-    elif _routed_experts_sharded(model, ignored):
-        # an expert no token of this rank routed to has no gradient here; without the switch the
-        # ranks would reduce-scatter different parameter lists (torch 2.11 lacks it; 2.13 has it)
-        raise ValueError(f"shard_model: the {model.family} family needs FSDP2's "
-                         f"set_reduce_scatter_unused_params (an expert may get no gradient on a rank), "
-                         f"which torch {torch.__version__} does not have")
 
     for layer in model.layers:
         layer.fsdp_run = types.MethodType(_layer_forward, layer)

@@ -131,7 +131,9 @@ class FSDPTrainer(Trainer):
 
     def _empty_pass(self, grad: bool) -> None:
         """A forward (and with ``grad`` a backward) of no token: it takes part in the collectives
-        of the model's layers and adds nothing to any gradient."""
+        of the model's layers and adds nothing to any gradient (its backward gives every parameter
+        zeros, the routed experts included, so it reduce-scatters what the others' passes do:
+        shard.py)."""
         case = "trainer_fwd" if grad else "trainer_score"
         ids = torch.zeros(0, dtype=torch.long, device=self.device)
         with torch.enable_grad() if grad else torch.no_grad():
