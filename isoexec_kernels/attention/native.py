@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._empty import no_token
+
 
 def _pad_rows(x: torch.Tensor, starts: list[int], lens: list[int], width: int) -> torch.Tensor:
     """[T, H, D] rows of B segments -> [B, width, H, D] zero padded (differentiable)."""
@@ -79,7 +81,10 @@ def _same_head_dim(q, k, v):
 def attention_native_varlen(q, k, v, cu_seqlens, max_seqlen: int, scale: float,
                             causal: bool = True) -> torch.Tensor:
     """Stock twin of ``varlen_attention``: FlashAttention-2 varlen on a GPU (module docstring),
-    padded SDPA elsewhere; differentiable either way."""
+    padded SDPA elsewhere; differentiable either way. No token (an FSDP2 rank's empty pass): no
+    kernel, an empty output that gives q, k and v zero gradients (``_empty.no_token``)."""
+    if q.shape[0] == 0:
+        return no_token((0, q.shape[1], v.shape[-1]), q.dtype, q, k, v)
     if _flash_varlen_usable(q, v):
         cu = cu_seqlens.to(torch.int32)
         n = max(int(max_seqlen), 1)
@@ -107,7 +112,10 @@ def attention_native_paged_prefill(q, k_cache, v_cache, block_table, cu_seqlens_
     """Stock twin of ``paged_prefill_attention``: gather every sequence's pages, pad the queries,
     one masked SDPA call (on a GPU in fp16/bf16: FlashAttention-2 varlen over the gathered pages,
     ``_flash_paged``). Vectorised on the device (no per-sequence loop, no host sync when
-    ``max_seqlen_q`` is given), so it is CUDA-graph capturable and a fair speed baseline."""
+    ``max_seqlen_q`` is given), so it is CUDA-graph capturable and a fair speed baseline. No new
+    token: an empty output, no kernel."""
+    if q.shape[0] == 0:
+        return q.new_zeros((0, q.shape[1], v_cache.shape[-1]))
     dev = q.device
     n_seq = block_table.shape[0]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._empty import no_token
+
 
 def _conv_silu(window: torch.Tensor, weight: torch.Tensor, keep: int) -> torch.Tensor:
     """window [1 or B, D, L] -> the last ``keep`` outputs of a valid depthwise conv, SiLU'd."""
@@ -16,6 +18,8 @@ def _conv_silu(window: torch.Tensor, weight: torch.Tensor, keep: int) -> torch.T
 
 def conv1d_native_varlen(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     D, W = weight.shape
+    if x.shape[0] == 0:   # no token (an FSDP2 rank's empty pass): x and the weight get zero gradients
+        return no_token(x.shape, x.dtype, x, weight)
     cu = [int(c) for c in cu_seqlens.tolist()]
     outs = []
     for s, e in zip(cu[:-1], cu[1:]):

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from .._empty import no_token
 from .._triton_util import jit, tl, want_triton
 from .chunk_form import chunk_form_backward, torch_chunk_form, torch_recurrence
 from .plan import HostPlan, _check, _host_lens, chunk_plan, engine_layout
@@ -194,7 +195,10 @@ def _varlen_triton(q, k, v, g, beta, cu_seqlens, chunk, kind):
 
 
 def _trainer(q, k, v, g, beta, cu_seqlens, chunk, kind):
-    _check(q, k, v, g, beta, f"gdn_{kind}_varlen")
+    T, _, _, H, Dv = _check(q, k, v, g, beta, f"gdn_{kind}_varlen")
+    if T == 0:   # no token (an FSDP2 rank's empty pass): no chunk to plan, zero gradients upstream
+        return no_token((0, H, Dv), torch.float64 if q.dtype == torch.float64 else torch.float32,
+                        q, k, v, g, beta)
     if want_triton(v):
         if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, g, beta)):
             return _TritonTrainerFn.apply(q, k, v, g, beta, cu_seqlens, chunk, kind)
@@ -222,6 +226,8 @@ def _engine(q, k, v, g, beta, cu_seqlens_q, slots, state: GDNState, chunk, kind,
     ``host``: the layout on the host (``plan.HostPlan``; else read back from the device)."""
     T, Hk, Dk, H, Dv = _check(q, k, v, g, beta, f"gdn_{kind}_engine")
     dev = v.device
+    if T == 0:   # no new token: no state changes
+        return torch.zeros(0, H, Dv, dtype=torch.float32, device=dev)
     starts, lens, slots_l, _ = engine_layout(host, cu_seqlens_q, slots, None, chunk, T, f"gdn_{kind}_engine")
     slots_t = slots.to(device=dev, dtype=torch.long)
     with torch.no_grad():

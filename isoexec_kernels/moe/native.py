@@ -88,7 +88,7 @@ def _route_native(x: torch.Tensor, router: torch.Tensor, correction_bias: torch.
     E = router.shape[0]
     logits = F.linear(x.type(torch.float32), router.type(torch.float32))
     scores = logits.sigmoid()
-    bias = correction_bias if correction_bias is not None else torch.zeros_like(scores[0])
+    bias = correction_bias if correction_bias is not None else scores.new_zeros(E)   # scores[0]: none without a token
     choice = scores + bias.float()
     group_scores = choice.view(-1, spec.n_group, E // spec.n_group).topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]

@@ -145,4 +145,4 @@ def _two_weight_rms_norm(x, weight, eps, zero_centred, weight2, heads1):
     first, _ = _ref_fwd(_rows(x[:, :heads1]), weight, eps, zero_centred)
     second, _ = _ref_fwd(_rows(x[:, heads1:]), weight2, eps, zero_centred)
     T = x.shape[0]
-    return torch.cat([first.reshape(T, heads1, H), second.reshape(T, -1, H)], dim=1)
+    return torch.cat([first.reshape(T, heads1, H), second.reshape(T, x.shape[1] - heads1, H)], dim=1)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._triton_util import jit, next_pow2, tl
@@ -40,7 +42,7 @@ def _rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.
     T = x.shape[0]
     D = x.shape[-1]
     R = cos_sin_cache.shape[1]
-    x3 = x.reshape(T, -1, D)
+    x3 = x.reshape(T, math.prod(x.shape[1:-1]), D)   # heads named: no -1, which a tensor of no token cannot infer
     if x3.stride(-1) != 1:
         x3 = x3.contiguous()
     NH = x3.shape[1]
