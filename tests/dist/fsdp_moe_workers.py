@@ -5,7 +5,11 @@ model is sharded, as torch 2.11 lacks it; the CPU torch has it).
 
 Models (``MODELS``): ``glm`` (``mla_moe_tiny``: 1 dense + 2 MoE layers, 8 experts, top-2 in
 groups) and ``qwen`` (``hybrid_moe_tiny``: 4 MoE layers, 8 experts, softmax top-2), under the
-``isoexec`` composition. One train call of one mini-batch of 4 sequences (``LENGTHS``), one AdamW
+``isoexec`` composition, and the same two as ``glm_native`` and ``qwen_native`` under the ``native``
+composition (``COMPOSITIONS``): the stock regions, the MLA and SDPA attention, the Gated DeltaNet
+chunk form and conv, transformers' router and grouped_mm experts, through an empty pass of each
+kind (before ``isoexec_kernels._empty.no_token`` the native attention and chunk form raised on it).
+One train call of one mini-batch of 4 sequences (``LENGTHS``), one AdamW
 update without clipping, micro-batches of at most ``BUDGET`` tokens: rank 0 takes sequences 0 and
 1 (6 + 5 tokens: two micro-batches), rank 1 sequences 2 and 3 (3 + 3: one), so rank 1 runs one
 empty training pass (no token) in lockstep with rank 0's second micro-batch, and one empty scoring
@@ -35,9 +39,10 @@ from isoexec.model import HybridMoeConfig, HybridMoeModel, MlaMoeConfig, MlaMoeM
 from isoexec.train import TrainBatch, TrainConfig, Trainer  # noqa: E402
 
 WORLD = 2
-COMPOSITION = "isoexec"
 MODELS = {"glm": ("mla_moe", "mla_moe_tiny", MlaMoeModel, MlaMoeConfig),
           "qwen": ("hybrid_moe", "hybrid_moe_tiny", HybridMoeModel, HybridMoeConfig)}
+MODELS.update({f"{name}_native": m for name, m in MODELS.items()})
+COMPOSITIONS = {name: "native" if name.endswith("_native") else "isoexec" for name in MODELS}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MODEL_SEED = 7
 LENGTHS = (6, 5, 3, 3)   # rank 0: [6], [5]; rank 1: [3, 3] and an empty pass
@@ -56,7 +61,9 @@ SWITCH = "set_reduce_scatter_unused_params"
 RUNS = (("glm", "fp32", True, False), ("glm", "fp32", False, False),
         ("qwen", "fp32", True, False), ("qwen", "fp32", False, False),
         ("glm", "bf16", True, False), ("glm", "bf16", False, False),
-        ("qwen", "fp32", False, True))
+        ("qwen", "fp32", False, True),
+        ("glm_native", "fp32", True, False), ("glm_native", "fp32", False, False),
+        ("qwen_native", "fp32", True, False), ("qwen_native", "fp32", False, False))
 
 
 def run_key(name, dt, switch, ckpt) -> str:
@@ -85,7 +92,7 @@ def make_job() -> dict:
     job = {"contracts": {}, "cfgs": {}}
     for name, (family, model, _, cfg_cls) in MODELS.items():
         job["cfgs"][name] = cfg_cls.from_hf(load_model_config(model)["hf_config"])
-        job["contracts"][name] = encode(build_contract(family, COMPOSITION, "cpu", model))
+        job["contracts"][name] = encode(build_contract(family, COMPOSITIONS[name], "cpu", model))
     return job
 
 

@@ -13,7 +13,11 @@ weights' gradients; a pass of no token: ``isoexec_kernels.moe.reference.no_rows`
   a parameter without a gradient), fp32 and bf16, mla_moe and hybrid_moe;
 - and bitwise those of the single-process ``Trainer`` whose micro-batches are the ranks' in the
   order the sharded run adds them (fsdp_workers.py's comparison, with an empty pass added);
-- with activation checkpointing the same weights again (the recompute runs the same regions)."""
+- with activation checkpointing the same weights again (the recompute runs the same regions);
+- all of the above under the native composition too (``glm_native``, ``qwen_native``, fp32): the
+  stock regions, rank 1's empty training and scoring passes included (before
+  ``isoexec_kernels._empty.no_token`` the world failed at the first: the stock attention raised on
+  a batch of no sequence)."""
 
 from __future__ import annotations
 
