@@ -8,7 +8,7 @@ one). A region whose stock kernel cannot run on no token (a padded SDPA over no 
 FlashAttention-2 varlen launch of batch 0, the chunk planning of the Gated DeltaNet kernels) returns
 :func:`no_token` instead: an empty tensor of the output's shape whose backward gives each input
 that asks for one a zero gradient of its own shape, so the parameters upstream of the region
-still get theirs (as ``isoexec_kernels.moe.reference.no_rows`` does for the experts region). No
+still get theirs (the experts region's ``moe.reference.no_rows`` is this with its inputs). No
 kernel runs, forward or backward. Used only on that early return: a batch with tokens never
 reaches it.
 """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ref
+from .._empty import no_token
 from ..activation.reference import silu_and_mul_reference
 from ..gemm.reference import grouped_linear_reference, linear_reference
 from .types import Dispatch, MoEWeights, ROUTER_SOFTMAX_TOPK, RouterSpec, Routing
@@ -125,28 +126,14 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, linear, 
     return linear(act(linear(x, gate_up)), down)
 
 
-class _NoRowsFn(torch.autograd.Function):
-    """The experts region's output when no row was dispatched, kept in the graph: its backward
-    gives x, gate_up and down zero gradients of their own shapes (module function ``no_rows``)."""
-
-    @staticmethod
-    def forward(ctx, x, gate_up, down):
-        ctx.like = [(t.shape, t.dtype, t.device) for t in (x, gate_up, down)]
-        return x.new_empty((0, x.shape[-1]))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(torch.zeros(shape, dtype=dtype, device=device) if need else None
-                     for (shape, dtype, device), need in zip(ctx.like, ctx.needs_input_grad))
-
-
 def no_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """The expert output rows [0, H] (x's dtype) of a dispatch with no row (a batch of no token),
     differentiable: the stacked weights get a zero gradient, not none, as they get zeros for every
     idle expert when some expert has rows. So a backward of no token gives every parameter of the
     layer a gradient, as a backward of tokens does: the FSDP2 trainer's lockstep empty passes rely
-    on it (isoexec/dist/fsdp/shard.py). Every experts region returns this for no rows."""
-    return _NoRowsFn.apply(x, gate_up, down)
+    on it (isoexec/dist/fsdp/shard.py). Every experts region returns this for no rows: the shared
+    ``_empty.no_token`` with the experts' inputs."""
+    return no_token((0, x.shape[-1]), x.dtype, x, gate_up, down)
 
 
 def experts_forward(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor,
