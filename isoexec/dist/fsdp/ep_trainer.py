@@ -128,20 +128,13 @@ class ExpertParallelTrainer(FSDPTrainer):
         return dict(self.gathered_parameters())
 
     def gathered_parameters(self) -> GatheredParameters:
-        """:meth:`full_parameters` read one parameter at a time (``GatheredParameters``)."""
-        free_params(self.model)
+        """:meth:`full_parameters` read one parameter at a time (``GatheredParameters``): the
+        FSDP2 trainer's, with each expert weight's slices gathered over the ep group instead."""
+        base = super().gathered_parameters()
         masters = self.optimizer.masters
-        params = dict(self.model.named_parameters())
         E = num_routed_experts(self.model.cfg)
-
-        def gather(name: str) -> torch.Tensor:
-            p = params[name].detach()
-            if name in masters:
-                return self._whole_experts(name)
-            return p.full_tensor() if hasattr(p, "full_tensor") else p.to(torch.float32, copy=True)  # frozen: whole
-
-        shapes = {n: (E, *masters[n].shape[1:]) if n in masters else tuple(p.shape) for n, p in params.items()}
-        return GatheredParameters(shapes, gather)
+        shapes = {n: (E, *masters[n].shape[1:]) if n in masters else base.shape_of(n) for n in base}
+        return GatheredParameters(shapes, lambda n: self._whole_experts(n) if n in masters else base[n])
 
     # --------------------------------------------------------------------------- checkpoints
     def _state(self) -> dict:
