@@ -132,6 +132,33 @@ def tile_for_m(M: int, dtype: torch.dtype = torch.bfloat16, N: int = 4096, K: in
     return cfg("tma", 128, 256, 8, 3)                    # 0.6B qkv/gate_up 0.93-1.01x
 
 
+WS_WALK_MIN_M_NARROW = 1025
+"""The least M the warp-specialised walk serves for N <= 2048 (at M 1024 the Triton walk's 64 x 128
+tiles were ahead)."""
+WS_WALK_MIN_M_WIDE = 1024
+"""The least M it serves for N > 2048 (the smallest M it was measured at)."""
+
+
+def ws_walk_for(M: int, N: int, K: int, leaves: int, dtype: torch.dtype, device: torch.device,
+                out_dtype: torch.dtype | None = None) -> dict | None:
+    """The warp-specialised Gluon K-leaf walk's launch (``gluon_ws_walk.linear_ws_walk_gluon``:
+    the Triton walk's bits, the leaf and the sum in registers, loads by a producer warp) for a
+    batch of M rows, or None where the Triton kernels serve it: several leaves, bf16 in and out,
+    an sm_90 GPU, rows of x, w and out of 16-byte multiples (TMA), and M past the bucket where
+    it was measured ahead of the Triton walk (``scripts/gluon_ws_walk_probe.py`` on the H100:
+    1.05-1.12x the Triton walk at M 2048 / 8192 on the 0.6B and 8B row-parallel shapes, 1.11-1.16x
+    for 8B at M 1024, but 0.79-0.83x for 0.6B at M 1024). Scheduling only, like
+    :func:`tile_for_m`: both walks give the same bits. The ring depth: 6 stages for N <= 2048,
+    5 above (the probe's best at M >= 2048)."""
+    if leaves <= 1 or dtype != torch.bfloat16 or out_dtype not in (None, dtype) or (K * 2) % 16 or (N * 2) % 16:
+        return None
+    if M < (WS_WALK_MIN_M_NARROW if N <= 2048 else WS_WALK_MIN_M_WIDE):
+        return None
+    from .gluon_ws_walk import gluon_ws_walk_supported
+
+    return dict(stages=6 if N <= 2048 else 5) if gluon_ws_walk_supported(device) else None
+
+
 def gemm_path(N: int, K: int, dtype: torch.dtype, device: torch.device, M: int = 1 << 20,
               leaves: int | None = None) -> str:
     """Which Triton kernel serves (M, N, K): the bucket's ``path`` from :func:`tile_for_m`
@@ -554,6 +581,14 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         # a wider output (fp32 logits from 16-bit inputs) would double the TMA epilogue's
         # shared-memory tile; the pointer kernel stores from registers (same K loop, same bits)
         path = "pointer"
+    ws = (ws_walk_for(M, N, K, leaves, x2.dtype, x2.device, out_dtype)
+          if impl is None and tile is None and precision is None else None)
+    if impl == "gluon_ws" or ws is not None:
+        # several K leaves at large M on sm_90: the warp-specialised walk (same bits)
+        from .gluon_ws_walk import linear_ws_walk_gluon
+
+        return linear_ws_walk_gluon(x2, w, leaves, bias=bias, residual=res,
+                                    **(ws or dict(dict(stages=6), **(tile or {}))))
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)
@@ -600,7 +635,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
             HAS_BIAS=has_bias, HAS_RES=res is not None, LEAVES=leaves, BLOCK=_SUM_BLOCK, num_warps=4,
         )
     else:
-        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer' or 'split')")
+        raise ValueError(f"linear_triton: unknown impl {impl!r} (expected 'tma', 'pointer', 'split' or 'gluon_ws')")
     return out
 
 
@@ -656,7 +691,9 @@ def linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   precision: str | None = None, out_dtype: torch.dtype | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of :func:`linear_reference` (api.py's docstring). ``impl`` forces
-    ``"tma"`` or ``"pointer"``; by default :func:`gemm_path` decides from (N, K) alone.
+    ``"tma"`` or ``"pointer"`` (or ``"gluon_ws"``, the warp-specialised Gluon walk on sm_90,
+    where ``tile`` may name its ``stages``); by default :func:`gemm_path` decides from (N, K)
+    alone, and :func:`ws_walk_for` sends several K leaves at large M on sm_90 to the Gluon walk.
     ``tile`` overrides entries of :func:`tile_for_m` (tuning and gates only: BLOCK_M, BLOCK_N,
     num_warps, num_stages, warp_specialize, flatten, programs_per_sm, tma_residual (the TMA
     kernel's own residual epilogue, a probe), K_TILE (:func:`k_tile_for`); BLOCK_K cannot be
