@@ -141,8 +141,11 @@ def test_skewed_routing_leaves_ranks_without_rows_and_a_rank_without_tokens(worl
 def test_negative_control_all_reduced_owner_partials_differ(single, worlds):
     """The stock combine (each rank sums its own experts' weighted rows, the partials added by
     all_reduce(SUM)) in the top-4 model, the whole batch on every rank: at EP = 2 and 4 the fp32
-    logprobs leave the one-process bits, so the comparisons above could fail; at EP = 1 there is
-    nothing to group and it equals one process."""
+    hidden states and logits leave the one-process bits, so the comparisons above could fail; at
+    EP = 1 there is nothing to group and it equals one process. The few target logprobs are
+    reported, not asserted: a log-softmax over logits a few ulps off may round back to the same
+    bits (seen on the CI machine: glm at EP = 4, 873 hidden and 9,418 logits differing, 0 of the
+    logprobs)."""
     counts = {}
     for fam in ew.FAMILIES:
         want = single[f"{fam}/top4/fp32"]
@@ -158,7 +161,7 @@ def test_negative_control_all_reduced_owner_partials_differ(single, worlds):
                 if ep == 1:
                     assert rep == {f: 0 for f in FIELDS}, (fam, members, rep)
                 else:
-                    assert rep["logprobs"] > 0 and rep["hidden"] > 0, (fam, members, rep)
+                    assert rep["hidden"] > 0 and rep["logits"] > 0, (fam, members, rep)
     print(f"\nstock all-reduce combine, top-4, fp32: differing of {sum(ew.SEQUENCES)} logprobs / "
           f"{sum(ew.SEQUENCES) * 64} hidden / {sum(ew.SEQUENCES) * 512} logits: {counts}")
 
