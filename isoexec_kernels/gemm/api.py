@@ -44,7 +44,10 @@ Rounding schedule (every output element, whatever M, the row's position or its n
     launch may take 2 or 4 blocks per ``tl.dot`` (the tile's ``K_TILE``, 16-bit inputs only):
     the tensor cores chain the dot's k16 steps into the accumulator in K order, so it is the
     same sequence of accumulations as one dot per block (identical bits on the H200 for every
-    tile, K tile and M swept; ``test_linear_cuda_k_tile_never_changes_bits``).
+    tile, K tile and M swept; ``test_linear_cuda_k_tile_never_changes_bits``). Several K
+    leaves in bf16 at large M on sm_90 run a third kernel with the same schedule, a
+    warp-specialised Gluon walk (``gluon_ws_walk.py``; ``triton_kernels.ws_walk_for`` picks it):
+    the same bits as the Triton walk (``tests/kernels/test_gemm_ws_walk.py``).
 
 Speed: see :func:`tile_for_m` (per-entry ratios to cuBLAS on an H200, CUDA-graph replay) and
 ``results/h200/bench/gemm.json``. Eager calls add ~20-60 us of Python/Triton launch overhead per
