@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import torch
 
+from .reference import BLOCK_K   # the schedule's K block: one TMA load and one wgmma chain a step
+
 try:  # pragma: no cover - depends on the machine
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -79,7 +81,6 @@ def _jit(fn=None, **kwargs):
 WG_ROWS = 64        # rows of the tile one MMA warpgroup owns (wgmma's M)
 CONSUMERS = 2       # MMA warpgroups: the tile is 128 x BLOCK_N
 BLOCK_N = 128       # a warpgroup's leaf and sum: 2 x 64 fp32 registers a thread
-BLOCK_K = 64        # the schedule's K block (reference.BLOCK_K): one TMA load and one wgmma chain
 GROUP_M = 8         # the Triton kernel's raster (scheduling only)
 SHARED_MEMORY_LIMIT = 232448   # bytes a block may opt in to on sm_90
 REGISTER_FILE = 65536          # 32-bit registers of an SM
