@@ -287,8 +287,8 @@ def _layouts():
             gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_N], gl.bfloat16))
 
 
-def _constexprs(leaves, stages, has_bias, has_res, num_programs):
-    return dict(CONSUMERS=CONSUMERS, STAGES=stages, GROUP=GROUP_M, NUM_PROGRAMS=num_programs, LEAVES=leaves,
+def _constexprs(leaves, stages, has_bias, has_res, num_programs, group_m=GROUP_M):
+    return dict(CONSUMERS=CONSUMERS, STAGES=stages, GROUP=group_m, NUM_PROGRAMS=num_programs, LEAVES=leaves,
                 HAS_BIAS=has_bias, HAS_RES=has_res, CONSUMER_REGS=register_budget()[1],
                 PRODUCER_REGS_=PRODUCER_REGS)
 
@@ -318,11 +318,12 @@ def compile_sm90(leaves: int, stages: int = 4, has_bias: bool = True, has_res: b
 
 def linear_ws_walk_gluon(x2: torch.Tensor, w: torch.Tensor, leaves: int, bias: torch.Tensor | None = None,
                          residual: torch.Tensor | None = None, stages: int = 4,
-                         num_programs: int | None = None) -> torch.Tensor:
+                         num_programs: int | None = None, group_m: int = GROUP_M) -> torch.Tensor:
     """``x2 @ w.T (+ bias) (+ residual)`` as [M, N] bf16 with ``leaves`` K leaves: the bits of
     ``linear(x2, w, bias, leaves=leaves, residual=residual)`` (module docstring). x2 [M, K] and
     w [N, K] bf16 with K * 2 and N * 2 multiples of 16 (TMA strides); bias [N]; residual [M, N].
-    ``stages`` operand buffers and ``num_programs`` (default one per SM): scheduling only."""
+    ``stages`` operand buffers, ``num_programs`` (default one per SM) and ``group_m`` (row tiles
+    a raster group walks before the next columns): scheduling only."""
     if not HAS_GLUON:
         raise RuntimeError("linear_ws_walk_gluon needs triton's Gluon (triton >= 3.6)")
     M, K = x2.shape
@@ -360,6 +361,6 @@ def linear_ws_walk_gluon(x2: torch.Tensor, w: torch.Tensor, leaves: int, bias: t
     _ws_walk_kernel[(num_programs, )](
         x_desc, w_desc, o_desc, r_desc, bias if bias is not None else out, M, N, K,
         num_warps=4, maxnreg=register_budget()[0],
-        **_constexprs(leaves, stages, bias is not None, residual is not None, num_programs),
+        **_constexprs(leaves, stages, bias is not None, residual is not None, num_programs, group_m),
     )
     return out
