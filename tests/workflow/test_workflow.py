@@ -85,6 +85,12 @@ def job_block(out: str, rule: str) -> str:
     return "\n".join(lines[:end])
 
 
+def refusal_line(r: subprocess.CompletedProcess, prefix: str) -> str:
+    """The line starting with ``prefix`` of a snakemake run that must have failed."""
+    assert r.returncode != 0, (r.stdout + r.stderr)[-3000:]
+    return next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith(prefix))
+
+
 def write_config(path: Path, text: str) -> Path:
     path.write_text(textwrap.dedent(text))
     return path
@@ -412,9 +418,7 @@ def test_arms_that_would_warm_up_differently_are_refused(wf):
             native: {composition: native, settings: {train: {lr: 1.0e-3}}}
             isoexec: {composition: isoexec}
         """)
-    r = snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad))
-    assert r.returncode != 0
-    line = next(ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith("config: the RL runs cannot start"))
+    line = refusal_line(snakemake(wf, "-n", "--cores", "1", "--configfile", str(bad)), "config: the RL runs cannot start")
     assert "rl.arms native vs isoexec differ in train.lr, which the supervised warm-up reads" in line, line
     assert "set them in rl.settings" in line
     ok = write_config(wf / "ok.yaml", """\

@@ -72,18 +72,30 @@ def _unknown_family(key: str, fam, families: list[str]) -> str:
     return f"config: {key}: {fam!r} is not a family (one of {', '.join(families)})"
 
 
+def _family_map(config: Mapping, section: str, key: str, what: str, example: str,
+                families: list[str]) -> tuple[Mapping | None, str | None]:
+    """``config[section][key]`` when it is a mapping of known families (else an error line);
+    (None, None) when it is not set."""
+    sec = config.get(section)
+    m = sec.get(key) if isinstance(sec, Mapping) else None
+    if m is None:
+        return None, None
+    name = f"{section}.{key}"
+    if not isinstance(m, Mapping):
+        return None, f"config: `{name}` must map a family to {what}, e.g. `{name}: {example}`, got {m!r}"
+    for fam in m:
+        if fam not in families:
+            return None, _unknown_family(name, fam, families)
+    return m, None
+
+
 def family_settings_error(config: Mapping, families: list[str]) -> str | None:
     """Why `rl.family_settings` is not usable (None: it is, or it is not set), one line."""
-    rl = config.get("rl")
-    fs = rl.get("family_settings") if isinstance(rl, Mapping) else None
+    fs, err = _family_map(config, "rl", "family_settings", "its RL settings overrides",
+                          "{mla_moe: {trainer_ep: 8}}", families)
     if fs is None:
-        return None
-    if not isinstance(fs, Mapping):
-        return (f"config: `rl.family_settings` must map a family to its RL settings overrides, e.g. "
-                f"`rl.family_settings: {{mla_moe: {{trainer_ep: 8}}}}`, got {fs!r}")
+        return err
     for fam, s in fs.items():
-        if fam not in families:
-            return _unknown_family("rl.family_settings", fam, families)
         if not isinstance(s, Mapping):
             return f"config: rl.family_settings.{fam} must be a mapping of RL settings, got {s!r}"
     return None
@@ -93,18 +105,13 @@ def gate_models_error(config: Mapping, families: list[str]) -> str | None:
     """Why `gates.models` is not usable (None: it is, or it is not set), one line: an unknown family, a
     value that is not a name or path, a model config that is not there or is of another family, or one
     with other layer dimensions than the family's `models` entry."""
-    gates = config.get("gates")
-    gm = gates.get("models") if isinstance(gates, Mapping) else None
+    gm, err = _family_map(config, "gates", "models", "a model config (a name in configs/models/ or a YAML path)",
+                          "{dense: dense_qwen3_8b_dims}", families)
     if gm is None:
-        return None
-    if not isinstance(gm, Mapping):
-        return (f"config: `gates.models` must map a family to a model config (a name in configs/models/ or a "
-                f"YAML path), e.g. `gates.models: {{dense: dense_qwen3_8b_dims}}`, got {gm!r}")
+        return err
     run_models = config.get("models") if isinstance(config.get("models"), Mapping) else {}
     for fam, name in gm.items():
         key = f"gates.models.{fam}"
-        if fam not in families:
-            return _unknown_family("gates.models", fam, families)
         if not isinstance(name, str) or not name:
             return f"config: {key} must be a model config name or YAML path, got {name!r}"
         gate = _load_model(name)
