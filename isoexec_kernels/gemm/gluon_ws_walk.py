@@ -42,8 +42,11 @@ Runs where Gluon imports and the device has compute capability (9, 0)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .._triton_util import num_sms
 from .reference import BLOCK_K   # the schedule's K block: one TMA load and one wgmma chain a step
 
 try:  # pragma: no cover - depends on the machine
@@ -271,13 +274,19 @@ def _ws_walk_kernel(x_desc, w_desc, o_desc, r_desc, bias_ptr, M, N, K,
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS_])
 
 
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) == (9, 0)
+
+
 def gluon_ws_walk_supported(device) -> bool:
     """Whether :func:`linear_ws_walk_gluon` can run on ``device``: Gluon imports and it is a CUDA
-    device of compute capability (9, 0) (wgmma and TMA, sm_90 only)."""
+    device of compute capability (9, 0) (wgmma and TMA, sm_90 only). Asked on every large
+    ``linear`` call: the capability is read once per device."""
     device = torch.device(device)
     if not HAS_GLUON or device.type != "cuda" or not torch.cuda.is_available():
         return False
-    return torch.cuda.get_device_capability(device) == (9, 0)
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _layouts():
@@ -357,7 +366,7 @@ def linear_ws_walk_gluon(x2: torch.Tensor, w: torch.Tensor, leaves: int, bias: t
     r_desc = o_desc if residual is None else \
         TensorDescriptor(residual, [M, N], [residual.stride(0), 1], [WG_ROWS, BLOCK_N], o_l)
     if num_programs is None:
-        num_programs = torch.cuda.get_device_properties(x2.device).multi_processor_count
+        num_programs = num_sms(x2.device)
     _ws_walk_kernel[(num_programs, )](
         x_desc, w_desc, o_desc, r_desc, bias if bias is not None else out, M, N, K,
         num_warps=4, maxnreg=register_budget()[0],

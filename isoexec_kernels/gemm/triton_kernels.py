@@ -588,7 +588,7 @@ def _triton_2d(x2, w, bias, impl=None, tile=None, leaves=None, precision=None, o
         from .gluon_ws_walk import linear_ws_walk_gluon
 
         return linear_ws_walk_gluon(x2, w, leaves, bias=bias, residual=res,
-                                    **(ws or dict(dict(stages=6), **(tile or {}))))
+                                    **(ws or {"stages": 6, **(tile or {})}))
     if path == "tma":
         x2 = _aligned_contiguous(x2)
         w = _aligned_contiguous(w)

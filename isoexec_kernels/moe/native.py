@@ -236,9 +236,8 @@ def moe_experts_native(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, d
 
 def _experts_loop(x: torch.Tensor, disp: Dispatch, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Fallback for unaligned operands: per expert with rows, F.linear, F.silu(gate) * up, F.linear
-    on its rows (the offsets read on the host). No row at all: ``reference.no_rows``."""
-    if disp.token.numel() == 0:
-        return no_rows(x, gate_up, down)
+    on its rows (the offsets read on the host). Called with rows only (no row at all:
+    :func:`moe_experts_native` returns ``reference.no_rows`` first)."""
     out = x.new_empty((disp.token.numel(), x.shape[-1]))
     offs = disp.offsets.tolist()
     for e in range(len(offs) - 1):
