@@ -12,15 +12,18 @@ path (FSDP2 trainer, collectives) on the same device, and compare:
 
 ``--out`` gets metrics.jsonl (the run's), profile.json (the step's stage times, the top tables and
 the process's threads: name, CPUs allowed, CPU seconds used, read from /proc before and after the
-profiled step, so a thread that spins or a main thread narrowed to few CPUs shows) and, with
+profiled step, so a thread that spins or a main thread narrowed to few CPUs shows; and Python's
+garbage collections during the step, whose pauses land inside whichever operator was running) and, with
 ``--trace``, the chrome trace of the profiled step.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -56,6 +59,25 @@ def _threads() -> list[dict]:
     return out
 
 
+class _GcClock:
+    """Python's garbage collections during a span: how many of each generation, and their seconds.
+    A collection stops the interpreter wherever it is, so its cost lands in whatever operator ran."""
+
+    def __init__(self):
+        self.count, self.seconds, self._t0 = [0, 0, 0], 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.seconds += time.perf_counter() - self._t0
+            self.count[info["generation"]] += 1
+
+    def report(self) -> dict:
+        return {"collections_by_generation": self.count, "seconds": round(self.seconds, 4),
+                "tracked_objects": len(gc.get_objects())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
@@ -75,11 +97,14 @@ def main() -> None:
         while run.step < cfg.steps - 1:
             run.run_step()
         threads_before = _threads()
+        gc_clock = _GcClock()
+        gc.callbacks.append(gc_clock)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=acts) as prof:
             line = run.run_step()
         run.metrics.close()
         threads_after = _threads()
+        gc.callbacks.remove(gc_clock)
         if run.rank == 0:
             stages = {k: round(v, 4) for k, v in line.items() if k.startswith("time_") and v is not None}
             res = {"distributed": run.distributed, "world_size": run.world, "step": line["step"],
@@ -89,12 +114,14 @@ def main() -> None:
                    "by_self_device": _top(prof, "self_device_time_total", args.top),
                    "pid": os.getpid(), "torch_threads": torch.get_num_threads(),
                    "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                   "os_cpus": os.cpu_count(), "threads_before_step": threads_before,
+                   "os_cpus": os.cpu_count(), "gc_during_step": gc_clock.report(),
+                   "threads_before_step": threads_before,
                    "threads_after_step": threads_after}
             (out / "profile.json").write_text(json.dumps(res, indent=1))
             if args.trace:
                 prof.export_chrome_trace(str(out / "trace.json"))
             print(f"==== {'torchrun world ' + str(run.world) if run.distributed else 'one process'}: {stages}")
+            print(f"==== garbage collection during the step: {res['gc_during_step']}")
             print(f"==== threads (CPU seconds in the profiled step; CPUs allowed of {os.cpu_count()})")
             before = {x["tid"]: x["cpu_s"] for x in threads_before}
             for x in threads_after:

@@ -42,6 +42,8 @@ def _run(tmp_path: Path, launcher: list[str], out: str) -> dict:
 def _check(res: dict, distributed: bool) -> None:
     assert res["distributed"] is distributed and res["world_size"] == 1 and res["step"] == 1
     assert res["stages_s"]["time_step_s"] > 0 and res["stages_s"]["time_training_s"] > 0
+    g = res["gc_during_step"]
+    assert len(g["collections_by_generation"]) == 3 and g["seconds"] >= 0 and g["tracked_objects"] > 1000
     for key in ("by_self_cpu", "by_cpu", "by_self_device"):
         assert len(res[key]) == 5 and all(r["calls"] > 0 for r in res[key])
     if Path("/proc/self/task").is_dir():   # Linux: every thread, the main one among them
