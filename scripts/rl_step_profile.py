@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 from torch.profiler import ProfilerActivity, profile
 
 from isoexec.rl import distributed as rl_dist
@@ -87,8 +88,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--trace", action="store_true")
     args = ap.parse_args()
-    d = json.loads(json.dumps(__import__("yaml").safe_load(open(args.config))))
-    d = dict(d.get("rl", d), composition=args.composition, steps=args.steps)
+    d = yaml.safe_load(Path(args.config).read_text())
+    d = dict(d.get("rl", d), composition=args.composition, steps=args.steps)   # a workflow-style file or bare settings
     cfg = RLConfig.from_dict(d)
     out = Path(args.out)
     joined = rl_dist.init_from_env(cfg.arch)
