@@ -22,6 +22,11 @@
 #            for each family:model of TP_GATE_RUNS (gates_<family>_tp<n>.tgz); TP_BENCH=1 then runs
 #            `isoexec bench tp_dist` under torchrun on them (tp_dist_tp<n>.json/.log);
 #            TP_GPUS=1 is the world-size-1 NCCL path on one GPU
+#   rl_profile  one RL step of RL_FAMILIES' first family (configs/h200.yaml rl settings, composition
+#            PROFILE_COMP, default isoexec; PROFILE_OVERRIDES: JSON over them, default no SFT warm-up)
+#            under torch.profiler, first under `torchrun --nproc_per_node=1` (the distributed path),
+#            then in one process (scripts/rl_step_profile.py: stage times, operator tables, threads,
+#            garbage collections; rl_profile.tgz)
 #   rl_gdn / all   both / everything
 # Everything lands under $OUT as a few tarballs (a device call returns at most 8 files). Usage on
 # the GPU machine (pass the commit: the copied tree's git metadata, if any, may be stale):
@@ -161,6 +166,28 @@ PY
       tail -4 "$WORK/rl_${fam}_$comp.log"
       tar -C "$WORK" --exclude=checkpoint.pt -czf "$OUT/runs.tgz" runs $(cd "$WORK" && ls rl_*.log)
     done
+  done
+fi
+if [ "$MODE" = rl_profile ]; then
+  fam=$(echo ${RL_FAMILIES:-dense} | cut -d" " -f1)
+  FAM=$fam python3 - <<'PY'
+import json, os
+import yaml
+c = yaml.safe_load(open("configs/h200.yaml"))
+fam = os.environ["FAM"]
+rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fam, model=c["models"][fam], arch="sm90")
+rl.update(json.loads(os.environ.get("PROFILE_OVERRIDES") or '{"warmup_sft_steps": 0}'))
+yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_profile_{fam}.yaml", "w"))
+PY
+  mkdir -p "$WORK/rl_profile"
+  for how in torchrun1 single; do
+    SECONDS=0
+    # the torchrun call needs the longer limit: torch.profiler builds its tables slowly there
+    timeout ${PROFILE_TIMEOUT:-250} $([ $how = torchrun1 ] && echo "torchrun --standalone --nproc_per_node=1" || echo python3) \
+      scripts/rl_step_profile.py --config /tmp/step2/rl_profile_$fam.yaml --composition ${PROFILE_COMP:-isoexec} \
+      --steps ${PROFILE_STEPS:-3} --out "$WORK/rl_profile/$how" > "$WORK/rl_profile/$how.log" 2>&1
+    echo "rl profile $fam $how rc=$? (${SECONDS}s)"; grep -A20 "^==== " "$WORK/rl_profile/$how.log" | grep -v "^  .*aten::" | head -24
+    tar -C "$WORK" -czf "$OUT/rl_profile.tgz" rl_profile
   done
 fi
 if [ "$MODE" = gdn ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
