@@ -38,6 +38,19 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 WORK=/tmp/step2
 mkdir -p "$WORK/gates" "$WORK/bench" "$OUT"
+write_rl_config() {
+  # configs/h200.yaml's rl settings for family $1 (no snakemake on the GPU machine), the JSON
+  # overrides $2 over them (may be empty), written as an `isoexec run` config to $3
+  FAM=$1 OVERRIDES=$2 DEST=$3 python3 - <<'PY'
+import json, os
+import yaml
+c = yaml.safe_load(open("configs/h200.yaml"))
+fam = os.environ["FAM"]
+rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fam, model=c["models"][fam], arch="sm90")
+rl.update(json.loads(os.environ["OVERRIDES"] or "{}"))
+yaml.safe_dump({"rl": rl}, open(os.environ["DEST"], "w"))
+PY
+}
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
@@ -147,15 +160,7 @@ if [ "$MODE" = rl ] || [ "$MODE" = rl_gdn ] || [ "$MODE" = all ]; then
   # DAPO runs, native vs IsoExec, with configs/h200.yaml's rl settings (no snakemake on the GPU
   # machine), for each family in RL_FAMILIES (default: dense)
   for fam in ${RL_FAMILIES:-dense}; do
-    FAM=$fam python3 - <<'PY'
-import json, os
-import yaml
-c = yaml.safe_load(open("configs/h200.yaml"))
-fam = os.environ["FAM"]
-rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fam, model=c["models"][fam], arch="sm90")
-rl.update(json.loads(os.environ.get("RL_OVERRIDES") or "{}"))   # e.g. a shorter run when device time is short
-yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_h200_{fam}.yaml", "w"))
-PY
+    write_rl_config $fam "${RL_OVERRIDES:-}" /tmp/step2/rl_h200_$fam.yaml   # e.g. a shorter run when device time is short
     for comp in ${RL_COMPS:-native isoexec}; do
       SECONDS=0
       # RL_NPROC=n: the run under `torchrun --nproc_per_node=n` (n = 1: the distributed code path,
@@ -170,15 +175,8 @@ PY
 fi
 if [ "$MODE" = rl_profile ]; then
   fam=$(echo ${RL_FAMILIES:-dense} | cut -d" " -f1)
-  FAM=$fam python3 - <<'PY'
-import json, os
-import yaml
-c = yaml.safe_load(open("configs/h200.yaml"))
-fam = os.environ["FAM"]
-rl = dict(c["rl"]["settings"], synthetic=c["rl"].get("synthetic", {}), family=fam, model=c["models"][fam], arch="sm90")
-rl.update(json.loads(os.environ.get("PROFILE_OVERRIDES") or '{"warmup_sft_steps": 0}'))
-yaml.safe_dump({"rl": rl}, open(f"/tmp/step2/rl_profile_{fam}.yaml", "w"))
-PY
+  overrides='{"warmup_sft_steps": 0}'; [ -z "${PROFILE_OVERRIDES:-}" ] || overrides=$PROFILE_OVERRIDES
+  write_rl_config $fam "$overrides" /tmp/step2/rl_profile_$fam.yaml
   mkdir -p "$WORK/rl_profile"
   for how in torchrun1 single; do
     SECONDS=0
