@@ -126,7 +126,9 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
                    f"{_gib(r.trainer_activations)}, engine {_gib(r.engine_activations)} GiB"
                    + (f"; FSDP2 units: root {_count(r.units.root)} (embedding, final norm, lm_head), largest layer"
                       f"{' without its routed experts' if r.experts else ''} {_count(r.units.layer)}: gathered "
-                      f"{_gib(r.units.gathered_bytes(s.dtype))}, gradient in flight "
+                      f"{_gib(r.units.gathered_bytes(s.dtype))}"
+                      f"{'' if r.units.reshard_after_forward else ' (every layer: reshard_after_forward false)'}"
+                      f", gradient in flight "
                       f"{_gib(r.units.grads_in_flight_bytes(s.dtype))} GiB" if r.units else "")
                    + (_expert_note(r) if r.experts else "")
                    + (f"; build: sharding the trainer {_gib(r.build_trainer)}, then the engine's model "
@@ -164,7 +166,9 @@ def assumptions(rows: list[PlanRow]) -> list[str]:
         "pool and the state slots come after both.",
         "FSDP2 (dp > 1, isoexec.dist.fsdp.shard): one unit per decoder layer plus the root; trainer weights are the "
         f"root and {GATHERED_LAYERS} layers gathered in the compute dtype (each layer is gathered for its forward "
-        "and again for its backward and freed after each; FSDP2 prefetches one more), gradients the fp32 shards "
+        "and again for its backward and freed after each; FSDP2 prefetches one more; with "
+        "train.reshard_after_forward false a layer stays gathered from its forward to its backward, so every "
+        "layer at the forward's end), gradients the fp32 shards "
         f"plus one unit's reduce-scatter ({REDUCE_BYTES} bytes per element: the fp32 input and the rank-order "
         "sum's receive buffer) while the root's compute-dtype gradient waits, or the root's own at the "
         "backward's end if larger.",

@@ -139,7 +139,7 @@ def plan_row(shape: RunShape, capacity_bytes: int) -> PlanRow:
             states[s] = int((params.trainable - experts.total) * getattr(pp, s)) + slice_bytes
     states["weights"] += params.frozen * FROZEN_BYTES          # fp32 in both models, no optimizer state
     states["engine"] += params.frozen * FROZEN_BYTES
-    units = fsdp_units(shape.family, cfg, shape.trainer_ep) if shape.dp > 1 else None
+    units = fsdp_units(shape.family, cfg, shape.trainer_ep, shape.reshard_after_forward) if shape.dp > 1 else None
     if units is not None:
         states["weights"] += units.gathered_bytes(shape.dtype)
         # FSDP2's reduce-scatter runs in the backward, the expert weights' after it: never at once

@@ -16,7 +16,9 @@ Read off what the trainer and the engine keep (not a rule of thumb):
     entry through its backward, and ``GATHERED_LAYERS`` layers: a layer is gathered for its
     forward and freed after it, gathered again for its backward and freed after it; FSDP2 gathers
     the layer before it during a layer's backward (its default backward prefetch), and on a GPU
-    may issue the next layer's all-gather while one computes, so two at a time;
+    may issue the next layer's all-gather while one computes, so two at a time. With
+    ``train.reshard_after_forward: false`` a layer stays gathered from its forward to its backward:
+    at the forward's end every layer is (``FsdpUnits.layers``);
   - gradients in flight, ``REDUCE_BYTES`` per element of the unit being reduced: its
     compute-dtype gradient is copied into the fp32 reduce-scatter input (b + 4), then that input
     and the receive buffer of the rank-order sum (``RankOrderReduceScatter``'s all_to_all) are
@@ -94,7 +96,7 @@ class BytesPerParam:
                     "adam": "two fp32 moments", "grads": f"p.grad ({self.dtype}) + the fp32 master gradient",
                     "engine": engine}
         return {"weights": f"no whole copy: the fp32 shards (next row) are the weights; per row, the root and "
-                           f"{GATHERED_LAYERS} layers gathered ({self.dtype})",
+                           f"{GATHERED_LAYERS} layers gathered ({self.dtype}; every layer with reshard_after_forward false)",
                 "master": f"the fp32 shards (4 / {self.dp})", "adam": f"two fp32 moments, sharded (8 / {self.dp})",
                 "grads": f"the fp32 sharded gradient (4 / {self.dp}); per row, one unit's gradient in flight",
                 "engine": engine}
@@ -136,19 +138,24 @@ def bytes_per_param(dtype: str, dp: int) -> BytesPerParam:
 @dataclass(frozen=True)
 class FsdpUnits:
     """Parameter elements of the FSDP2 units ``isoexec.dist.fsdp.shard_model`` makes of a model:
-    the root (every parameter outside ``model.layers``: embedding, final norm, an untied lm_head)
-    and the largest decoder layer."""
+    the root (every parameter outside ``model.layers``: embedding, final norm, an untied lm_head),
+    the largest decoder layer and all the layers together; and whether the layers are freed after
+    their forward (``TrainConfig.reshard_after_forward``)."""
 
     root: int
     layer: int
+    layers: int = 0
+    reshard_after_forward: bool = True
     #: elements the trainer's FSDP2 manages in each unit, in the order ``shard_model`` shards them
     #: (the layers in order, then the root), without what it leaves out (frozen parameters; the
     #: routed experts under the expert-parallel trainer): what building the trainer walks through
     order: tuple[int, ...] = ()
 
     def gathered_bytes(self, dtype: str) -> int:
-        """Trainer weights under FSDP2: the root and ``GATHERED_LAYERS`` layers in ``dtype``."""
-        return DTYPE_BYTES[dtype] * (self.root + GATHERED_LAYERS * self.layer)
+        """Trainer weights under FSDP2: the root and ``GATHERED_LAYERS`` layers in ``dtype``, or the
+        root and every layer when the layers stay gathered from their forward to their backward."""
+        held = GATHERED_LAYERS * self.layer if self.reshard_after_forward else self.layers
+        return DTYPE_BYTES[dtype] * (self.root + held)
 
     def grads_in_flight_bytes(self, dtype: str) -> int:
         """Gradients beyond the fp32 shards: a layer's reduce-scatter while the root's gradient
@@ -157,7 +164,7 @@ class FsdpUnits:
         return max(b * self.root + REDUCE_BYTES * self.layer, REDUCE_BYTES * self.root)
 
 
-def fsdp_units(family: str, cfg, trainer_ep: int = 1) -> FsdpUnits:
+def fsdp_units(family: str, cfg, trainer_ep: int = 1, reshard_after_forward: bool = True) -> FsdpUnits:
     """The units of ``family``'s model built from ``cfg``, counted on the ``meta`` device (no
     memory): the same modules ``shard_model`` shards, so a change to a layer changes the plan.
     With ``trainer_ep`` > 1 the parameters ``ExpertParallelTrainer`` leaves out of FSDP2 are not in
@@ -174,5 +181,7 @@ def fsdp_units(family: str, cfg, trainer_ep: int = 1) -> FsdpUnits:
 
     layers = {id(p) for p in model.layers.parameters()}
     root = [(n, p) for n, p in model.named_parameters() if id(p) not in layers]
-    return FsdpUnits(root=managed(root), layer=max(managed(L.named_parameters()) for L in model.layers),
+    per_layer = [managed(L.named_parameters()) for L in model.layers]
+    return FsdpUnits(root=managed(root), layer=max(per_layer), layers=sum(per_layer),
+                     reshard_after_forward=reshard_after_forward,
                      order=(*(sharded(L.named_parameters()) for L in model.layers), sharded(root)))

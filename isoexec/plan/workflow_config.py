@@ -75,6 +75,7 @@ class RunShape:
     micro_batch_budget: int         # TrainConfig.micro_batch_tokens
     longest_sequence: int           # max_prompt_tokens + max_response_tokens
     activation_checkpointing: bool = False   # TrainConfig.activation_checkpointing
+    reshard_after_forward: bool = True       # TrainConfig.reshard_after_forward (FSDP2, dp > 1)
     trainer_ep: int = 1             # the trainer's expert-parallel size (1: the experts sharded by FSDP2)
     gdn_chunk_form: bool = False    # the GDN core is a chunk-form impl (CPR version 4: larger state slots)
 
@@ -205,7 +206,8 @@ def read_workflow_config(path: str, schema_path: Path = WORKFLOW_SCHEMA) -> Work
                 max_num_batched_tokens=engine.max_num_batched_tokens,
                 micro_batch_budget=train.micro_batch_tokens,
                 longest_sequence=run.max_prompt_tokens + run.max_response_tokens,
-                activation_checkpointing=train.activation_checkpointing, trainer_ep=run.trainer_ep,
+                activation_checkpointing=train.activation_checkpointing,
+                reshard_after_forward=train.reshard_after_forward, trainer_ep=run.trainer_ep,
                 gdn_chunk_form=recurrent and contract_gdn_chunk_form(contract))
             key = shape.plan_key()
             rows[key] = replace(rows[key], arms=rows[key].arms + (arm,)) if key in rows else shape

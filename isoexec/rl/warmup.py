@@ -52,9 +52,12 @@ NOT_WARMUP_KEYS = ("composition", "contract", "checkpoint", "model", "dataset", 
                    "overlong_cache", "temperature", "top_p", "dynamic_sampling", "max_refill_rounds", "engine_tp",
                    "trainer_ep", "kv_cache_gib", "checkpoint_every", "live_check", "train", "engine", "wandb")
 #: activation_checkpointing is not read for the warm-up's bits: a checkpointed layer recomputes the
-#: same forward, so its gradients are bitwise those without (tests/train/test_activation_checkpointing.py).
+#: same forward, so its gradients are bitwise those without (tests/train/test_activation_checkpointing.py);
+#: nor reshard_after_forward: when FSDP2 frees a gathered layer changes no value
+#: (tests/dist/test_fsdp_per_layer.py).
 NOT_WARMUP_TRAIN_KEYS = ("loss", "clip_low", "clip_high", "kl_coef", "pi_old", "tis_threshold", "rs_kind",
-                         "rs_threshold", "clip_ratio_c", "lr_warmup_steps", "activation_checkpointing")
+                         "rs_threshold", "clip_ratio_c", "lr_warmup_steps", "activation_checkpointing",
+                         "reshard_after_forward")
 
 
 def resolved_dtype(cfg) -> str:

@@ -68,6 +68,12 @@ class TrainConfig:
     lr_warmup_steps: int = 0                   # linear LR warm-up over this many RL updates; 0: off
     seed: int = 0                              # SFT sub-batch sampling
     activation_checkpointing: bool = False     # recompute each layer in the backward (same bits, less memory)
+    # FSDP2 trainer only (one process gathers nothing): free each decoder layer's gathered
+    # parameters after its forward (True, the memory-frugal default: gathered again for its
+    # backward) or keep them until its backward (False: one gather per micro-batch instead of two,
+    # one per scoring pass instead of one per micro-batch, for the whole model's compute-dtype copy
+    # held on every rank). The same bits either way: a gather copies the same shards
+    reshard_after_forward: bool = True
 
     def __post_init__(self):
         def bad(name, why):
@@ -127,8 +133,9 @@ class TrainConfig:
         if self.loss in ("dapo", "grpo") and self.clip_ratio_c and self.clip_ratio_c <= 1 + self.clip_high:
             bad("clip_ratio_c", f"must exceed 1 + clip_high = {1 + self.clip_high} (it bounds the ratio for "
                                 "negative advantages above the ordinary clip); 0 or None: dual clip off")
-        if not isinstance(self.activation_checkpointing, bool):
-            bad("activation_checkpointing", "must be true or false")
+        for name in ("activation_checkpointing", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         for name in ("lr_warmup_steps", "seed"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):

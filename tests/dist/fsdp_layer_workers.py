@@ -7,7 +7,9 @@ call to learn every unit's gathered tensors (FSDP2 refills the same tensors at e
 the watch checks at each layer it sees), a second scoring call watched, then a training forward
 and backward of this rank's share of a step's sequences, watched, and the reduced gradients'
 presence. A run of config C (several micro-batches per rank) with activation checkpointing, made
-twice, for the run-to-run and the checkpointing comparisons.
+twice, for the run-to-run and the checkpointing comparisons. The same watch and run C again with
+``reshard_after_forward=False`` (layers kept gathered from their forward to their backward), with
+and without activation checkpointing.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ WORLD = 2
 # (family, dtype, activation checkpointing): the hybrid tiny model has four layers of two kinds;
 # bf16 gathers the compute-dtype copies FSDP2's mixed precision makes
 CASES = (("hybrid", "fp32", False), ("hybrid", "fp32", True), ("dense", "bf16", False))
+# (family, dtype) watched with ``reshard_after_forward=False``: each layer kept from its forward to
+# its backward
+KEPT_CASES = (("hybrid", "fp32"), ("dense", "bf16"))
 
 
 class _Probe(torch.autograd.Function):
@@ -100,11 +105,14 @@ class LayerWatch:
         return any(getattr(g, "_all_gather_result", None) is not None for g in groups)
 
 
-def _case(job, family, dtype_name, checkpointing) -> dict:
+def _case(job, family, dtype_name, checkpointing, reshard_after_forward=True) -> dict:
     from isoexec.dist.fsdp import FSDPTrainer, free_params
 
-    t = FSDPTrainer(fw.build_model(job, family, fw.DTYPES[dtype_name]),
-                    fw.config("A", activation_checkpointing=checkpointing))
+    # config C (one sequence's tokens per micro-batch) where the layers stay gathered: its scoring
+    # runs several micro-batches, the later ones on layers the first gathered
+    cfg = fw.config("A" if reshard_after_forward else "C", activation_checkpointing=checkpointing,
+                    reshard_after_forward=reshard_after_forward)
+    t = FSDPTrainer(fw.build_model(job, family, fw.DTYPES[dtype_name]), cfg)
     watch = LayerWatch(t.model)
     seqs, pls = fw.score_batch()
     t.score(seqs, pls)                       # learns every unit's gathered tensors
@@ -130,8 +138,11 @@ def _case(job, family, dtype_name, checkpointing) -> dict:
 
 def plan(job, ws, rank) -> dict:
     res = {f"{f}/{d}/{'ac' if c else 'plain'}": _case(job, f, d, c) for f, d, c in CASES}
+    res.update({f"kept/{f}/{d}": _case(job, f, d, False, reshard_after_forward=False) for f, d in KEPT_CASES})
     runs = {}
-    for name, ckpt in (("C", False), ("C_ac", True), ("C_ac_again", True)):
-        runs[name] = fw._fsdp_run(job, "hybrid", fw.config("C", activation_checkpointing=ckpt))
+    for name, ckpt, reshard in (("C", False, True), ("C_ac", True, True), ("C_ac_again", True, True),
+                                ("C_kept", False, False), ("C_ac_kept", True, False)):
+        runs[name] = fw._fsdp_run(job, "hybrid", fw.config("C", activation_checkpointing=ckpt,
+                                                           reshard_after_forward=reshard))
     res["runs"] = runs
     return res

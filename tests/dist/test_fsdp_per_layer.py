@@ -162,3 +162,83 @@ def test_activation_checkpointing_inside_the_layer_units_leaves_the_same_weights
         a, b = res["runs"]["C_ac"], res["runs"]["C"]
         assert _differing(a["params"], b["params"]) == 0, rank
         assert a["stats"] == b["stats"], rank
+
+
+# ------------------------------------------------------------- reshard_after_forward=False
+KEPT_KEYS = [f"kept/{f}/{d}" for f, d in lw.KEPT_CASES]
+
+
+@pytest.mark.parametrize("key", KEPT_KEYS)
+def test_kept_layers_stay_gathered_from_their_forward_to_their_backward(world, key):
+    """``reshard_after_forward=False``: at layer k's forward every layer before it is still
+    gathered; after the forward all are; in the backward layer k is gathered (no second gather:
+    it never left) while the layers behind it are freed with their unsharded gradients; after the
+    backward nothing is gathered and every shard holds its reduced gradient."""
+    for rank, res in enumerate(world):
+        r = res[key]
+        assert r["refilled"]
+        events = r["train_events"]
+        n = len([u for u in events[0]["gathered"] if u != "root"])
+        fwd = [e for e in events if e["phase"] == "forward"]
+        assert [e["layer"] for e in fwd] == list(range(n))
+        for e in fwd:
+            assert set(range(e["layer"] + 1)) <= _layers(e), f"{key} rank {rank}, forward of layer {e['layer']}"
+        after_fwd = next(e for e in events if e["phase"] == "after_forward")
+        assert _layers(after_fwd) == set(range(n)) and after_fwd["gathered"]["root"]
+        bwd = [e for e in events if e["phase"] == "backward"]
+        assert [e["layer"] for e in bwd] == list(reversed(range(n)))
+        for e in bwd:
+            k, what = e["layer"], f"{key} rank {rank}, backward of layer {e['layer']}"
+            assert _layers(e) == set(range(k + 1)), what
+            assert all(e["bytes"][j] == 0 and e["grad_bytes"][j] == 0 for j in range(k + 1, n)), what
+        end = events[-1]
+        assert end["phase"] == "after_backward" and not any(end["gathered"].values())
+        assert all(b == 0 for b in end["bytes"].values()) and all(b == 0 for b in end["grad_bytes"].values())
+        assert set(r["grads"].values()) == {"DTensor"}
+
+
+@pytest.mark.parametrize("key", KEPT_KEYS)
+def test_kept_layers_gather_once_per_scoring_pass_and_score_the_one_process_bits(world, job, key):
+    """Scoring in several micro-batches: the first micro-batch gathers the layers one by one and
+    keeps them, the later ones find every layer gathered; the logprobs are the single-process
+    Trainer's bits."""
+    _, family, dt = key.split("/")
+    model = fw.build_model(job, family, fw.DTYPES[dt])
+    seqs, pls = fw.score_batch()
+    want = fw.Trainer(model, fw.config("C")).score(seqs, pls)
+    for rank, res in enumerate(world):
+        r = res[key]
+        events = r["score_events"]
+        n = len([u for u in events[0]["gathered"] if u != "root"])
+        assert len(events) >= 2 * n, f"{key} rank {rank}: fewer than two scoring micro-batches"
+        for i, e in enumerate(events):
+            need = set(range(e["layer"] + 1)) if i < n else set(range(n))
+            assert need <= _layers(e), f"{key} rank {rank}, scoring event {i} (layer {e['layer']})"
+        assert sum(bit_report(g, w)["differing"] for g, w in zip(r["score"], want)) == 0, f"{key} rank {rank}"
+
+
+@pytest.mark.parametrize("key", KEPT_KEYS)
+def test_kept_layers_are_what_the_memory_plan_counts(world, job, key):
+    """With the layers kept the plan counts the root and every layer in the compute dtype; the
+    largest sum over the probes stays within it and, after the forward, reaches it."""
+    _, family, dt = key.split("/")
+    units = fsdp_units(family, job["cfgs"][family], reshard_after_forward=False)
+    planned = units.gathered_bytes({"fp32": "float32", "bf16": "bfloat16"}[dt])
+    freed = fsdp_units(family, job["cfgs"][family]).gathered_bytes({"fp32": "float32", "bf16": "bfloat16"}[dt])
+    assert planned >= freed and (planned > freed) == (units.layers > GATHERED_LAYERS * units.layer)
+    for rank, res in enumerate(world):
+        r = res[key]
+        peak = max(sum(r["unit_bytes"][u] for u, g in e["gathered"].items() if g)
+                   for e in r["train_events"] + r["score_events"])
+        assert peak == planned, f"{key} rank {rank}: {peak} bytes gathered, the plan counts {planned}"
+
+
+@pytest.mark.parametrize("ckpt", ["C_kept", "C_ac_kept"])
+def test_keeping_layers_gathered_leaves_the_same_weights(world, ckpt):
+    """Run C (two micro-batches per rank and mini-batch, gradient clipping) with the layers kept
+    from forward to backward, with and without activation checkpointing: the weights and
+    statistics of the run that frees them after the forward, bit for bit."""
+    for rank, res in enumerate(world):
+        a, b = res["runs"][ckpt], res["runs"]["C"]
+        assert _differing(a["params"], b["params"]) == 0, rank
+        assert a["stats"] == b["stats"], rank

@@ -63,6 +63,23 @@ def test_activation_checkpointing_is_read_from_the_train_settings_and_shrinks_th
     assert plan_row(ck, 1 << 40).trainer_activations < plan_row(plain, 1 << 40).trainer_activations
 
 
+def test_reshard_after_forward_false_is_read_per_family_and_grows_the_gathered_weights_by_every_layer(tmp_path):
+    """rl.family_settings.<family>.train.reshard_after_forward: false (merged into the train
+    settings) makes that family's FSDP2 row hold the root and every layer gathered, not two."""
+    from isoexec.plan.rows import plan_row
+    over = dict(gpus=2, families=["hybrid"], models={"hybrid": "hybrid_tiny"})
+    d = tiny(**over)
+    d["rl"]["settings"]["train"] = {"lr": 1e-4}
+    d["rl"]["family_settings"] = {"hybrid": {"train": {"reshard_after_forward": False}}}
+    kept = read_workflow_config(_write(tmp_path, d)).shapes[0]     # the hybrid arms' engines differ: two rows
+    freed = read_workflow_config(_write(tmp_path, tiny(**over), "freed.yaml")).shapes[0]
+    assert kept.arms == freed.arms and not kept.reshard_after_forward and freed.reshard_after_forward
+    k, f = plan_row(kept, 1 << 40), plan_row(freed, 1 << 40)
+    extra = (k.units.layers - 2 * k.units.layer) * 4      # fp32 on arch cpu; hybrid_tiny: four layers
+    assert extra > 0 and k.states["weights"] - f.states["weights"] == extra
+    assert k.units.gathered_bytes("float32") == 4 * (k.units.root + k.units.layers)
+
+
 def test_each_engine_is_sized_for_its_engine_groups_deal_of_the_prompts(tmp_path):
     """Prompts are dealt whole to the dp / engine_tp engine groups, so each engine holds the largest
     group's share, ceil(prompts / groups) x samples sequences, and pages for them: the plan reads

@@ -98,7 +98,8 @@ class ExpertParallelTrainer(FSDPTrainer):
         # frozen parameters stay out of FSDP2 too: replicated, no gradient, in their own dtype
         # (GLM's fp32 correction bias in a bf16 model; the mixed-precision cast would round it)
         frozen = [p for p in cut.parameters() if not p.requires_grad]
-        self.model, self.config = shard_model(cut, mesh, ignored=[p for _, p in experts] + frozen), config
+        self.model, self.config = shard_model(cut, mesh, ignored=[p for _, p in experts] + frozen,
+                                              reshard_after_forward=config.reshard_after_forward), config
         # the checkpoint runs inside each layer's FSDP2 unit (shard.py): the recompute in the
         # backward reads the layer gathered again, and runs its MoE exchanges again
         cut.activation_checkpointing = config.activation_checkpointing

@@ -63,6 +63,15 @@ layer gets a small forward method, ``fsdp_run(layer_fn, x) = layer_fn(x)``, regi
   the gradient of the layer's input is complete, the post-backward reduce-scatters the layer's
   gradients and frees the layer.
 
+With ``reshard_after_forward=False`` (``TrainConfig.reshard_after_forward``) the layer units
+stay gathered from their forward until their backward: the pre-backward gather finds the layer
+gathered and does nothing, the post-backward frees it as above; a forward without a graph
+(scoring) keeps every layer it passed until ``free_params``, so the scoring pass's later
+micro-batches gather nothing. One gather per layer and micro-batch instead of two, and one per
+scoring pass instead of one per micro-batch, for the whole model's compute-dtype copy held at the
+forward's end (``isoexec.plan`` counts it). The values gathered are the same shards' same casts,
+so nothing computed changes (tests/dist/test_fsdp_per_layer.py).
+
 The root unit (embedding, final norm, lm_head) is gathered at the entry of ``hidden_states`` (the
 root's registered forward method) and is not freed after the forward (``reshard_after_forward``
 False: lm_head runs after ``hidden_states`` returns, in ``token_logprobs``); the backward's end frees
@@ -126,10 +135,14 @@ def _to_fp32(params: Iterable[nn.Parameter], ignored) -> None:
                 p.data = p.data.to(torch.float32)
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = ()) -> nn.Module:
+def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Parameter] = (),
+                reshard_after_forward: bool = True) -> nn.Module:
     """Shard ``model`` in place over ``mesh`` (a 1-D ``dp`` mesh); returns it. ``ignored``:
-    parameters FSDP2 leaves alone (module docstring). See the module docstring for the units, the
-    precision and when parameters are gathered."""
+    parameters FSDP2 leaves alone; ``reshard_after_forward``: whether a layer is freed after its
+    forward or kept until its backward (module docstring). See the module docstring for the units,
+    the precision and when parameters are gathered."""
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"shard_model: reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     ignored = set(ignored)
     if isinstance(model, FSDPModule):
         raise ValueError("shard_model: the model is already sharded")
@@ -149,7 +162,7 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, ignored: Iterable[nn.Paramet
     # the model first held all of it whole in fp32 at once). The conversion is exact either way.
     for layer in model.layers:
         _to_fp32(layer.parameters(), ignored)
-        fully_shard(layer, reshard_after_forward=True, **kw)
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kw)
     # the root: every parameter outside the layers (those are fp32 shards by now); it stays
     # gathered after its forward: lm_head runs after hidden_states returns
     _to_fp32(model.parameters(), ignored)

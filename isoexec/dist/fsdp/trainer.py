@@ -96,7 +96,8 @@ class FSDPTrainer(Trainer):
         # which FSDP2's one compute dtype would refuse, or its mixed-precision cast round): replicated
         # on every rank in their own dtype, no gradient to reduce, as in the expert-parallel trainer
         frozen = [p for p in model.parameters() if not p.requires_grad]
-        self.model, self.config = shard_model(model, mesh, ignored=frozen), config
+        self.model, self.config = shard_model(model, mesh, ignored=frozen,
+                                              reshard_after_forward=config.reshard_after_forward), config
         # the checkpoint runs inside each layer's FSDP2 unit (shard.py): the recompute in the
         # backward reads the layer gathered again, the same bits
         model.activation_checkpointing = config.activation_checkpointing
