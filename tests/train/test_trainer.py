@@ -298,6 +298,8 @@ def test_sft_warm_up_reduces_nll(contract):
     (dict(rs_kind="k3"), "needs a threshold"),
     (dict(rs_threshold=0.1), "rs_kind is None"),
     (dict(seed="0"), "seed"),
+    (dict(reshard_after_forward="false"), "TrainConfig.reshard_after_forward = 'false': must be true or false"),
+    (dict(reshard_after_forward=0), "reshard_after_forward"),
 ])
 def test_bad_configs_raise_clear_errors(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -143,7 +143,10 @@ def test_each_familys_runs_get_its_settings_and_its_gates_their_model(tmp_path):
         s = json.loads((wf / run / "rl_config.json").read_text())
         fam = run.split("/")[3]
         assert s["engine_tp"] == 2 and s["steps"] == shared["steps"], run        # the arm's, and rl.settings'
-        assert s["train"] == {**shared["train"], **({"lr": 2.0e-6} if fam == "mla_moe" else {})}, run
+        own = cfg["rl"].get("family_settings", {}).get(fam, {}).get("train", {})   # the config's own per family
+        assert s["train"] == {**shared["train"], **own, **({"lr": 2.0e-6} if fam == "mla_moe" else {})}, run
+        # dense keeps its layers gathered from forward to backward, the MoE families do not
+        assert s["train"].get("reshard_after_forward", True) is (fam != "dense"), run
         assert s.get("trainer_ep", 1) == (8 if fam == "mla_moe" else 1), run
     for fam in ("dense", "mla_moe"):
         rec = json.loads((wf / f"res/h200x8/gate_runs/{fam}.json").read_text())
