@@ -67,9 +67,9 @@ def _install_spies(log: list, roots: list):
                                      if p not in ignored and _is_dtensor(p)) - log[-1]["shards"]
         return out
 
-    def shard_model(model, mesh, ignored=()):
+    def shard_model(model, mesh, ignored=(), **kw):
         roots.append(model)
-        return real_sm(model, mesh, ignored)
+        return real_sm(model, mesh, ignored, **kw)
 
     shard.fully_shard = fully_shard
     trainer.shard_model = ep_trainer.shard_model = shard_model
