@@ -51,6 +51,7 @@ from ..yamlio import check_schema
 from .advantages import GroupFiller, TooManyRounds, dynamic_sampling, group_advantages
 from .data import PromptStream, load_problems, problems_from_rows, synthetic_arithmetic
 from .metrics import MetricsWriter, logprob_diff_stats, summary_line
+from .result_gather import gather_results
 from .reward import reward
 from .tokenizer import CharTokenizer, HFTokenizer, prompt_for
 from . import distributed as rl_dist
@@ -577,9 +578,7 @@ class RLRun:
         idx = [i for i in range(len(prompts)) if owners[i] in mine]
         results = self.engine.generate([prompts[i] for i in idx], [params[i] for i in idx], request_ids=idx) \
             if idx else []
-        for r in results:
-            r.logprobs = r.logprobs.cpu()
-        parts = rl_dist.all_gather(results)
+        parts = gather_results(results)      # the logprobs reach every rank on the host, same bits
         # one copy per engine group (its first rank's), in group order: the single-process order
         return [r for part in parts[::self.cfg.engine_tp] for r in part], owners
 
