@@ -6,6 +6,8 @@ more than the values: 256 results of 64 tokens took about 27 ms a round on one C
 world size 1), and on a GPU each ``.cpu()`` is a separate device-to-host copy and wait. Here a
 rank concatenates its logprobs into one tensor, copies that to the host once and sends its bytes
 beside the plain Python fields (ids, request id, finish reason): about 5-9 ms for the same 256.
+Under torchrun on an H100 (NCCL, logprobs on the GPU as the engine returns them) a round of 256
+took 37.0 ms the old way and 2.6 ms packed (results/h100/dist/torchrun_gap_s34/).
 The fp32 bits travel as bytes, so the receiver's logprobs are bitwise the sender's
 (tests/rl/test_result_gather.py), as the live check and the trainer's comparison need.
 """
