@@ -95,14 +95,18 @@ def test_each_layer_is_freed_after_its_forward_and_gathered_again_for_its_backwa
         assert set(r["grads"].values()) == {"DTensor"}, "every shard holds its reduced gradient"
 
 
+def _one_process_scores(job, family: str, dt: str, config: str):
+    """The family's model and the single-process Trainer's scores of the scoring batch."""
+    model = fw.build_model(job, family, fw.DTYPES[dt])
+    return model, fw.Trainer(model, fw.config(config)).score(*fw.score_batch())
+
+
 @pytest.mark.parametrize("key", KEYS)
 def test_scoring_stays_bitwise_the_one_process_bits_with_per_layer_resharding(world, job, key):
     """Scoring (no graph) frees each layer after its forward too, and its logprobs and those of the
     training forward are the single-process Trainer's bits."""
     family, dt, _ = key.split("/")
-    model = fw.build_model(job, family, fw.DTYPES[dt])
-    seqs, pls = fw.score_batch()
-    want = fw.Trainer(model, fw.config("A")).score(seqs, pls)
+    model, want = _one_process_scores(job, family, dt, "A")
     for rank, res in enumerate(world):
         r = res[key]
         for e in r["score_events"]:
@@ -203,9 +207,7 @@ def test_kept_layers_gather_once_per_scoring_pass_and_score_the_one_process_bits
     keeps them, the later ones find every layer gathered; the logprobs are the single-process
     Trainer's bits."""
     _, family, dt = key.split("/")
-    model = fw.build_model(job, family, fw.DTYPES[dt])
-    seqs, pls = fw.score_batch()
-    want = fw.Trainer(model, fw.config("C")).score(seqs, pls)
+    _, want = _one_process_scores(job, family, dt, "C")
     for rank, res in enumerate(world):
         r = res[key]
         events = r["score_events"]
